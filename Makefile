@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tilework-installed
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# Only when no torch is importable: 2.13.0's CPU build lies on this machine's disk, while an
+	# unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tilework demo
+
+# pytest's exit code 5 ("no tests collected") is a failure too.
+test: $(STAMP)
+	$(PY) -m pytest; rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; \
+	[ $$rc -eq 0 ]
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

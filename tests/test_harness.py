@@ -1,0 +1,59 @@
+"""The spawn harness itself: results by rank, failures re-raised with rank and traceback, no hangs."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tilework.testing import RankFailed, spawn
+
+
+def _all_reduce_rank(rank, world_size):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_all_ranks_return(world_size):
+    expected = float(sum(range(world_size)))
+    assert spawn(_all_reduce_rank, world_size) == [expected] * world_size
+
+
+def _rank_one_fails(rank, world_size):
+    if rank == 1:
+        raise ValueError("deliberate failure on rank 1")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # never completes: rank 1 is gone; the harness must not wait for it
+
+
+def test_failing_rank_is_reported_not_hung():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as e:
+        spawn(_rank_one_fails, 2, timeout=60)
+    assert e.value.rank == 1
+    assert "deliberate failure on rank 1" in str(e.value) and "Traceback" in str(e.value)
+    assert time.monotonic() - start < 30
+
+
+def _sleeps(rank, world_size):
+    time.sleep(60)
+
+
+def test_timeout_kills_all_ranks():
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3 s"):
+        spawn(_sleeps, 2, timeout=3)
+
+
+def _crashes(rank, world_size):
+    import os
+
+    if rank == 0:
+        os._exit(7)
+    time.sleep(60)
+
+
+def test_rank_killed_without_reporting():
+    with pytest.raises(RankFailed, match="exited with code 7"):
+        spawn(_crashes, 2, timeout=30)

@@ -1,0 +1,12 @@
+"""tilework: train a single-device PyTorch program across processes and machines.
+
+    model, opt = tilework.parallelize(model, opt)   # inside a `tilework run` / torchrun process
+"""
+
+from .api import load_state_dict, parallelize, state_dict
+from .cluster import Cluster, Host, Link, Topology
+from .errors import UserError
+
+__version__ = "0.1.0"
+__all__ = ["parallelize", "state_dict", "load_state_dict", "Cluster", "Host", "Link", "Topology",
+           "UserError"]

@@ -1,0 +1,111 @@
+"""`tilework`: run, train, demo. User errors print one line and exit with code 2.
+
+    tilework run -n 2 train.py [args]          local workers with torchrun semantics
+    tilework run --hosts cluster.toml train.py on each host of the cluster file
+    tilework train job.toml [--resume]         a reference workload from a job file
+    tilework demo                              the embedded default job
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+
+from .errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own usage errors: one line, exit code 2
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tilework", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="start worker processes (torchrun semantics)")
+    where = run.add_mutually_exclusive_group(required=True)
+    where.add_argument("-n", "--nproc", type=int, help="local worker processes")
+    where.add_argument("--hosts", metavar="CLUSTER_TOML", help="cluster file: run this host's share")
+    run.add_argument("--host", help="this host's name in the cluster file (default: hostname)")
+    run.add_argument("--run-id", default="tilework", help="rendezvous id, the same on every host")
+    run.add_argument("--max-restarts", type=int, default=0, help="restart the group on failure")
+    run.add_argument("script", help="the training script")
+    run.add_argument("args", nargs=argparse.REMAINDER)
+
+    train = sub.add_parser("train", help="train a reference workload from a job file")
+    train.add_argument("job", help="job file (TOML)")
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+
+    demo = sub.add_parser("demo", help="the embedded default job (word LM on stdlib sources)")
+    demo.add_argument("--steps", type=int, help="override the number of steps")
+    demo.add_argument("--out-dir", help="where metrics and checkpoints go (default runs/demo)")
+    return p
+
+
+def _groups_from_env():
+    """Inside a torchrun/`tilework run` worker with more than one rank: join the world."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from .comm import build_groups, init_from_env
+
+    return build_groups(init_from_env())
+
+
+def _cmd_run(a) -> int:
+    from . import launch
+    from .cluster import Cluster
+
+    if not Path(a.script).is_file():
+        raise UserError(f"{a.script}: script not found")
+    if a.hosts:
+        spec = launch.cluster_spec(Cluster.load(a.hosts), a.host, a.run_id, a.max_restarts)
+    else:
+        spec = launch.local_spec(a.nproc, a.max_restarts)
+    return launch.run(spec, [a.script, *a.args])
+
+
+def _cmd_train(a) -> int:
+    from .train.job import Job
+    from .train.trainer import train
+
+    train(Job.load(a.job), groups=_groups_from_env(), resume=a.resume)
+    return 0
+
+
+def _cmd_demo(a) -> int:
+    import dataclasses
+
+    from . import config
+    from .train.job import Job
+    from .train.trainer import train
+
+    text = resources.files("tilework").joinpath("demo.toml").read_text()
+    job = config.from_dict(Job, config.tomllib.loads(text), source="demo.toml")
+    if a.steps is not None:
+        if a.steps < 1:
+            raise UserError(f"--steps: expected at least 1, got {a.steps}")
+        job.train = dataclasses.replace(job.train, steps=a.steps,
+                                        eval_every=min(job.train.eval_every, a.steps))
+    if a.out_dir:
+        job.train = dataclasses.replace(job.train, out_dir=a.out_dir)
+    result = train(job, groups=_groups_from_env())
+    first, last = result.evals[0]["ppl"], result.evals[-1]["ppl"]
+    print(f"perplexity: {first:,.1f} at step {result.evals[0]['step']} -> {last:,.1f} at step "
+          f"{result.evals[-1]['step']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        return {"run": _cmd_run, "train": _cmd_train, "demo": _cmd_demo}[args.command](args)
+    except UserError as e:
+        print(f"tilework: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("tilework: interrupted", file=sys.stderr)
+        return 130

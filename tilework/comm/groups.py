@@ -1,0 +1,105 @@
+"""Process groups: the world, each host's ranks (intra) and the same local rank across hosts (inter).
+
+Built once, then passed explicitly to whatever communicates; nothing below reads a global group.
+Every rank must call `build_groups` with the same topology, because `new_group` is collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..cluster import Topology
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The groups one rank belongs to. `intra` and `inter` are None where they would be trivial."""
+
+    world: dist.ProcessGroup
+    topology: Topology
+    rank: int
+    intra: dist.ProcessGroup | None
+    inter: dist.ProcessGroup | None
+    device: torch.device
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def host(self) -> int:
+        return self.topology.host_of(self.rank)
+
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank(self.rank)
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_from_env(timeout_s: float = 300.0) -> dist.ProcessGroup:
+    """Join the world that torchrun (or `tilework run`) described in the environment.
+
+    This is the one place the environment is read; everything else receives groups.
+    """
+    if not dist.is_initialized():
+        device = local_device()
+        dist.init_process_group(
+            backend=default_backend(device),
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return dist.group.WORLD
+
+
+def local_device() -> torch.device:
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def discover_topology(world: dist.ProcessGroup) -> Topology:
+    """Ask every rank which host it is on (torchrun's GROUP_RANK, else the hostname)."""
+    import socket
+
+    me = os.environ.get("GROUP_RANK") or socket.gethostname()
+    hosts: list[object] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(hosts, me, group=world)
+    return Topology.from_host_ids(hosts)
+
+
+def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | None = None) -> Groups:
+    """Create the intra- and inter-host groups for `topology` (discovered when not given)."""
+    world = world or dist.group.WORLD
+    topology = topology or discover_topology(world)
+    rank = dist.get_rank(world)
+    if topology.world_size != dist.get_world_size(world):
+        raise ValueError(
+            f"topology has {topology.world_size} ranks but the world has {dist.get_world_size(world)}"
+        )
+    backend = dist.get_backend(world)
+    intra = inter = None
+    if topology.num_hosts == 1:
+        intra = world if topology.world_size > 1 else None
+    elif all(len(h) == 1 for h in topology.hosts):
+        inter = world
+    else:
+        # new_group is collective over the world: every rank creates every group, in one order.
+        for ranks in topology.hosts:
+            g = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
+            if rank in ranks:
+                intra = g
+        for ranks in topology.inter_host_groups():
+            g = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
+            if rank in ranks:
+                inter = g
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return Groups(world=world, topology=topology, rank=rank, intra=intra, inter=inter, device=device)

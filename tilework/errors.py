@@ -1,0 +1,30 @@
+"""User-facing errors: things the user can fix (a file, a key, a flag), reported in one line.
+
+The CLI turns a `UserError` into that line on stderr and exit code 2, never a traceback. Anything
+else that escapes is a bug in tilework and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input: the message names the file/field and what was expected."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """A TOML file (job, cluster) or a value in it is wrong."""
+
+    def __init__(self, where: str, problem: str):
+        self.where = where
+        self.problem = problem
+        super().__init__(f"{where}: {problem}" if where else problem)
+
+
+class PlanError(UserError):
+    """A parallel plan cannot be applied to this model (names the parameter, and the ranks)."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, truncated, corrupted or from a different model."""

@@ -1,0 +1,7 @@
+"""Reference workloads: ordinary single-device `nn.Module`s that know nothing of parallelism."""
+
+from .cnn import SmallResNet
+from .lm import WordLM
+from .recommender import DLRM
+
+__all__ = ["WordLM", "SmallResNet", "DLRM"]

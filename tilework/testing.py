@@ -1,0 +1,92 @@
+"""Run a function on N real gloo ranks (separate processes) and collect what each returns.
+
+    results = spawn(fn, world_size=4, args=(x,))   # fn(rank, world_size, *args) in every rank
+
+The first rank to fail is re-raised here as `RankFailed` with its rank and traceback; the other
+ranks are killed at once, so a rank stuck in a collective its failed peer never joins cannot hang
+the caller. Every rank is killed after `timeout` seconds. Rendezvous goes through a TCPStore that
+this process owns on a port the OS picked, so concurrent runs never race for a port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailed(RuntimeError):
+    def __init__(self, rank: int, detail: str):
+        self.rank = rank
+        self.detail = detail
+        super().__init__(f"rank {rank} failed:\n{detail}")
+
+
+def _child(fn, rank, world_size, port, args, results, timeout):
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        out = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 60.0,
+          start_method: str = "forkserver") -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Fork from a single-threaded server that imported torch once: fast starts, and no child
+        # inherits a lock held by one of this process's threads (the store's, the queue's).
+        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    master = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                           wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, master.port, args, results, timeout),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in out and p.exitcode is not None and p.exitcode != 0:
+                        raise RankFailed(r, f"process exited with code {p.exitcode} "
+                                            "before reporting (killed or crashed)")
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in out]
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
+                continue
+            if status == "error":
+                raise RankFailed(rank, value)
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        del master
+    return [out[r] for r in range(world_size)]

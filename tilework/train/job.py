@@ -1,0 +1,140 @@
+"""The job file (`tilework train job.toml`): which workload, its data, the loop, the parallel plan.
+
+    workload = "lm"                  # lm | cnn | recommender
+    [lm]    corpus = "stdlib", vocab = 10000, seq_len = 32, ...
+    [data]  batch_size = 32, scaling = "strong", seed = 0
+    [train] steps = 200, optimizer = "adam", lr = 0.01, checkpoint_every = 50, out_dir = "runs/x"
+    [parallel] mode = "hybrid"
+
+Only the selected workload's table is read. Every key is checked; unknown keys are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .. import config
+from ..config import check
+
+
+@dataclass
+class LMJob:
+    corpus: Literal["stdlib", "zipf"] = "stdlib"
+    vocab: int = 10_000
+    embed_dim: int = 64
+    hidden: int = 128
+    layers: int = 1
+    seq_len: int = 32
+    num_sampled: int = 0          # > 0: sampled softmax with this many shared negatives
+    sparse: bool = True           # sparse embedding gradients (nn.Embedding(sparse=True))
+    zipf_tokens: int = 1_000_000  # corpus = "zipf": length of the synthetic stream
+    zipf_alpha: float = 1.1
+    holdout: float = 0.02         # fraction of the corpus kept for perplexity
+    eval_sequences: int = 256
+
+    def __post_init__(self):
+        check(self.vocab >= 2, "vocab", f"at least 2 words, got {self.vocab}")
+        for name in ("embed_dim", "hidden", "layers", "seq_len", "zipf_tokens", "eval_sequences"):
+            check(getattr(self, name) >= 1, name, f"at least 1, got {getattr(self, name)}")
+        check(self.num_sampled >= 0, "num_sampled", f">= 0, got {self.num_sampled}")
+        check(0 < self.holdout < 0.5, "holdout", f"a fraction in (0, 0.5), got {self.holdout}")
+        check(self.zipf_alpha > 0, "zipf_alpha", f"> 0, got {self.zipf_alpha}")
+
+
+@dataclass
+class CNNJob:
+    samples: int = 4096
+    num_classes: int = 10
+    image_size: int = 16
+    width: int = 16
+    blocks: int = 2
+
+    def __post_init__(self):
+        for name in ("samples", "image_size", "width", "blocks"):
+            check(getattr(self, name) >= 1, name, f"at least 1, got {getattr(self, name)}")
+        check(self.num_classes >= 2, "num_classes", f"at least 2, got {self.num_classes}")
+
+
+@dataclass
+class RecommenderJob:
+    samples: int = 65_536
+    table_sizes: list[int] = field(default_factory=lambda: [20_000, 5_000, 1_000])
+    dense_features: int = 8
+    embed_dim: int = 16
+    zipf_alpha: float = 1.1
+    sparse: bool = True
+
+    def __post_init__(self):
+        check(len(self.table_sizes) >= 1 and all(n >= 1 for n in self.table_sizes),
+              "table_sizes", f"a non-empty list of positive table sizes, got {self.table_sizes}")
+        for name in ("samples", "dense_features", "embed_dim"):
+            check(getattr(self, name) >= 1, name, f"at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class DataJob:
+    batch_size: int = 32          # global under strong scaling, per rank under weak scaling
+    scaling: Literal["strong", "weak"] = "strong"
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self):
+        check(self.batch_size >= 1, "batch_size", f"at least 1, got {self.batch_size}")
+
+
+@dataclass
+class TrainJob:
+    steps: int = 200
+    optimizer: Literal["sgd", "adagrad", "adam"] = "adam"
+    lr: float = 0.01
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0           # 0: evaluate at the start and the end only
+    checkpoint_every: int = 0     # 0: no periodic checkpoints
+    keep_checkpoints: int = 2
+    out_dir: str = "runs/job"     # checkpoints/ and metrics.jsonl go here
+
+    def __post_init__(self):
+        check(self.steps >= 1, "steps", f"at least 1, got {self.steps}")
+        check(self.lr > 0, "lr", f"a positive learning rate, got {self.lr}")
+        check(self.log_every >= 1, "log_every", f"at least 1, got {self.log_every}")
+        for name in ("eval_every", "checkpoint_every"):
+            check(getattr(self, name) >= 0, name, f">= 0, got {getattr(self, name)}")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints", f"at least 1, got {self.keep_checkpoints}")
+
+
+@dataclass
+class ParallelJob:
+    mode: Literal["hybrid", "allreduce", "ps"] = "hybrid"
+    sparse_reduce: Literal["mean", "sum"] = "mean"
+    local_aggregation: bool = True
+    bucket_mb: float = 25.0
+
+    def __post_init__(self):
+        check(self.bucket_mb > 0, "bucket_mb", f"a positive size in MB, got {self.bucket_mb}")
+
+
+@dataclass
+class Job:
+    workload: Literal["lm", "cnn", "recommender"] = "lm"
+    lm: LMJob = field(default_factory=LMJob)
+    cnn: CNNJob = field(default_factory=CNNJob)
+    recommender: RecommenderJob = field(default_factory=RecommenderJob)
+    data: DataJob = field(default_factory=DataJob)
+    train: TrainJob = field(default_factory=TrainJob)
+    parallel: ParallelJob = field(default_factory=ParallelJob)
+    cache_dir: str | None = None  # where the corpus cache lives; default ~/.cache/tilework
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Job":
+        return config.load(cls, path)
+
+    def fingerprint(self) -> dict:
+        """What a checkpoint must match to be resumed: the model and its data, not the loop."""
+        chosen = dataclasses.asdict(getattr(self, self.workload))
+        return {"workload": self.workload, **{f"{self.workload}.{k}": v for k, v in chosen.items()},
+                "data.batch_size": self.data.batch_size, "data.seed": self.data.seed,
+                "train.optimizer": self.train.optimizer}
