@@ -3,10 +3,10 @@
     model, opt = tilework.parallelize(model, opt)   # inside a `tilework run` / torchrun process
 """
 
-from .api import load_state_dict, parallelize, state_dict
+from .api import load, load_state_dict, parallelize, save, state_dict, stats
 from .cluster import Cluster, Host, Link, Topology
 from .errors import UserError
 
 __version__ = "0.1.0"
-__all__ = ["parallelize", "state_dict", "load_state_dict", "Cluster", "Host", "Link", "Topology",
+__all__ = ["parallelize", "stats", "save", "load", "state_dict", "load_state_dict", "Cluster", "Host", "Link", "Topology",
            "UserError"]

@@ -1,25 +1,119 @@
-"""The user-facing entry points: parallelize, state_dict / load_state_dict, save / load."""
+"""The user-facing entry points: parallelize, stats, state_dict / load_state_dict, save / load."""
 
 from __future__ import annotations
 
-from typing import Any
+import io
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .analysis import analyze
+from .comm.groups import Groups, build_groups, init_from_env
+from .errors import CheckpointError, PlanError
+from .plan import Method, Plan, RowMap
+from .planner import make_plan
 
 
-def state_dict(model, opt) -> dict[str, Any]:
-    """Model and optimizer state, world-size independent (sharded tables are gathered)."""
+def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, *, groups: Groups | None = None,
+                mode: Literal["hybrid", "allreduce", "ps"] = "hybrid",
+                sparse_reduce: Literal["mean", "sum"] = "mean", local_aggregation: bool = True,
+                bucket_mb: float = 25.0, overrides: dict[str, Method] | None = None,
+                partitions: int | dict[str, int] | None = None, row_map: RowMap = "contiguous",
+                density: dict[str, float] | None = None, plan: Plan | None = None,
+                log: bool = True):
+    """Make `model` and `optimizer` train data-parallel; returns the same two objects.
+
+    Dense parameters are all-reduced; sparse tables go to the parameter server (hybrid, the
+    default). `groups` defaults to the world torchrun describes (one process: no group at all).
+    `overrides` forces a method per parameter name; `partitions` sets server partitions (one per
+    rank by default); `density` gives measured touched-row fractions of dense-layout tables.
+    """
+    if groups is None:
+        import os
+
+        groups = build_groups(init_from_env()) if int(os.environ.get("WORLD_SIZE", "1")) > 1 \
+            else build_groups()
+    if getattr(model, "_tilework_engine", None) is not None:
+        raise PlanError("this model is already parallelized")
+    if plan is None:
+        plan = make_plan(analyze(model, density), groups.world_size, mode, overrides, partitions,
+                         row_map, sparse_reduce, local_aggregation, int(bucket_mb * 2**20))
+    if plan.world_size != groups.world_size:
+        raise PlanError(f"plan is for {plan.world_size} ranks, the world has {groups.world_size}")
+    from .sync.engine import Engine
+
+    Engine(model, optimizer, groups, plan)
+    if log and groups.rank == 0:
+        print_plan(plan)
+    return model, optimizer
+
+
+def print_plan(plan: Plan, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tilework plan: mode={plan.mode}, {plan.world_size} ranks, "
+                        f"sparse_reduce={plan.sparse_reduce}, "
+                        f"local_aggregation={plan.local_aggregation}")
+    for col in ("parameter", "shape", "method", "partitions", "why"):
+        table.add_column(col)
+    for row in plan.table():
+        table.add_row(*row)
+    (console or Console()).print(table)
+
+
+def _engine(model):
+    engine = getattr(model, "_tilework_engine", None)
+    if engine is None:
+        raise PlanError("this model was not parallelized by tilework.parallelize")
+    return engine
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """Bytes this rank sent and received, per method: in total and in the last step."""
+    return _engine(model).stats_dict()
+
+
+def state_dict(model, optimizer) -> dict[str, Any]:
+    """World-size-independent state in single-device layout (tables complete on rank 0 only)."""
     engine = getattr(model, "_tilework_engine", None)
     if engine is not None:
         return engine.state_dict()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
 
-def load_state_dict(model, opt, state: dict[str, Any]) -> None:
+def load_state_dict(model, optimizer, state: dict[str, Any]) -> None:
     engine = getattr(model, "_tilework_engine", None)
     if engine is not None:
         return engine.load_state_dict(state)
     model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    optimizer.load_state_dict(state["optimizer"])
 
 
-def parallelize(model, opt, groups=None, **options):
-    raise NotImplementedError("the sparsity-aware engine arrives with the Parallax-core issue")
+def save(path: str | Path, model, optimizer) -> None:
+    """Write a checkpoint atomically (every rank calls it; rank 0 writes)."""
+    from .train.checkpoint import atomic_write_bytes
+
+    state = state_dict(model, optimizer)
+    engine = getattr(model, "_tilework_engine", None)
+    if engine is None or engine.groups.rank == 0:
+        buffer = io.BytesIO()
+        torch.save({"format": "tilework-state", "state": state}, buffer)
+        atomic_write_bytes(Path(path), buffer.getvalue())
+    if engine is not None and engine.groups.world_size > 1:
+        torch.distributed.barrier(group=engine.groups.world)
+
+
+def load(path: str | Path, model, optimizer) -> None:
+    path = Path(path)
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: checkpoint file not found") from None
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path}: not a readable checkpoint: {type(e).__name__}") from None
+    if not isinstance(blob, dict) or blob.get("format") != "tilework-state":
+        raise CheckpointError(f"{path}: not a tilework state file")
+    load_state_dict(model, optimizer, blob["state"])

@@ -11,6 +11,7 @@ this process owns on a port the OS picked, so concurrent runs never race for a p
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -39,7 +40,11 @@ def _child(fn, rank, world_size, port, args, results, timeout):
                                 timeout=datetime.timedelta(seconds=timeout))
         out = fn(rank, world_size, *args)
         dist.destroy_process_group()
-        results.put((rank, "ok", out))
+        # As bytes: a tensor put on the queue directly travels as a shared-memory handle that
+        # dies with this process.
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
 
@@ -81,7 +86,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: fl
                 continue
             if status == "error":
                 raise RankFailed(rank, value)
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             if p.is_alive():

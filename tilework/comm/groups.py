@@ -76,8 +76,18 @@ def discover_topology(world: dist.ProcessGroup) -> Topology:
     return Topology.from_host_ids(hosts)
 
 
+def solo() -> Groups:
+    """A world of one process, with no process group at all (every collective short-circuits)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    return Groups(world=None, topology=Topology.from_sizes([1]), rank=0, intra=None, inter=None,
+                  device=device)
+
+
 def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | None = None) -> Groups:
     """Create the intra- and inter-host groups for `topology` (discovered when not given)."""
+    if world is None and not dist.is_initialized():
+        return solo()
     world = world or dist.group.WORLD
     topology = topology or discover_topology(world)
     rank = dist.get_rank(world)

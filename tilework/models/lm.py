@@ -53,11 +53,18 @@ class WordLM(nn.Module):
         if negatives is None:
             logits = h @ self.softmax_weight.weight.t() + self.softmax_bias.weight.t()
             return F.cross_entropy(logits, flat)
-        candidates, target_index = torch.unique(torch.cat([flat, negatives]), return_inverse=True)
-        target_index = target_index[: flat.numel()]
-        logits = h @ self.softmax_weight(candidates).t() + self.softmax_bias(candidates).t()
-        logits = logits - log_uniform_log_prob(candidates, self.vocab)
-        return F.cross_entropy(logits, target_index)
+        # Each position scores its own target against the shared negatives (TensorFlow's
+        # sampled_softmax_loss with accidental hits removed): the loss of a sample does not depend
+        # on which other samples share its batch, so a data-parallel step equals a one-process one.
+        ids, inverse = torch.unique(torch.cat([flat, negatives]), return_inverse=True)
+        weight, bias = self.softmax_weight(ids), self.softmax_bias(ids).squeeze(1)
+        log_q = log_uniform_log_prob(ids, self.vocab)
+        t, n = inverse[: flat.numel()], inverse[flat.numel():]
+        true_logit = (h * weight[t]).sum(1) + bias[t] - log_q[t]
+        sampled = h @ weight[n].t() + bias[n] - log_q[n]
+        sampled = sampled.masked_fill(negatives[None, :] == flat[:, None], float("-inf"))
+        logits = torch.cat([true_logit[:, None], sampled], dim=1)
+        return F.cross_entropy(logits, torch.zeros_like(flat))
 
     @torch.no_grad()
     def perplexity(self, tokens: torch.Tensor, targets: torch.Tensor, chunk: int = 4096) -> float:

@@ -1,0 +1,73 @@
+"""Inspect a model: each parameter's size, and whether its gradient is sparse (touches few rows).
+
+Pure: reads module types and shapes only (works on the meta device). A gradient is sparse when
+PyTorch makes it a sparse tensor (`nn.Embedding(sparse=True)`, `nn.EmbeddingBag(sparse=True)`);
+a table with a dense-layout gradient is "embedding-like" and its touched-row fraction can be
+measured (`row_density`) and given to the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+Kind = Literal["sparse", "embedding", "dense"]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: Kind                 # sparse gradient / embedding with dense-layout gradient / dense
+    density: float | None = None  # measured touched-row fraction, where known
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // max(1, self.shape[0])
+
+    @property
+    def is_table(self) -> bool:
+        return self.kind in ("sparse", "embedding")
+
+
+def embedding_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Parameter name -> the Embedding/EmbeddingBag that owns it."""
+    return {f"{m_name}.weight" if m_name else "weight": m for m_name, m in model.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+
+
+def analyze(model: nn.Module, density: dict[str, float] | None = None) -> list[ParamInfo]:
+    tables = embedding_modules(model)
+    density = density or {}
+    infos = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        module = tables.get(name)
+        kind: Kind = "dense" if module is None else ("sparse" if module.sparse else "embedding")
+        infos.append(ParamInfo(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), kind,
+                               density.get(name)))
+    return infos
+
+
+def row_density(grad: torch.Tensor) -> float:
+    """Fraction of a table's rows that a gradient touches."""
+    rows = grad.shape[0]
+    if grad.is_sparse:
+        return grad.coalesce().indices()[0].unique().numel() / rows
+    return (grad.reshape(rows, -1) != 0).any(dim=1).sum().item() / rows

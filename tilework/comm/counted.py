@@ -1,0 +1,110 @@
+"""Collectives that count what they move. Every byte the engine sends goes through here.
+
+Counted per method ("allreduce", "ps", "setup", ...) as bytes sent and received by this rank:
+all-to-all counts exactly the payload that leaves for (or arrives from) other ranks; all-reduce
+counts what a ring all-reduce sends, 2(n-1)/n of the buffer, the figure the cost model uses too.
+Each function short-circuits on a one-rank group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Traffic:
+    sent: int = 0
+    received: int = 0
+    calls: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+        self.calls += 1
+
+
+@dataclass
+class Stats:
+    """Bytes by method: in total, and for the current step (reset by `end_step`)."""
+
+    total: dict[str, Traffic] = field(default_factory=lambda: defaultdict(Traffic))
+    step: dict[str, Traffic] = field(default_factory=lambda: defaultdict(Traffic))
+    last_step: dict[str, Traffic] = field(default_factory=dict)
+    steps: int = 0
+
+    def record(self, method: str, sent: int, received: int) -> None:
+        self.total[method].add(sent, received)
+        self.step[method].add(sent, received)
+
+    def end_step(self) -> None:
+        self.last_step = dict(self.step)
+        self.step = defaultdict(Traffic)
+        self.steps += 1
+
+    def as_dict(self) -> dict:
+        def plain(d):
+            return {k: vars(v).copy() for k, v in sorted(d.items())}
+
+        return {"steps": self.steps, "total": plain(self.total), "last_step": plain(self.last_step)}
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def ring_allreduce_bytes(nbytes: int, n: int) -> int:
+    """What each rank sends (and receives) in a ring all-reduce of `nbytes`."""
+    return 0 if n <= 1 else 2 * (n - 1) * nbytes // n
+
+
+def all_reduce_async(tensor: torch.Tensor, group, stats: Stats, method: str):
+    """Sum `tensor` in place over `group`; returns a Work handle (None on one rank)."""
+    n = group_size(group)
+    if n == 1:
+        return None
+    wire = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), n)
+    stats.record(method, wire, wire)
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group, stats: Stats, method: str) -> None:
+    n = group_size(group)
+    if n == 1:
+        return
+    nbytes = tensor.numel() * tensor.element_size()
+    me = dist.get_rank(group)
+    stats.record(method, nbytes * (n - 1) if me == src else 0, 0 if me == src else nbytes)
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str) -> list[torch.Tensor]:
+    """Send chunks[j] to group rank j; return what each group rank sent here, in rank order.
+
+    Chunks may differ in length (first dimension) but share the trailing shape and dtype. The
+    lengths go first in a small all-to-all of int64 counts (counted too: it is real traffic).
+    """
+    n = group_size(group)
+    if n == 1:
+        return [chunks[0]]
+    me = dist.get_rank(group)
+    trailing = chunks[0].shape[1:]
+    row = int(torch.tensor(trailing).prod().item()) if len(trailing) else 1
+    device = chunks[0].device
+    send_counts = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64, device=device)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    count_bytes = 8 * (n - 1)
+    stats.record(method, count_bytes, count_bytes)
+    send = torch.cat([c.reshape(-1) for c in chunks])
+    recv_sizes = [int(c) * row for c in recv_counts.tolist()]
+    recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=device)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
+                           input_split_sizes=[c.numel() for c in chunks], group=group)
+    item = send.element_size()
+    stats.record(method, item * (send.numel() - chunks[me].numel()),
+                 item * (recv.numel() - recv_sizes[me]))
+    return [part.reshape(-1, *trailing) for part in torch.split(recv, recv_sizes)]

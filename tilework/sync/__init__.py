@@ -1,0 +1,1 @@
+"""Synchronisation: dense all-reduce buckets, the sparse parameter server, and the engine."""

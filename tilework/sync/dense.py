@@ -1,0 +1,107 @@
+"""Dense synchronisation: gradients packed into buckets, each all-reduced as soon as it is full.
+
+Buckets hold parameters in reverse registration order (roughly the order backward produces their
+gradients). A post-accumulate-grad hook marks a parameter ready; once every parameter of the next
+bucket is ready, its gradients are copied into one flat buffer and an asynchronous all-reduce is
+launched, overlapping with the rest of backward. `finish()` (before the optimizer step) launches
+the buckets still waiting, with zeros for parameters that got no gradient on this rank, waits for
+all and writes the averaged gradients back. Buckets launch strictly in index order on every rank,
+so ranks whose graphs differ still issue the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..comm.counted import Stats, all_reduce_async
+
+
+class _Bucket:
+    def __init__(self, params: list[tuple[str, nn.Parameter]]):
+        self.params = params
+        self.numel = sum(p.numel() for _, p in params)
+        self.ready: set[int] = set()
+        self.buffer: torch.Tensor | None = None
+        self.work = None
+
+
+class DenseSync:
+    def __init__(self, params: list[tuple[str, nn.Parameter]], group, world_size: int,
+                 stats: Stats, bucket_bytes: int):
+        self.group, self.world_size, self.stats = group, world_size, stats
+        self.buckets: list[_Bucket] = []
+        current: list[tuple[str, nn.Parameter]] = []
+        size = 0
+        for name, p in reversed(params):
+            current.append((name, p))
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        self.where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
+                      for i, (_, p) in enumerate(bucket.params)}
+        self.next_bucket = 0
+        self.sync_enabled = True
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in params]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (gradient accumulation); the next synced backward and
+        step all-reduce the sum."""
+        before, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = before
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.sync_enabled or self.world_size == 1:
+            return
+        b, i = self.where[id(p)]
+        self.buckets[b].ready.add(i)
+        while (self.next_bucket < len(self.buckets)
+               and len(self.buckets[self.next_bucket].ready) == len(self.buckets[self.next_bucket].params)):
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        chunks = []
+        for _, p in bucket.params:
+            g = p.grad
+            if g is None:
+                chunks.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+            else:
+                chunks.append((g.to_dense() if g.is_sparse else g).reshape(-1))
+        bucket.buffer = torch.cat(chunks)
+        bucket.work = all_reduce_async(bucket.buffer, self.group, self.stats, "allreduce")
+
+    def finish(self) -> None:
+        """Before the optimizer step: every bucket reduced, gradients averaged in place."""
+        if self.world_size == 1:
+            return
+        if not self.sync_enabled:
+            return
+        while self.next_bucket < len(self.buckets):
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.buffer.div_(self.world_size)
+            offset = 0
+            for _, p in bucket.params:
+                n = p.numel()
+                p.grad = bucket.buffer[offset:offset + n].view_as(p)
+                offset += n
+            bucket.ready.clear()
+            bucket.buffer = bucket.work = None
+        self.next_bucket = 0
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

@@ -1,0 +1,253 @@
+"""The parameter server, built from collectives: tables whose rows are served by their owners.
+
+A table's rows are partitioned over ranks (see layout.py); a rank holds only its shard and the
+row-wise optimizer state for it. Per step:
+
+- pull (forward): a rank de-duplicates its ids and fetches those rows from their owners;
+- push (optimizer step): it sends unique ids and summed gradient rows to the owners, which sum
+  what arrives and apply the row-wise optimizer.
+
+Both travel a list of hops, each an all-to-all inside one process group. Direct: one hop over the
+world. With local aggregation: first to the rank of this host that shares the owner's local index
+(intra-host group), which merges duplicate rows from its host, then across hosts to the owner
+(inter-host group), so a row crosses the inter-host network at most once per host per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.counted import Stats, all_to_all_v, group_size
+from ..errors import PlanError
+from ..optim.rowwise import RowOptimizer
+from ..plan import ParamPlan
+from .layout import TableLayout
+
+
+@dataclass(frozen=True)
+class Hop:
+    group: object                                   # a ProcessGroup, or None for one rank
+    dest: Callable[[torch.Tensor], torch.Tensor]    # ids -> group rank to send each id to
+
+
+def hops_for(layout: TableLayout, groups, local_aggregation: bool) -> list[Hop]:
+    topo = groups.topology
+    sizes = {len(h) for h in topo.hosts}
+    hierarchical = (local_aggregation and topo.num_hosts > 1 and len(sizes) == 1
+                    and sizes != {1})
+    if not hierarchical:
+        return [Hop(groups.world, layout.owner_of)]
+    per_host = len(topo.hosts[0])
+    # Ranks are numbered host by host, so owner o sits on host o // L at local index o % L.
+    return [Hop(groups.intra, lambda ids: layout.owner_of(ids) % per_host),
+            Hop(groups.inter, lambda ids: layout.owner_of(ids) // per_host)]
+
+
+def _by_destination(dest: torch.Tensor, n: int):
+    order = torch.argsort(dest, stable=True)
+    counts = torch.bincount(dest, minlength=n).tolist()
+    return order, counts
+
+
+class PSTable:
+    """One table on the parameter server: this rank's shard, its optimizer, the pending grads."""
+
+    def __init__(self, plan: ParamPlan, full: torch.Tensor, groups, stats: Stats,
+                 local_aggregation: bool, reduce: str, make_optimizer):
+        self.name, self.plan, self.groups, self.stats = plan.name, plan, groups, stats
+        self.layout = TableLayout(plan, groups.world_size)
+        self.hops = hops_for(self.layout, groups, local_aggregation)
+        self.scale = 1.0 / groups.world_size if reduce == "mean" else 1.0
+        rows = self.layout.shard_rows(groups.rank)
+        self.global_rows = rows
+        self.shard = full.detach().reshape(full.shape[0], -1)[rows].clone()
+        self.row_shape = full.shape[1:]
+        self.optimizer: RowOptimizer = make_optimizer(self.shard)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # -- pull ---------------------------------------------------------------------------------
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for unique `ids`, from their owners (a collective: every rank must call it)."""
+        with torch.no_grad():
+            return self._fetch(ids, self.hops)
+
+    def _fetch(self, ids: torch.Tensor, hops: list[Hop]) -> torch.Tensor:
+        if not hops:
+            return self.shard[self.layout.local_index(ids)]
+        hop, n = hops[0], group_size(hops[0].group)
+        order, counts = _by_destination(hop.dest(ids), n)
+        received = all_to_all_v(list(torch.split(ids[order], counts)), hop.group, self.stats, "ps")
+        merged, inverse = torch.unique(torch.cat(received), return_inverse=True)
+        rows = self._fetch(merged, hops[1:])[inverse]
+        back = all_to_all_v(list(torch.split(rows, [len(r) for r in received])), hop.group,
+                            self.stats, "ps")
+        out = torch.empty(len(ids), self.shard.shape[1], dtype=self.shard.dtype)
+        out[order] = torch.cat(back)
+        return out
+
+    # -- push ---------------------------------------------------------------------------------
+    def accumulate(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        self.pending.append((ids, grad_rows.reshape(len(ids), -1)))
+
+    def push_and_apply(self) -> None:
+        """Send pending gradient rows to their owners, which update their rows (collective)."""
+        if self.pending:
+            ids, inverse = torch.unique(torch.cat([i for i, _ in self.pending]), return_inverse=True)
+            grads = torch.zeros(len(ids), self.shard.shape[1], dtype=self.shard.dtype)
+            grads.index_add_(0, inverse, torch.cat([g for _, g in self.pending]))
+            grads.mul_(self.scale)
+        else:
+            ids = torch.empty(0, dtype=torch.long)
+            grads = torch.empty(0, self.shard.shape[1], dtype=self.shard.dtype)
+        self.pending = []
+        ids, grads = self._deliver(ids, grads, self.hops)
+        self.optimizer.apply(self.layout.local_index(ids), grads)
+
+    def _deliver(self, ids, grads, hops):
+        if not hops:
+            return ids, grads
+        hop, n = hops[0], group_size(hops[0].group)
+        order, counts = _by_destination(hop.dest(ids), n)
+        got_ids = all_to_all_v(list(torch.split(ids[order], counts)), hop.group, self.stats, "ps")
+        got_grads = all_to_all_v(list(torch.split(grads[order], counts)), hop.group, self.stats, "ps")
+        merged, inverse = torch.unique(torch.cat(got_ids), return_inverse=True)
+        summed = torch.zeros(len(merged), grads.shape[1], dtype=grads.dtype)
+        summed.index_add_(0, inverse, torch.cat(got_grads))
+        return self._deliver(merged, summed, hops[1:])
+
+    # -- whole-table views (checkpoints, evaluation) --------------------------------------------
+    def gather(self, local: torch.Tensor, dst: int | None) -> torch.Tensor | None:
+        full = gather_rows(local, self.layout, self.groups, dst)
+        return None if full is None else full.reshape(self.layout.rows, *self.row_shape)
+
+    def take_shard(self, full: torch.Tensor) -> torch.Tensor:
+        return full.reshape(full.shape[0], -1)[self.global_rows]
+
+    def shard_bytes(self) -> int:
+        tensors = [self.shard, *self.optimizer.state_tensors().values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def gather_rows(local: torch.Tensor, layout: TableLayout, groups, dst: int | None):
+    """The full (rows x width) table assembled from every rank's shard `local`: on rank `dst`
+    only (None elsewhere), or on every rank when dst is None. A collective."""
+    n = groups.world_size
+    full = torch.empty(layout.rows, local.shape[1], dtype=local.dtype)
+    if n == 1:
+        full[layout.shard_rows(0)] = local
+        return full
+    width = max(layout.shard_sizes)
+    padded = torch.zeros(width, local.shape[1], dtype=local.dtype)
+    padded[: len(local)] = local
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    if dst is None:
+        dist.all_gather(parts, padded, group=groups.world)
+    else:
+        dist.gather(padded, parts if groups.rank == dst else None, dst=dst, group=groups.world)
+        if groups.rank != dst:
+            return None
+    for r in range(n):
+        full[layout.shard_rows(r)] = parts[r][: layout.shard_sizes[r]]
+    return full
+
+
+class ShardedEmbedding(nn.Module):
+    """Stands in for an nn.Embedding / nn.EmbeddingBag whose table lives on the servers."""
+
+    def __init__(self, table: PSTable, original: nn.Module):
+        super().__init__()
+        if getattr(original, "max_norm", None) is not None:
+            raise PlanError(f"{table.name}: max_norm renormalises rows in place during lookup, "
+                            "which the parameter server does not do; drop max_norm or use "
+                            "allreduce for this table")
+        self.table = table
+        self.bag = isinstance(original, nn.EmbeddingBag)
+        self.padding_idx = original.padding_idx
+        self.mode = getattr(original, "mode", None)
+        self.include_last_offset = getattr(original, "include_last_offset", False)
+        self.num_embeddings, self.embedding_dim = original.num_embeddings, original.embedding_dim
+
+    def forward(self, input: torch.Tensor, offsets=None, per_sample_weights=None):
+        flat = input.reshape(-1)
+        if flat.numel() and (flat.min() < 0 or flat.max() >= self.num_embeddings):
+            bad = flat[(flat < 0) | (flat >= self.num_embeddings)][0].item()
+            raise IndexError(f"{self.table.name}: id {bad} is out of range for a table of "
+                             f"{self.num_embeddings} rows")
+        ids, inverse = torch.unique(flat, return_inverse=True)
+        rows = self.table.pull(ids)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            rows.register_hook(lambda g, ids=ids: self.table.accumulate(ids, g))
+        pad = None
+        if self.padding_idx is not None:
+            hit = (ids == self.padding_idx).nonzero()
+            pad = int(hit[0]) if len(hit) else None
+        local = inverse.reshape(input.shape)
+        if self.bag:
+            return F.embedding_bag(local, rows, offsets, mode=self.mode,
+                                   per_sample_weights=per_sample_weights,
+                                   include_last_offset=self.include_last_offset, padding_idx=pad)
+        return F.embedding(local, rows, padding_idx=pad)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table, gathered from every rank: a collective, and for evaluation only."""
+        if torch.is_grad_enabled():
+            raise PlanError(f"{self.table.name} is sharded over the parameter servers: reading "
+                            ".weight gathers a copy that cannot train; use it under "
+                            "torch.no_grad(), or look rows up by calling the module")
+        return self.table.gather(self.table.shard, dst=None)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, partitions="
+                f"{self.table.plan.partitions}, shard_rows={len(self.table.global_rows)}")
+
+
+class DenseServed:
+    """A dense parameter synchronised through the servers (mode="ps"): every row, every step.
+
+    Each rank keeps a full replica to compute with; owners hold the optimizer state of their
+    rows. Push sends every owner its rows of the gradient (a reduce-scatter), pull sends every
+    rank each owner's updated rows (an all-gather); no ids travel, since all rows always do.
+    """
+
+    def __init__(self, plan: ParamPlan, param: nn.Parameter, groups, stats: Stats, make_optimizer):
+        self.name, self.param, self.groups, self.stats = plan.name, param, groups, stats
+        self.layout = TableLayout(plan, groups.world_size)
+        self.rows_of = [self.layout.shard_rows(r) for r in range(groups.world_size)]
+        self.global_rows = self.rows_of[groups.rank]
+        self.shard = self._view(param.detach())[self.global_rows].clone()
+        self.optimizer: RowOptimizer = make_optimizer(self.shard)
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(self.layout.rows, -1)
+
+    def push_and_apply(self) -> None:
+        grad = self.param.grad
+        if grad is None:
+            grad = torch.zeros_like(self.param)
+        g = self._view(grad.to_dense() if grad.is_sparse else grad) / self.groups.world_size
+        got = all_to_all_v([g[rows] for rows in self.rows_of], self.groups.world, self.stats, "ps")
+        self.optimizer.apply(torch.arange(len(self.shard)), torch.stack(got).sum(0))
+        self.param.grad = None  # the servers own this update; the user's optimizer must not apply it
+
+    def pull(self) -> None:
+        n = self.groups.world_size
+        got = all_to_all_v([self.shard] * n, self.groups.world, self.stats, "ps")
+        with torch.no_grad():
+            view = self._view(self.param.data)
+            for rows, part in zip(self.rows_of, got):
+                view[rows] = part
+
+    def take_shard(self, full: torch.Tensor) -> torch.Tensor:
+        return self._view(full)[self.global_rows]
+
+    def gather(self, local: torch.Tensor, dst: int | None) -> torch.Tensor | None:
+        full = gather_rows(local, self.layout, self.groups, dst)
+        return None if full is None else full.reshape(self.param.shape)
