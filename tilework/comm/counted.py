@@ -19,11 +19,13 @@ import torch.distributed as dist
 class Traffic:
     sent: int = 0
     received: int = 0
+    sent_inter_host: int = 0   # the part of `sent` that left this host
     calls: int = 0
 
-    def add(self, sent: int, received: int) -> None:
+    def add(self, sent: int, received: int, sent_inter_host: int) -> None:
         self.sent += sent
         self.received += received
+        self.sent_inter_host += sent_inter_host
         self.calls += 1
 
 
@@ -36,9 +38,9 @@ class Stats:
     last_step: dict[str, Traffic] = field(default_factory=dict)
     steps: int = 0
 
-    def record(self, method: str, sent: int, received: int) -> None:
-        self.total[method].add(sent, received)
-        self.step[method].add(sent, received)
+    def record(self, method: str, sent: int, received: int, sent_inter_host: int = 0) -> None:
+        self.total[method].add(sent, received, sent_inter_host)
+        self.step[method].add(sent, received, sent_inter_host)
 
     def end_step(self) -> None:
         self.last_step = dict(self.step)
@@ -61,13 +63,18 @@ def ring_allreduce_bytes(nbytes: int, n: int) -> int:
     return 0 if n <= 1 else 2 * (n - 1) * nbytes // n
 
 
-def all_reduce_async(tensor: torch.Tensor, group, stats: Stats, method: str):
-    """Sum `tensor` in place over `group`; returns a Work handle (None on one rank)."""
+def all_reduce_async(tensor: torch.Tensor, group, stats: Stats, method: str,
+                     successor_remote: bool = False):
+    """Sum `tensor` in place over `group`; returns a Work handle (None on one rank).
+
+    `successor_remote`: this rank's next rank in the ring is on another host, so what it sends
+    crosses hosts.
+    """
     n = group_size(group)
     if n == 1:
         return None
     wire = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), n)
-    stats.record(method, wire, wire)
+    stats.record(method, wire, wire, wire if successor_remote else 0)
     return dist.all_reduce(tensor, group=group, async_op=True)
 
 
@@ -81,11 +88,13 @@ def broadcast(tensor: torch.Tensor, src: int, group, stats: Stats, method: str) 
     dist.broadcast(tensor, src=src, group=group)
 
 
-def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str) -> list[torch.Tensor]:
+def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
+                 remote: list[bool] | None = None) -> list[torch.Tensor]:
     """Send chunks[j] to group rank j; return what each group rank sent here, in rank order.
 
     Chunks may differ in length (first dimension) but share the trailing shape and dtype. The
     lengths go first in a small all-to-all of int64 counts (counted too: it is real traffic).
+    `remote[j]` says group rank j is on another host, for the inter-host byte count.
     """
     n = group_size(group)
     if n == 1:
@@ -97,8 +106,9 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str) -
     send_counts = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64, device=device)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
+    remote = remote or [False] * n
     count_bytes = 8 * (n - 1)
-    stats.record(method, count_bytes, count_bytes)
+    stats.record(method, count_bytes, count_bytes, 8 * sum(remote))
     send = torch.cat([c.reshape(-1) for c in chunks])
     recv_sizes = [int(c) * row for c in recv_counts.tolist()]
     recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=device)
@@ -106,5 +116,6 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str) -
                            input_split_sizes=[c.numel() for c in chunks], group=group)
     item = send.element_size()
     stats.record(method, item * (send.numel() - chunks[me].numel()),
-                 item * (recv.numel() - recv_sizes[me]))
+                 item * (recv.numel() - recv_sizes[me]),
+                 item * sum(c.numel() for c, far in zip(chunks, remote) if far))
     return [part.reshape(-1, *trailing) for part in torch.split(recv, recv_sizes)]

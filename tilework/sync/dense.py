@@ -30,8 +30,9 @@ class _Bucket:
 
 class DenseSync:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group, world_size: int,
-                 stats: Stats, bucket_bytes: int):
+                 stats: Stats, bucket_bytes: int, successor_remote: bool = False):
         self.group, self.world_size, self.stats = group, world_size, stats
+        self.successor_remote = successor_remote
         self.buckets: list[_Bucket] = []
         current: list[tuple[str, nn.Parameter]] = []
         size = 0
@@ -78,7 +79,8 @@ class DenseSync:
             else:
                 chunks.append((g.to_dense() if g.is_sparse else g).reshape(-1))
         bucket.buffer = torch.cat(chunks)
-        bucket.work = all_reduce_async(bucket.buffer, self.group, self.stats, "allreduce")
+        bucket.work = all_reduce_async(bucket.buffer, self.group, self.stats, "allreduce",
+                                       self.successor_remote)
 
     def finish(self) -> None:
         """Before the optimizer step: every bucket reduced, gradients averaged in place."""

@@ -75,7 +75,10 @@ class Engine:
                 self.served[pp.name] = DenseServed(pp, p, groups, self.stats,
                                                    self._row_optimizer(pp.name, p, lazy=False))
         self._forget(set(self.tables) | set(self.served))
-        self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats, plan.bucket_bytes)
+        topo = groups.topology
+        successor_remote = topo.host_of((groups.rank + 1) % topo.world_size) != groups.host
+        self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
+                               plan.bucket_bytes, successor_remote)
         self.all_param_bytes = sum(p.numel() * p.element_size() for p in named.values())
         optimizer.register_step_pre_hook(lambda *_: self._before_step())
         optimizer.register_step_post_hook(lambda *_: self._after_step())

@@ -34,19 +34,25 @@ from .layout import TableLayout
 class Hop:
     group: object                                   # a ProcessGroup, or None for one rank
     dest: Callable[[torch.Tensor], torch.Tensor]    # ids -> group rank to send each id to
+    remote: list[bool]                              # group rank j is on another host
 
 
 def hops_for(layout: TableLayout, groups, local_aggregation: bool) -> list[Hop]:
-    topo = groups.topology
-    sizes = {len(h) for h in topo.hosts}
-    hierarchical = (local_aggregation and topo.num_hosts > 1 and len(sizes) == 1
-                    and sizes != {1})
-    if not hierarchical:
-        return [Hop(groups.world, layout.owner_of)]
+    topo, me = groups.topology, groups.rank
+    if not hierarchical(topo, local_aggregation):
+        remote = [topo.host_of(r) != topo.host_of(me) for r in range(topo.world_size)]
+        return [Hop(groups.world, layout.owner_of, remote)]
     per_host = len(topo.hosts[0])
     # Ranks are numbered host by host, so owner o sits on host o // L at local index o % L.
-    return [Hop(groups.intra, lambda ids: layout.owner_of(ids) % per_host),
-            Hop(groups.inter, lambda ids: layout.owner_of(ids) // per_host)]
+    return [Hop(groups.intra, lambda ids: layout.owner_of(ids) % per_host, [False] * per_host),
+            Hop(groups.inter, lambda ids: layout.owner_of(ids) // per_host,
+                [h != topo.host_of(me) for h in range(topo.num_hosts)])]
+
+
+def hierarchical(topo, local_aggregation: bool) -> bool:
+    """Local aggregation applies to several hosts of equal size with more than one rank each."""
+    sizes = {len(h) for h in topo.hosts}
+    return local_aggregation and topo.num_hosts > 1 and len(sizes) == 1 and sizes != {1}
 
 
 def _by_destination(dest: torch.Tensor, n: int):
@@ -82,11 +88,12 @@ class PSTable:
             return self.shard[self.layout.local_index(ids)]
         hop, n = hops[0], group_size(hops[0].group)
         order, counts = _by_destination(hop.dest(ids), n)
-        received = all_to_all_v(list(torch.split(ids[order], counts)), hop.group, self.stats, "ps")
+        received = all_to_all_v(list(torch.split(ids[order], counts)), hop.group, self.stats, "ps",
+                                hop.remote)
         merged, inverse = torch.unique(torch.cat(received), return_inverse=True)
         rows = self._fetch(merged, hops[1:])[inverse]
         back = all_to_all_v(list(torch.split(rows, [len(r) for r in received])), hop.group,
-                            self.stats, "ps")
+                            self.stats, "ps", hop.remote)
         out = torch.empty(len(ids), self.shard.shape[1], dtype=self.shard.dtype)
         out[order] = torch.cat(back)
         return out
@@ -114,8 +121,10 @@ class PSTable:
             return ids, grads
         hop, n = hops[0], group_size(hops[0].group)
         order, counts = _by_destination(hop.dest(ids), n)
-        got_ids = all_to_all_v(list(torch.split(ids[order], counts)), hop.group, self.stats, "ps")
-        got_grads = all_to_all_v(list(torch.split(grads[order], counts)), hop.group, self.stats, "ps")
+        got_ids = all_to_all_v(list(torch.split(ids[order], counts)), hop.group, self.stats, "ps",
+                               hop.remote)
+        got_grads = all_to_all_v(list(torch.split(grads[order], counts)), hop.group, self.stats,
+                                 "ps", hop.remote)
         merged, inverse = torch.unique(torch.cat(got_ids), return_inverse=True)
         summed = torch.zeros(len(merged), grads.shape[1], dtype=grads.dtype)
         summed.index_add_(0, inverse, torch.cat(got_grads))
@@ -224,6 +233,8 @@ class DenseServed:
         self.global_rows = self.rows_of[groups.rank]
         self.shard = self._view(param.detach())[self.global_rows].clone()
         self.optimizer: RowOptimizer = make_optimizer(self.shard)
+        topo = groups.topology
+        self.remote = [topo.host_of(r) != topo.host_of(groups.rank) for r in range(topo.world_size)]
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(self.layout.rows, -1)
@@ -233,13 +244,14 @@ class DenseServed:
         if grad is None:
             grad = torch.zeros_like(self.param)
         g = self._view(grad.to_dense() if grad.is_sparse else grad) / self.groups.world_size
-        got = all_to_all_v([g[rows] for rows in self.rows_of], self.groups.world, self.stats, "ps")
+        got = all_to_all_v([g[rows] for rows in self.rows_of], self.groups.world, self.stats, "ps",
+                           self.remote)
         self.optimizer.apply(torch.arange(len(self.shard)), torch.stack(got).sum(0))
         self.param.grad = None  # the servers own this update; the user's optimizer must not apply it
 
     def pull(self) -> None:
         n = self.groups.world_size
-        got = all_to_all_v([self.shard] * n, self.groups.world, self.stats, "ps")
+        got = all_to_all_v([self.shard] * n, self.groups.world, self.stats, "ps", self.remote)
         with torch.no_grad():
             view = self._view(self.param.data)
             for rows, part in zip(self.rows_of, got):

@@ -1,0 +1,201 @@
+"""The engine on real gloo ranks: sharding, bad input, checkpoints, accumulation, accounting."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tilework
+from tilework.errors import PlanError
+from tilework.testing import RankFailed, spawn
+
+
+class Tiny(nn.Module):
+    def __init__(self, rows=1000, dim=4, extra=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(rows, dim, sparse=True)
+        self.conv = nn.Conv1d(dim, dim, 1)
+        self.head = nn.Linear(dim, 1)
+        self.unused = nn.Linear(dim, 1) if extra else None
+
+    def forward(self, ids):
+        x = self.conv(self.table(ids).transpose(1, 2)).mean(2)
+        return self.head(x).pow(2).mean()
+
+
+def batch(step, rank=0, world_size=1, per_rank=None, rows=1000):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, rows, (8, 5), generator=g)
+    return ids.chunk(world_size)[rank] if per_rank is None else ids
+
+
+def _sharded(rank, world_size, partitions):
+    model = Tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    tilework.parallelize(model, opt, partitions=partitions, log=False)
+    params = dict(model.named_parameters())
+    table = model._tilework_engine.tables["table.weight"]
+    return ("table.weight" in params, type(model.table).__name__, table.shard.shape[0],
+            table.shard_bytes())
+
+
+@pytest.mark.parametrize("world_size, partitions", [(2, None), (4, None), (4, 2), (2, 8)])
+def test_table_is_really_sharded(world_size, partitions):
+    results = spawn(_sharded, world_size, args=(partitions,))
+    parts = partitions or world_size
+    for rank, (still_param, kind, rows, nbytes) in enumerate(results):
+        assert not still_param and kind == "ShardedEmbedding"
+        served = sum(1 for p in range(parts) if p % world_size == rank)
+        assert rows == served * 1000 // parts
+        assert nbytes == rows * 4 * 4 * 3   # fp32 rows + Adam's two moments, no more
+    assert sum(r[2] for r in results) == 1000
+
+
+def _forced_conv(rank, world_size):
+    model = Tiny()
+    tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         overrides={"conv.weight": "ps"}, log=False)
+
+
+def test_forcing_a_conv_weight_onto_the_server_is_refused():
+    with pytest.raises(RankFailed, match=r"conv.weight \(shape \(4, 4, 1\)\) is not an embedding"):
+        spawn(_forced_conv, 2)
+
+
+def _mismatched(rank, world_size):
+    model = Tiny(dim=4 if rank == 0 else 6)
+    tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), log=False)
+
+
+def test_models_that_differ_across_ranks_are_named():
+    with pytest.raises(RankFailed, match=r"parameter conv.bias is shape \(4,\) .* on rank 0 but "
+                                         r"shape \(6,\) .* on rank 1"):
+        spawn(_mismatched, 2)
+
+
+def _momentum(rank, world_size):
+    model = Tiny()
+    tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), log=False)
+
+
+def test_unsupported_optimizer_for_a_table_is_named():
+    with pytest.raises(RankFailed, match="table.weight: SGD with momentum is not supported"):
+        spawn(_momentum, 2)
+
+
+def test_unsupported_optimizer_type_is_named():
+    model = Tiny()
+    with pytest.raises(PlanError, match="table.weight: RMSprop"):
+        tilework.parallelize(model, torch.optim.RMSprop(model.parameters()), log=False)
+
+
+def test_out_of_range_ids_name_the_table():
+    model = Tiny()
+    tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), log=False)
+    with pytest.raises(IndexError, match="table.weight: id 1000 is out of range for a table of 1000"):
+        model(torch.tensor([[1, 1000]]))
+
+
+def _train(model, opt, steps, rank, world_size, start=0):
+    for step in range(start, start + steps):
+        model(batch(step, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _checkpoint_roundtrip(rank, world_size, path, phase):
+    model = Tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    tilework.parallelize(model, opt, log=False)
+    if phase == "first":
+        _train(model, opt, 3, rank, world_size)
+        tilework.save(path, model, opt)
+        return None
+    tilework.load(path, model, opt)
+    _train(model, opt, 3, rank, world_size, start=3)
+    state = tilework.state_dict(model, opt)["model"]
+    return state if rank == 0 else None
+
+
+def _uninterrupted(rank, world_size):
+    model = Tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    tilework.parallelize(model, opt, log=False)
+    _train(model, opt, 6, rank, world_size)
+    state = tilework.state_dict(model, opt)["model"]  # a collective: every rank calls it
+    return state if rank == 0 else None
+
+
+@pytest.mark.parametrize("first, second", [(2, 4), (4, 2)])
+def test_resume_at_another_world_size_continues_identically(tmp_path, first, second):
+    path = tmp_path / "state.pt"
+    spawn(_checkpoint_roundtrip, first, args=(str(path), "first"))
+    resumed = spawn(_checkpoint_roundtrip, second, args=(str(path), "second"))[0]
+    straight = spawn(_uninterrupted, first)[0]
+    for name, expected in straight.items():
+        torch.testing.assert_close(resumed[name], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plain_model_loads_the_checkpoint(tmp_path):
+    path = tmp_path / "state.pt"
+    spawn(_checkpoint_roundtrip, 2, args=(str(path), "first"))
+    plain = Tiny()
+    blob = torch.load(path, weights_only=True)
+    plain.load_state_dict(blob["state"]["model"])  # strict: exactly the single-device names
+    assert plain.table.weight.shape == (1000, 4)
+    assert not torch.equal(plain.table.weight, Tiny().table.weight)  # it was trained
+
+
+def _accumulate(rank, world_size, extra):
+    model = Tiny(extra=extra)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, log=False)
+    for step in range(3):
+        with model.no_sync():
+            model(batch(2 * step, rank, world_size)).backward()
+        model(batch(2 * step + 1, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+    state = tilework.state_dict(model, opt)["model"]  # a collective: every rank calls it
+    return state if rank == 0 else None
+
+
+def _accumulate_ref():
+    model = Tiny(extra=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model(batch(2 * step)).backward()
+        model(batch(2 * step + 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def test_no_sync_accumulation_and_unused_parameters_match_one_process():
+    ref = _accumulate_ref()
+    got = spawn(_accumulate, 2, args=(True,))[0]
+    for name, expected in ref.items():
+        torch.testing.assert_close(got[name], expected, rtol=1e-5, atol=1e-7)
+
+
+def _bytes(rank, world_size, sparse_reduce):
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    tilework.parallelize(model, opt, sparse_reduce=sparse_reduce, log=False)
+    before = tilework.state_dict(model, opt)["model"]
+    _train(model, opt, 1, rank, world_size)
+    after = tilework.state_dict(model, opt)["model"]
+    delta = (after["table.weight"] - before["table.weight"]) if rank == 0 else None
+    return tilework.stats(model), delta
+
+
+def test_sum_versus_mean_and_byte_counts():
+    mean = spawn(_bytes, 2, args=("mean",))
+    total = spawn(_bytes, 2, args=("sum",))
+    torch.testing.assert_close(total[0][1], 2 * mean[0][1])
+    stats = mean[0][0]
+    assert stats["last_step"]["ps"]["sent"] > 0 and stats["last_step"]["allreduce"]["sent"] > 0
+    dense_params = 4 * 4 + 4 + 4 + 1      # conv weight and bias, head weight and bias, fp32
+    assert stats["last_step"]["allreduce"]["sent"] == 2 * (2 - 1) * dense_params * 4 // 2
+    assert stats["dense_allreduce_bytes_per_step"] == (1000 * 4 + dense_params) * 4
