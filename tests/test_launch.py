@@ -14,15 +14,14 @@ from tilework.launch import cluster_spec, local_spec
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as dist
-    from tilework.comm import build_groups, init_from_env
+    from tilework.comm import build_groups, exit_worker, init_from_env
     groups = build_groups(init_from_env())
     t = torch.tensor([float(groups.rank + 1)])
     dist.all_reduce(t, group=groups.world)
     out = {"rank": groups.rank, "world": groups.world_size, "sum": t.item(),
            "local_rank": int(os.environ["LOCAL_RANK"]), "argv": sys.argv[1:]}
     open(os.path.join(sys.argv[1], f"rank{groups.rank}.json"), "w").write(json.dumps(out))
-    if "--fail" in sys.argv and groups.rank == 1:
-        raise SystemExit(3)
+    exit_worker(3 if "--fail" in sys.argv and groups.rank == 1 else 0)
 """)
 
 

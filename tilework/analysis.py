@@ -3,7 +3,7 @@
 Pure: reads module types and shapes only (works on the meta device). A gradient is sparse when
 PyTorch makes it a sparse tensor (`nn.Embedding(sparse=True)`, `nn.EmbeddingBag(sparse=True)`);
 a table with a dense-layout gradient is "embedding-like" and its touched-row fraction can be
-measured (`row_density`) and given to the planner.
+measured (`measure_density`) and given to the planner.
 """
 
 from __future__ import annotations
@@ -71,3 +71,19 @@ def row_density(grad: torch.Tensor) -> float:
     if grad.is_sparse:
         return grad.coalesce().indices()[0].unique().numel() / rows
     return (grad.reshape(rows, -1) != 0).any(dim=1).sum().item() / rows
+
+
+def measure_density(model: nn.Module, loss_fn, batches) -> dict[str, float]:
+    """Mean per-step touched-row fraction of every embedding table's gradient on `batches`.
+
+    Runs forward and backward locally, then clears the gradients: no step is taken.
+    """
+    tables = {name: m.weight for name, m in embedding_modules(model).items()}
+    fractions: dict[str, list[float]] = {name: [] for name in tables}
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        for name, w in tables.items():
+            fractions[name].append(0.0 if w.grad is None else row_density(w.grad))
+    model.zero_grad(set_to_none=True)
+    return {name: sum(f) / len(f) for name, f in fractions.items() if f}

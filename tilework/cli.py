@@ -38,9 +38,12 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a reference workload from a job file")
     train.add_argument("job", help="job file (TOML)")
+    train.add_argument("-n", "--nproc", type=int, default=1, help="local worker processes")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
 
     demo = sub.add_parser("demo", help="the embedded default job (word LM on stdlib sources)")
+    demo.add_argument("-n", "--nproc", type=int, default=2,
+                      help="local worker processes (default 2, hybrid mode)")
     demo.add_argument("--steps", type=int, help="override the number of steps")
     demo.add_argument("--out-dir", help="where metrics and checkpoints go (default runs/demo)")
     return p
@@ -55,7 +58,7 @@ def _groups_from_env():
     return build_groups(init_from_env())
 
 
-def _cmd_run(a) -> int:
+def _cmd_run(a, argv) -> int:
     from . import launch
     from .cluster import Cluster
 
@@ -68,15 +71,31 @@ def _cmd_run(a) -> int:
     return launch.run(spec, [a.script, *a.args])
 
 
-def _cmd_train(a) -> int:
+def _relaunch(nproc: int, argv: list[str]) -> int | None:
+    """Outside a worker with nproc > 1: start nproc workers running this same command."""
+    if nproc < 1:
+        raise UserError(f"-n/--nproc: expected at least 1 process, got {nproc}")
+    if nproc == 1 or "RANK" in os.environ:
+        return None
+    from . import launch
+
+    return launch.run(launch.local_spec(nproc), ["-m", "tilework", *argv])
+
+
+def _cmd_train(a, argv) -> int:
     from .train.job import Job
     from .train.trainer import train
 
-    train(Job.load(a.job), groups=_groups_from_env(), resume=a.resume)
-    return 0
+    job = Job.load(a.job)  # checked here, before any worker starts
+    launched = _relaunch(a.nproc, argv)
+    if launched is not None:
+        return launched
+    groups = _groups_from_env()
+    train(job, groups=groups, resume=a.resume)
+    return _worker_done(groups)
 
 
-def _cmd_demo(a) -> int:
+def _cmd_demo(a, argv) -> int:
     import dataclasses
 
     from . import config
@@ -92,17 +111,32 @@ def _cmd_demo(a) -> int:
                                         eval_every=min(job.train.eval_every, a.steps))
     if a.out_dir:
         job.train = dataclasses.replace(job.train, out_dir=a.out_dir)
-    result = train(job, groups=_groups_from_env())
+    launched = _relaunch(a.nproc, argv)
+    if launched is not None:
+        return launched
+    groups = _groups_from_env()
+    result = train(job, groups=groups)
+    if result.rank != 0:
+        return _worker_done(groups)
     first, last = result.evals[0]["ppl"], result.evals[-1]["ppl"]
     print(f"perplexity: {first:,.1f} at step {result.evals[0]['step']} -> {last:,.1f} at step "
           f"{result.evals[-1]['step']}")
+    return _worker_done(groups)
+
+
+def _worker_done(groups) -> int:
+    if groups is not None:
+        from .comm import exit_worker
+
+        exit_worker(0)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        argv = sys.argv[1:] if argv is None else argv
         args = _parser().parse_args(argv)
-        return {"run": _cmd_run, "train": _cmd_train, "demo": _cmd_demo}[args.command](args)
+        return {"run": _cmd_run, "train": _cmd_train, "demo": _cmd_demo}[args.command](args, argv)
     except UserError as e:
         print(f"tilework: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -113,3 +113,19 @@ def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | No
                 inter = g
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return Groups(world=world, topology=topology, rank=rank, intra=intra, inter=inter, device=device)
+
+
+def exit_worker(code: int = 0) -> None:
+    """Leave a worker process: destroy the process group, flush, and exit at once.
+
+    Seen here (torch 2.13, gloo, 2 workers under the elastic launcher): about one normal exit in
+    ten aborts in a C++ static destructor ("terminate called without an active exception"),
+    which the launcher reports as a failed rank. Skipping interpreter teardown avoids it.
+    """
+    import sys
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -30,6 +30,7 @@ from .workloads import Workload, build
 class TrainResult:
     losses: list[float] = field(default_factory=list)   # global mean loss of each step run here
     first_step: int = 0
+    rank: int = 0
     evals: list[dict] = field(default_factory=list)     # {"step": s, metric: value}
 
 
@@ -38,8 +39,8 @@ class _Session:
 
     def __init__(self, groups):
         self.groups = groups
-        self.rank = groups.rank if groups else 0
-        self.world_size = groups.world_size if groups else 1
+        self.rank = groups.rank
+        self.world_size = groups.world_size
 
     def mean_over_ranks(self, values: list[float]) -> list[float]:
         if self.world_size == 1 or not values:
@@ -49,16 +50,23 @@ class _Session:
         return (t / self.world_size).tolist()
 
 
-def _prepare(job: Job, work: Workload, session: _Session):
-    model = work.model
-    opt = optim.for_model(model, job.train.optimizer, job.train.lr)
-    if session.world_size > 1:
-        from ..api import parallelize  # the engine; a one-process run needs none of it
+def _prepare(job: Job, work: Workload, session: _Session, sampler: ShardedBatches):
+    """The user's path exactly: a plain torch optimizer, then tilework.parallelize."""
+    from ..analysis import analyze, measure_density
+    from ..api import parallelize
 
-        model, opt = parallelize(model, opt, groups=session.groups, mode=job.parallel.mode,
-                                 sparse_reduce=job.parallel.sparse_reduce,
-                                 local_aggregation=job.parallel.local_aggregation,
-                                 bucket_mb=job.parallel.bucket_mb)
+    model = work.model
+    opt = optim.make(job.train.optimizer, model.parameters(), job.train.lr)
+    density = None
+    if job.parallel.mode == "hybrid" and any(i.kind == "embedding" for i in analyze(model)):
+        # Tables with dense-layout gradients: measure their touched-row fraction on the first
+        # steps' batches (gradients discarded) so the planner can send sparse ones to the servers.
+        batches = [work.train_set.collate(sampler.indices(s)) for s in range(3)]
+        density = measure_density(model, lambda m, b: work.loss(m, b, 0), batches)
+    parallelize(model, opt, groups=session.groups, mode=job.parallel.mode,
+                sparse_reduce=job.parallel.sparse_reduce,
+                local_aggregation=job.parallel.local_aggregation,
+                bucket_mb=job.parallel.bucket_mb, density=density, log=session.rank == 0)
     return model, opt
 
 
@@ -69,13 +77,15 @@ def _state(model, opt, step: int) -> dict:
 
 
 def train(job: Job, groups=None, resume: bool = False, console: Console | None = None) -> TrainResult:
-    session = _Session(groups)
-    console = console or Console(stderr=False, quiet=session.rank != 0)
+    from ..comm.groups import solo
+
+    session = _Session(groups or solo())
+    console = console or Console(quiet=session.rank != 0, soft_wrap=True)
     work = build(job)
-    model, opt = _prepare(job, work, session)
     sampler = ShardedBatches(len(work.train_set), job.data.batch_size, session.rank,
                              session.world_size, seed=job.data.seed, scaling=job.data.scaling,
                              shuffle=job.data.shuffle)
+    model, opt = _prepare(job, work, session, sampler)
     out = Path(job.train.out_dir)
     ckpt_dir = out / "checkpoints"
     start = 0
@@ -90,7 +100,7 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
             load_state_dict(model, opt, blob["state"])
             start = blob["state"]["step"]
             console.print(f"resumed from {found} at step {start}")
-    result = TrainResult(first_step=start)
+    result = TrainResult(first_step=start, rank=session.rank)
     metrics = out / "metrics.jsonl"
     if session.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -129,18 +139,42 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
                 rate = units_per_step * window_steps / max(elapsed, 1e-9)
                 window_start, window_steps = time.perf_counter(), 0
                 last = global_losses[-1]
+                traffic, traffic_text = _traffic(model, session)
                 line = (f"step {done}/{job.train.steps}  loss {last:.4f}  "
-                        f"{rate:,.0f} {work.unit}/s")
+                        f"{rate:,.0f} {work.unit}/s{traffic_text}")
                 progress.console.print(line)
                 progress.update(task, completed=done, status=f"loss {last:.3f}")
-                _append(metrics, {"step": done, "loss": last, f"{work.unit}_per_s": rate},
-                        session.rank)
+                _append(metrics, {"step": done, "loss": last, f"{work.unit}_per_s": rate,
+                                  **traffic}, session.rank)
             if job.train.eval_every and done % job.train.eval_every == 0 and done != job.train.steps:
                 evaluate(done)
             if job.train.checkpoint_every and done % job.train.checkpoint_every == 0:
                 _checkpoint(ckpt_dir, done, model, opt, job, session)
     evaluate(job.train.steps)
     return result
+
+
+def _traffic(model, session: _Session) -> tuple[dict, str]:
+    """Bytes this rank sent in the last step, by method, beside what dense all-reduce of every
+    parameter would have sent."""
+    if session.world_size == 1:
+        return {}, ""
+    from ..api import stats
+
+    s = stats(model)
+    sent = {m: t["sent"] for m, t in s["last_step"].items()}
+    dense = s["dense_allreduce_bytes_per_step"]
+    parts = "  ".join(f"{m} {_human(b)}" for m, b in sent.items())
+    return ({f"bytes_{m}": b for m, b in sent.items()} | {"bytes_all_dense_allreduce": dense},
+            f"  | sent/step: {parts}  (all-dense all-reduce: {_human(dense)})")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    return f"{n} B"
 
 
 def _checkpoint(directory: Path, step: int, model, opt, job: Job, session: _Session) -> None:
