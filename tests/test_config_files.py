@@ -43,6 +43,7 @@ def test_cluster_file_parses(tmp_path):
     (GOOD.replace('procs = 3', 'procs = 0'), "hosts[1].procs", "at least 1 process"),
     (GOOD.replace('name = "node1"', 'name = "node0"'), "hosts[1].name", "duplicate host"),
     (GOOD.replace('"node0:29400"', '"node0"'), "rendezvous", "'host:port'"),
+    (GOOD.replace('"node0:29400"', '"node7:29400"'), "rendezvous", "one of the hosts"),
     (GOOD.replace('latency_us = 2.0', 'latency_us = -1.0'), "links.inter.latency_us", ">= 0"),
     (GOOD.replace('[links.inter]', '[links.outer]'), "links.outer", "unknown key"),
     ("[[hosts]]\nprocs = 1\n", "hosts[0].name", "missing"),

@@ -34,8 +34,9 @@ def check(workload, optimizer, mode, world_size, hosts, local_aggregation=True):
 
 @pytest.mark.parametrize("workload", ["lm", "cnn", "recommender"])
 @pytest.mark.parametrize("mode", ["hybrid", "allreduce", "ps"])
-def test_four_ranks_on_two_hosts_match_one_process(workload, mode):
-    check(workload, "sgd", mode, world_size=4, hosts=2)
+@pytest.mark.parametrize("world_size, hosts", [(2, 1), (4, 2)])
+def test_sgd_matches_one_process(workload, mode, world_size, hosts):
+    check(workload, "sgd", mode, world_size=world_size, hosts=hosts)
 
 
 @pytest.mark.parametrize("workload", ["lm", "recommender"])

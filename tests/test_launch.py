@@ -41,6 +41,38 @@ def test_run_two_local_processes_all_reduce(tmp_path):
     assert all(x["world"] == 2 and x["argv"] == [str(tmp_path), "--flag", "x"] for x in results)
 
 
+def test_run_two_hosts_from_one_cluster_file(tmp_path):
+    """Two "hosts" on loopback, each running the same command with its own --host."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "cluster.toml").write_text(textwrap.dedent(f"""
+        rendezvous = "a:{port}"
+        [[hosts]]
+        name = "a"
+        address = "127.0.0.1"
+        procs = 1
+        [[hosts]]
+        name = "b"
+        address = "127.0.0.1"
+        procs = 2
+    """))
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "tilework", "run", "--hosts", str(tmp_path / "cluster.toml"),
+           "--run-id", "two-hosts"]
+    procs = [subprocess.Popen([*cmd, "--host", h, str(script), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for h in ("a", "b")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    results = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(3)]
+    assert [x["sum"] for x in results] == [6.0] * 3 and all(x["world"] == 3 for x in results)
+    assert sorted(x["local_rank"] for x in results) == [0, 0, 1]
+
+
 def test_run_names_the_failed_rank(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)

@@ -89,6 +89,8 @@ class Cluster:
             host, _, port = self.rendezvous.rpartition(":")
             check(bool(host) and port.isdigit() and 0 < int(port) < 65536,
                   "rendezvous", f"'host:port' with a port in 1..65535, got {self.rendezvous!r}")
+            check(self.rendezvous_host is not None, "rendezvous",
+                  f"the name or address of one of the hosts, got {host!r}")
 
     @classmethod
     def load(cls, path: str | Path) -> "Cluster":
@@ -110,6 +112,20 @@ class Cluster:
         host, _, port = self.rendezvous.rpartition(":")
         by_name = {h.name: h for h in self.hosts}
         return f"{by_name[host].reach if host in by_name else host}:{port}"
+
+    @property
+    def rendezvous_host(self) -> int | None:
+        """Index of the host that runs the rendezvous (None: a host not in the list)."""
+        if self.rendezvous is None:
+            return 0
+        name = self.rendezvous.rpartition(":")[0]
+        for i, h in enumerate(self.hosts):
+            if name == h.name:
+                return i
+        for i, h in enumerate(self.hosts):
+            if name == h.address:
+                return i
+        return None
 
     def host_index(self, name: str) -> int:
         for i, h in enumerate(self.hosts):
@@ -177,10 +193,6 @@ class Topology:
 
     def leaders(self) -> tuple[int, ...]:
         return tuple(h[0] for h in self.hosts)
-
-
-def as_dict(cluster: Cluster) -> dict:
-    return config.to_dict(cluster)
 
 
 __all__ = ["Cluster", "Host", "Link", "Links", "Topology"]

@@ -45,10 +45,9 @@ def cluster_spec(cluster: Cluster, this_host: str | None = None, run_id: str = "
                  max_restarts: int = 0) -> LaunchSpec:
     index = cluster.host_index(this_host or socket.gethostname())
     host = cluster.hosts[index]
-    endpoint = cluster.rendezvous_endpoint
-    rdzv_host = endpoint.rpartition(":")[0]
-    return LaunchSpec(nnodes=len(cluster.hosts), nproc_per_node=host.procs, rdzv_endpoint=endpoint,
-                      is_rendezvous_host=rdzv_host in (host.name, host.address),
+    return LaunchSpec(nnodes=len(cluster.hosts), nproc_per_node=host.procs,
+                      rdzv_endpoint=cluster.rendezvous_endpoint,
+                      is_rendezvous_host=cluster.rendezvous_host == index,
                       run_id=run_id, local_addr=host.address, max_restarts=_restarts(max_restarts))
 
 
