@@ -80,3 +80,18 @@ def server_of(partition: int, world_size: int) -> int:
 
 def partitions_of(rank: int, partitions: int, world_size: int) -> list[int]:
     return [p for p in range(partitions) if server_of(p, world_size) == rank]
+
+
+def assign_buckets(nbytes_in_order: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Group parameters (indices into the list, in launch order) into all-reduce buckets: a
+    bucket closes as soon as it holds at least `bucket_bytes`."""
+    buckets, current, size = [], [], 0
+    for i, n in enumerate(nbytes_in_order):
+        current.append(i)
+        size += n
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..cost import ring_allreduce_bytes
+
 
 @dataclass
 class Traffic:
@@ -42,6 +44,10 @@ class Stats:
         self.total[method].add(sent, received, sent_inter_host)
         self.step[method].add(sent, received, sent_inter_host)
 
+    def discard_step(self) -> None:
+        """Keep what was counted so far in the totals only (set-up is not a training step)."""
+        self.step = defaultdict(Traffic)
+
     def end_step(self) -> None:
         self.last_step = dict(self.step)
         self.step = defaultdict(Traffic)
@@ -56,11 +62,6 @@ class Stats:
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
-
-
-def ring_allreduce_bytes(nbytes: int, n: int) -> int:
-    """What each rank sends (and receives) in a ring all-reduce of `nbytes`."""
-    return 0 if n <= 1 else 2 * (n - 1) * nbytes // n
 
 
 def all_reduce_async(tensor: torch.Tensor, group, stats: Stats, method: str,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..comm.counted import Stats, all_reduce_async
+from ..plan import assign_buckets
 
 
 class _Bucket:
@@ -33,17 +34,9 @@ class DenseSync:
                  stats: Stats, bucket_bytes: int, successor_remote: bool = False):
         self.group, self.world_size, self.stats = group, world_size, stats
         self.successor_remote = successor_remote
-        self.buckets: list[_Bucket] = []
-        current: list[tuple[str, nn.Parameter]] = []
-        size = 0
-        for name, p in reversed(params):
-            current.append((name, p))
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
+        order = list(reversed(params))
+        self.buckets = [_Bucket([order[i] for i in members]) for members in
+                        assign_buckets([p.numel() * p.element_size() for _, p in order], bucket_bytes)]
         self.where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
                       for i, (_, p) in enumerate(bucket.params)}
         self.next_bucket = 0

@@ -55,6 +55,7 @@ class Engine:
         with torch.no_grad():  # every replica starts from rank 0's values, as DDP does
             for t in [*model.parameters(), *model.buffers()]:
                 broadcast(t.data, 0, groups.world, self.stats, "setup")
+        self.stats.discard_step()
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         named = dict(model.named_parameters())
         modules = embedding_modules(model)

@@ -27,7 +27,7 @@ from ..comm.counted import Stats, all_to_all_v, group_size
 from ..errors import PlanError
 from ..optim.rowwise import RowOptimizer
 from ..plan import ParamPlan
-from .layout import TableLayout
+from ..layout import TableLayout
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import ParamPlan, partition_bounds, partition_rows, partitions_of, server_of
+from .plan import ParamPlan, partition_bounds, partition_rows, partitions_of, server_of
 
 
 class TableLayout:

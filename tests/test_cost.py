@@ -1,0 +1,115 @@
+"""The cost model's bytes equal what the runtime's counters show, exactly; and it is fast."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tilework
+from tilework.analysis import analyze
+from tilework.cluster import Links, Topology
+from tilework.comm import build_groups
+from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
+                           ps_expected, ps_table_bytes)
+from tilework.planner import make_plan
+from tilework.testing import spawn
+
+BUCKET = 64  # bytes: several buckets even for this tiny model
+
+
+class TwoTables(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.words = nn.Embedding(50, 3, sparse=True)
+        self.tags = nn.Embedding(7, 2, sparse=True)
+        self.mix = nn.Linear(5, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, words, tags):
+        x = torch.cat([self.words(words).mean(1), self.tags(tags).mean(1)], dim=1)
+        return self.out(torch.relu(self.mix(x))).pow(2).mean()
+
+
+def ids_for(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 50, (3, 4), generator=g), torch.randint(0, 7, (3, 2), generator=g)
+
+
+def _run(rank, world_size, mode, hosts, local_aggregation):
+    model = TwoTables()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
+    tilework.parallelize(model, opt, groups=groups, mode=mode, local_aggregation=local_aggregation,
+                         bucket_mb=BUCKET / 2**20, log=False)
+    measured = []
+    for step in range(2):
+        model(*ids_for(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        last = tilework.stats(model)["last_step"]
+        measured.append({m: t["sent"] for m, t in last.items()})
+    return measured
+
+
+def predicted(mode, world_size, hosts, local_aggregation, step):
+    topo = Topology.uniform(hosts, world_size // hosts)
+    model = TwoTables()
+    plan = make_plan(analyze(model), world_size, mode, bucket_bytes=BUCKET)
+    params = dict(model.named_parameters())
+    per_rank = [{"allreduce": 0, "ps": 0} for _ in range(world_size)]
+    dense = [p.numel() * 4 for n, p in params.items() if plan.by_name()[n].method == "allreduce"]
+    for r in range(world_size):
+        per_rank[r]["allreduce"] = dense_sync_bytes(dense, BUCKET, world_size)
+    lookups = {"words.weight": 0, "tags.weight": 1}
+    for pp in plan.of("ps"):
+        row_bytes = params[pp.name].numel() // pp.shape[0] * 4
+        if pp.name in lookups:
+            ids = [ids_for(step, r)[lookups[pp.name]].reshape(-1) for r in range(world_size)]
+            sent = ps_table_bytes(pp, ids, topo, local_aggregation, row_bytes)
+        else:
+            sent = dense_served_bytes(pp, world_size, row_bytes)
+        for r in range(world_size):
+            per_rank[r]["ps"] += sent[r]
+    return [{m: b for m, b in d.items() if b} for d in per_rank]
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "ps", "allreduce"])
+@pytest.mark.parametrize("world_size, hosts, local_aggregation",
+                         [(2, 1, True), (4, 1, True), (4, 2, True), (4, 2, False)])
+def test_counters_equal_the_cost_model(mode, world_size, hosts, local_aggregation):
+    measured = spawn(_run, world_size, args=(mode, hosts, local_aggregation), timeout=120)
+    for step in range(2):
+        expected = predicted(mode, world_size, hosts, local_aggregation, step)
+        got = [{m: b for m, b in measured[r][step].items() if b} for r in range(world_size)]
+        assert got == expected, f"step {step}"
+
+
+def test_expected_unique_matches_exact_sums():
+    for rows, k, alpha in [(1000, 50, 1.0), (100_000, 5_000, 1.1), (800_000, 100_000, 0.9)]:
+        ranks = torch.arange(1, rows + 1, dtype=torch.float64)
+        p = ranks ** -alpha
+        p /= p.sum()
+        exact = float((1 - (1 - p) ** k).sum())
+        assert expected_unique(rows, k, alpha) == pytest.approx(exact, rel=0.01)
+
+
+def test_local_aggregation_lowers_expected_inter_host_time():
+    topo = Topology.uniform(8, 6)
+    links = Links()
+    model = TwoTables()
+    pp = make_plan(analyze(model), 48).by_name()["words.weight"]
+    traffic = TableTraffic.zipf(800_000, 20_000, topo)
+    with_la = ps_expected(pp, traffic, topo, links, True, 2048)
+    without = ps_expected(pp, traffic, topo, links, False, 2048)
+    assert with_la.seconds < without.seconds
+
+
+def test_costing_a_thousand_hosts_is_fast():
+    topo = Topology.uniform(1000, 8)
+    start = time.perf_counter()
+    for t in range(100):
+        TableTraffic.zipf(800_000 - t, 4096, topo)
+    assert time.perf_counter() - start < 1.0
