@@ -158,6 +158,7 @@ def reach(cluster, src, dst):
 
 @needs_netns
 def test_two_hosts_reach_each_other_and_vanish_after(no_leftovers):
+    before = signal.getsignal(signal.SIGTERM)
     with emulated_cluster(2, LinkShape(None)) as c:
         names = c.namespaces
         assert present(names) == set(names)
@@ -173,8 +174,7 @@ def test_two_hosts_reach_each_other_and_vanish_after(no_leftovers):
         assert [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()] == [
             "lo", "veth0"]
     assert not present(names)
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL or not callable(
-        getattr(signal.getsignal(signal.SIGTERM), "__self__", None))
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 @needs_netns
@@ -247,12 +247,25 @@ def test_sigterm_in_the_block_tears_down_and_calls_the_previous_handler(no_lefto
                 time.sleep(0.01)
             assert calls == [signal.SIGTERM]
             assert not present(c.namespaces)
-        assert signal.getsignal(signal.SIGTERM) is not None
         os.kill(os.getpid(), signal.SIGTERM)  # the previous handler is back
         time.sleep(0.05)
         assert calls == [signal.SIGTERM, signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@needs_netns
+def test_stale_namespaces_of_dead_processes_are_removed(no_leftovers):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale, live = f"tw{int(dead.stdout)}c0h0", f"{new_prefix()}h0"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert stale in netns.remove_stale_namespaces()
+        assert present([stale, live]) == {live}
+    finally:
+        netns._delete_namespaces([["ip", "netns", "del", n] for n in (stale, live)])
 
 
 HOLD = textwrap.dedent("""
@@ -267,6 +280,7 @@ HOLD = textwrap.dedent("""
 @needs_netns
 def test_sigterm_to_a_process_holding_a_cluster_removes_it():
     p = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True)
+    names = []
     try:
         names = p.stdout.readline().split()
         assert len(names) == 3 and present(names) == set(names)
@@ -277,8 +291,7 @@ def test_sigterm_to_a_process_holding_a_cluster_removes_it():
         if p.poll() is None:
             p.kill()
             p.wait()
-        if names := locals().get("names"):
-            netns._delete_namespaces([["ip", "netns", "del", n] for n in names])
+        netns._delete_namespaces([["ip", "netns", "del", n] for n in names])
 
 
 ALL_REDUCE = textwrap.dedent("""

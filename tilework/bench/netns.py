@@ -374,4 +374,5 @@ def emulated_cluster(hosts: int, link: LinkShape = LinkShape(None),
 
 __all__ = ["EmulatedCluster", "EmulatedHost", "EmulationError", "LinkShape", "available",
            "emulated_cluster", "egress_qdisc", "host_layout", "list_namespaces", "netns_exec",
-           "remove_stale_namespaces", "setup_commands", "switch_namespace", "teardown_commands"]
+           "new_prefix", "remove_stale_namespaces", "setup_commands", "switch_namespace",
+           "tbf_args", "teardown_commands"]
