@@ -56,3 +56,63 @@ def test_planning_a_huge_model_on_the_meta_device_is_instant():
     plan = make_plan(analyze(model), world_size=48).by_name()
     assert plan["embedding.weight"].shape == (793_471, 512)
     assert plan["embedding.weight"].partitions == 48
+
+
+def test_cost_search_sends_a_fully_touched_table_to_allreduce():
+    from tilework.cluster import Links, Topology
+    from tilework.cost import TableTraffic
+
+    topo = Topology.uniform(1, 4)
+    infos = analyze(DLRM([1000, 100_000]))
+    traffic = {"tables.0.weight": TableTraffic(1000, 1000, 1000),       # every row, every step
+               "tables.1.weight": TableTraffic.zipf(100_000, 64, topo)}
+    plan = make_plan(infos, 4, topology=topo, links=Links(), traffic=traffic).by_name()
+    assert plan["tables.0.weight"].method == "allreduce"
+    assert plan["tables.1.weight"].method == "ps" and plan["tables.1.weight"].partitions == 4
+    assert "rows/step" in plan["tables.0.weight"].reason
+
+
+def test_too_few_partitions_cost_more():
+    from tilework.cluster import Links, Topology
+    from tilework.cost import TableTraffic, ps_expected
+    from tilework.plan import ParamPlan
+
+    topo = Topology.uniform(8, 6)
+    traffic = TableTraffic.zipf(800_000, 2560, topo)
+    times = [ps_expected(ParamPlan("t", (800_000, 512), "ps", p), traffic, topo, Links(), la,
+                         2048).seconds for la in (True, False) for p in (1, 8, 48)]
+    assert times[0] > times[1] > times[2] and times[3] > times[4] > times[5]
+
+
+def test_planning_a_thousand_hosts_with_a_hundred_tables_takes_under_a_second():
+    import time
+
+    from tilework.cluster import Links, Topology
+    from tilework.cost import TableTraffic
+
+    topo = Topology.uniform(1000, 8)
+    with torch.device("meta"):
+        model = DLRM([100_000 + 1000 * i for i in range(100)], embed_dim=64)
+    start = time.perf_counter()
+    infos = analyze(model)
+    traffic = {i.name: TableTraffic.zipf(i.shape[0], 512, topo) for i in infos if i.is_table}
+    plan = make_plan(infos, topo.world_size, topology=topo, links=Links(), traffic=traffic)
+    elapsed = time.perf_counter() - start
+    assert len(plan.of("ps")) == 100
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+
+
+def test_tilework_plan_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = __import__("pathlib").Path(__file__).parent.parent / "docs" / "examples"
+    r = subprocess.run([sys.executable, "-m", "tilework", "plan", "--job", str(root / "lm1b.toml"),
+                        "--cluster", str(root / "parallax-testbed.toml"), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    methods = {p["name"]: p["method"] for p in out["params"]}
+    assert methods["embedding.weight"] == "ps" and methods["rnn.weight_hh_l0"] == "allreduce"
+    assert out["hybrid_speedup_over_allreduce"] > 1

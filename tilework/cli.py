@@ -3,6 +3,7 @@
     tilework run -n 2 train.py [args]          local workers with torchrun semantics
     tilework run --hosts cluster.toml train.py on each host of the cluster file
     tilework train job.toml [--resume]         a reference workload from a job file
+    tilework plan --job J --cluster C          the plan and its predicted cost
     tilework demo                              the embedded default job
 """
 
@@ -40,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("job", help="job file (TOML)")
     train.add_argument("-n", "--nproc", type=int, default=1, help="local worker processes")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+
+    plan = sub.add_parser("plan", help="what tilework would do with a job on a cluster, and its cost")
+    plan.add_argument("--job", required=True, help="job file (TOML)")
+    plan.add_argument("--cluster", required=True, help="cluster file (TOML)")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
 
     demo = sub.add_parser("demo", help="the embedded default job (word LM on stdlib sources)")
     demo.add_argument("-n", "--nproc", type=int, default=2,
@@ -95,6 +101,39 @@ def _cmd_train(a, argv) -> int:
     return _worker_done(groups)
 
 
+def _cmd_plan(a, argv) -> int:
+    import json
+
+    from .cluster import Cluster
+    from .report import report
+    from .train.job import Job
+
+    job, cluster = Job.load(a.job), Cluster.load(a.cluster)
+    out = report(job, cluster)
+    if a.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{a.job} on {a.cluster}: {out['hosts']} hosts, {out['world_size']} ranks")
+    for col in ("parameter", "shape", "rows/step", "method", "partitions", "MB/step", "ms/step",
+                "why"):
+        table.add_column(col, justify="right" if col in ("MB/step", "ms/step", "rows/step") else "left")
+    for p in out["params"]:
+        table.add_row(p["name"], "x".join(map(str, p["shape"])),
+                      "-" if p["density"] is None else f"{p['density']:.2%}", p["method"],
+                      str(p["partitions"]) if p["method"] == "ps" else "-",
+                      f"{p['bytes_sent'] / 1e6:.3f}", f"{p['seconds'] * 1e3:.3f}", p["why"])
+    console = Console(soft_wrap=True)
+    console.print(table)
+    t = out["step_comm_seconds"]
+    console.print(f"predicted communication per step: hybrid {t['hybrid'] * 1e3:.2f} ms, "
+                  f"all-AllReduce {t['allreduce'] * 1e3:.2f} ms, all-PS {t['ps'] * 1e3:.2f} ms; "
+                  f"hybrid speed-up over all-AllReduce {out['hybrid_speedup_over_allreduce']:.2f}x")
+    return 0
+
+
 def _cmd_demo(a, argv) -> int:
     import dataclasses
 
@@ -136,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else argv
         args = _parser().parse_args(argv)
-        return {"run": _cmd_run, "train": _cmd_train, "demo": _cmd_demo}[args.command](args, argv)
+        commands = {"run": _cmd_run, "train": _cmd_train, "plan": _cmd_plan, "demo": _cmd_demo}
+        return commands[args.command](args, argv)
     except UserError as e:
         print(f"tilework: error: {e}", file=sys.stderr)
         return e.exit_code

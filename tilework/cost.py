@@ -174,33 +174,43 @@ class TableTraffic:
                    rows * (1 - (1 - density) ** n))
 
 
+def _exchange(requests: float, requesters: int, servers: int, row_bytes: int):
+    """Sent and received bytes of the busiest server when `requesters` ranks each ask for
+    `requests` distinct rows spread over `servers` ranks: requests carry an id for the pull and an
+    id plus a gradient row for the push; answers carry a row."""
+    ask, answer = 2 * ID_BYTES + row_bytes, row_bytes
+    mine = 1 / servers
+    load = (requesters - 1) * requests * mine          # rows other ranks bring to this server
+    sent = requests * (1 - mine) * ask + load * answer
+    received = load * ask + requests * (1 - mine) * answer
+    return sent, received
+
+
 def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, links: Links,
                 local_aggregation: bool, row_bytes: int) -> Cost:
-    """Expected bytes and seconds of one pull + push of a table, at its busiest server."""
+    """Expected bytes and seconds of one pull and one push of a table, at its busiest server.
+
+    Too few partitions and a few servers carry everyone's rows; at one partition per rank the
+    load is even. (Our exchange sends one message per pair of ranks however many partitions a
+    rank serves, so partitions beyond the world size add no per-message cost here.)
+    """
     n = topology.world_size
     if n == 1:
         return Cost(0, 0.0)
     servers = min(plan.partitions, n)
-    per_msg = ID_BYTES + row_bytes
     local, hosts = len(topology.hosts[0]), topology.num_hosts
-    la = local_aggregation and hosts > 1 and local > 1 and \
-        len({len(h) for h in topology.hosts}) == 1
-    if not la:
-        out = traffic.per_rank * (1 - 1 / servers if servers == n else 1.0)
-        # A server answers, and receives, its share of every rank's unique rows.
-        load = n * traffic.per_rank / servers
-        busiest = 2 * out * per_msg + load * row_bytes if servers == n else \
-            max(2 * out * per_msg, load * (row_bytes + 2 * per_msg))
-        t = seconds(busiest, link_for(topology, links), 4 * (n - 1))
-        return Cost(2 * out * per_msg + load * row_bytes, t)
-    # Hop 1 inside the host, hop 2 across hosts with what the host merged.
-    intra_out = traffic.per_rank * (1 - 1 / local)
-    inter_out = traffic.per_host / local * (1 - 1 / hosts)
-    intra_bytes = 2 * intra_out * per_msg + intra_out * row_bytes
-    inter_bytes = 2 * inter_out * per_msg + inter_out * row_bytes
-    t = seconds(intra_bytes, links.intra, 4 * (local - 1)) + \
-        seconds(inter_bytes, links.inter, 4 * (hosts - 1))
-    return Cost(intra_bytes + inter_bytes, t)
+    if not (local_aggregation and hosts > 1 and local > 1
+            and len({len(h) for h in topology.hosts}) == 1):
+        sent, received = _exchange(traffic.per_rank, n, servers, row_bytes)
+        return Cost(sent, seconds(max(sent, received), link_for(topology, links), 4 * (n - 1)))
+    forwarders = min(servers, local)
+    s1, r1 = _exchange(traffic.per_rank, local, forwarders, row_bytes)
+    # Across hosts: each host's forwarders hold what the host merged; a server hears every host.
+    s2, r2 = _exchange(traffic.per_host / forwarders, hosts, max(1, servers // forwarders),
+                       row_bytes)
+    t = seconds(max(s1, r1), links.intra, 4 * (local - 1)) + \
+        seconds(max(s2, r2), links.inter, 4 * (hosts - 1))
+    return Cost(s1 + s2, t)
 
 
 def compute_seconds(flops: float, flops_per_s: float) -> float:

@@ -1,8 +1,11 @@
-"""Choose each parameter's method and partition count (v1: by the sparsity rule).
+"""Choose each parameter's method and partition count.
 
-Pure: takes `ParamInfo`s and a world size, returns a `Plan`. In "hybrid" mode tables with sparse
-gradients (or a measured touched-row fraction under `density_threshold`) go to the parameter
-server and everything else to all-reduce; "allreduce" and "ps" send everything one way.
+Pure: takes `ParamInfo`s and a world size (or a topology and links), returns a `Plan`.
+"allreduce" and "ps" send everything one way. In "hybrid" mode dense parameters are all-reduced;
+a table goes by predicted cost where its traffic is known (`traffic`: expected distinct rows per
+step, from a Zipf model or a measured density): the cheaper of all-reduce and the parameter
+server with the best partition count. Where nothing is known it goes by the sparsity rule:
+sparse gradient (or measured touched-row fraction under `density_threshold`) -> servers.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from typing import Literal
 
 from .analysis import ParamInfo
+from .cluster import Links, Topology
+from .cost import TableTraffic, ps_expected, ring_allreduce
 from .errors import PlanError
 from .plan import Method, ParamPlan, Plan, RowMap
 
@@ -20,7 +25,9 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               overrides: dict[str, Method] | None = None,
               partitions: int | dict[str, int] | None = None, row_map: RowMap = "contiguous",
               sparse_reduce: Literal["mean", "sum"] = "mean", local_aggregation: bool = True,
-              bucket_bytes: int = 25 * 2**20, density_threshold: float = 0.1) -> Plan:
+              bucket_bytes: int = 25 * 2**20, density_threshold: float = 0.1,
+              topology: Topology | None = None, links: Links | None = None,
+              traffic: dict[str, TableTraffic] | None = None) -> Plan:
     if mode not in ("hybrid", "allreduce", "ps"):
         raise PlanError(f"mode: expected 'hybrid', 'allreduce' or 'ps', got {mode!r}")
     if sparse_reduce not in ("mean", "sum"):
@@ -33,9 +40,18 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                             f"(parameters: {', '.join(sorted(known))})")
         if method not in ("allreduce", "ps"):
             raise PlanError(f"override for {name!r}: expected 'allreduce' or 'ps', got {method!r}")
+    topology = topology or Topology.from_sizes([world_size])
+    if topology.world_size != world_size:
+        raise PlanError(f"topology has {topology.world_size} ranks, expected {world_size}")
+    links, traffic = links or Links(), traffic or {}
     params = []
     for info in infos:
         method, reason = _rule(info, mode, density_threshold)
+        searched = None
+        if mode == "hybrid" and info.is_table and info.name in traffic:
+            searched = search(info, traffic[info.name], topology, links, local_aggregation,
+                              row_map)
+            method, reason = searched.method, searched.reason
         if info.name in overrides:
             method, reason = overrides[info.name], "set by the user"
             if method == "ps" and not info.is_table and mode != "ps":
@@ -46,6 +62,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
         parts = 1
         if method == "ps":
             wanted = partitions.get(info.name) if isinstance(partitions, dict) else partitions
+            if wanted is None and searched is not None and searched.method == "ps":
+                wanted = searched.partitions
             parts = min(wanted or world_size, info.shape[0])
         params.append(ParamPlan(info.name, info.shape, method, parts, row_map, reason))
     return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes)
@@ -64,3 +82,36 @@ def _rule(info: ParamInfo, mode: Mode, threshold: float) -> tuple[Method, str]:
         known = "unmeasured" if info.density is None else f"touched-row fraction {info.density:.3f}"
         return "allreduce", f"dense-layout gradient ({known})"
     return "allreduce", "dense"
+
+
+def partition_candidates(world_size: int, rows: int) -> list[int]:
+    """Powers of two up to the world size, and the world size itself (at most `rows`)."""
+    out, p = set(), 1
+    while p < world_size:
+        out.add(p)
+        p *= 2
+    out.add(world_size)
+    return sorted(min(c, rows) for c in out)
+
+
+def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Links,
+           local_aggregation: bool, row_map: RowMap = "contiguous") -> ParamPlan:
+    """The cheapest way to synchronise one table: all-reduce, or the servers with P partitions."""
+    dense = ring_allreduce(info.nbytes, topology, links)
+    best = ParamPlan(info.name, info.shape, "allreduce", 1, row_map, "")
+    best_s, best_ps = dense.seconds, None
+    for p in partition_candidates(topology.world_size, info.shape[0]):
+        candidate = ParamPlan(info.name, info.shape, "ps", p, row_map, "")
+        cost = ps_expected(candidate, traffic, topology, links, local_aggregation, info.row_bytes)
+        if best_ps is None or cost.seconds < best_ps[1].seconds:
+            best_ps = (candidate, cost)
+    fraction = traffic.per_rank / info.shape[0]
+    if best_ps is not None and best_ps[1].seconds < best_s:
+        plan, cost = best_ps
+        why = (f"{fraction:.1%} rows/step: servers {cost.seconds * 1e3:.3g} ms < all-reduce "
+               f"{dense.seconds * 1e3:.3g} ms")
+        return ParamPlan(info.name, info.shape, "ps", plan.partitions, row_map, why)
+    ps_s = best_ps[1].seconds if best_ps else float("inf")
+    why = (f"{fraction:.1%} rows/step: all-reduce {dense.seconds * 1e3:.3g} ms <= servers "
+           f"{ps_s * 1e3:.3g} ms")
+    return ParamPlan(info.name, info.shape, "allreduce", 1, row_map, why)

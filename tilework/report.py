@@ -1,0 +1,122 @@
+"""`tilework plan`: what tilework would do with a job on a cluster, and what it would cost.
+
+Pure: the model is built on the meta device (no weights, so an LM1B-sized model plans in
+milliseconds), the ids are modelled (Zipf over a frequency-sorted vocabulary), nothing runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .analysis import ParamInfo, analyze
+from .cluster import Cluster
+from .cost import (Cost, TableTraffic, dense_served_bytes, link_for, ps_expected, ring_allreduce,
+                   seconds)
+from .models import DLRM, SmallResNet, WordLM
+from .plan import Plan
+from .planner import make_plan
+from .train.job import Job
+
+
+def meta_model(job: Job) -> torch.nn.Module:
+    with torch.device("meta"):
+        if job.workload == "lm":
+            c = job.lm
+            return WordLM(c.vocab, c.embed_dim, c.hidden, c.layers, c.sparse, c.num_sampled)
+        if job.workload == "cnn":
+            c = job.cnn
+            return SmallResNet(c.num_classes, c.width, c.blocks)
+        c = job.recommender
+        return DLRM(c.table_sizes, c.dense_features, c.embed_dim, sparse=c.sparse)
+
+
+def table_traffic(job: Job, infos: list[ParamInfo], cluster: Cluster) -> dict[str, TableTraffic]:
+    """Expected distinct rows per step of each table, from the job's batch and a Zipf model."""
+    topo = cluster.topology()
+    n = topo.world_size
+    per_rank = job.data.batch_size / n if job.data.scaling == "strong" else job.data.batch_size
+    out = {}
+    for info in infos:
+        if not info.is_table:
+            continue
+        rows = info.shape[0]
+        if job.workload == "lm":
+            tokens = per_rank * job.lm.seq_len
+            alpha = job.lm.zipf_alpha if job.lm.corpus == "zipf" else 1.0
+            if info.name == "embedding.weight":
+                out[info.name] = TableTraffic.zipf(rows, tokens, topo, alpha)
+            elif job.lm.num_sampled:
+                # targets (Zipf) plus negatives shared by every rank (log-uniform, ~Zipf 1)
+                t = TableTraffic.zipf(rows, tokens, topo, alpha)
+                neg = TableTraffic.zipf(rows, job.lm.num_sampled, topo, 1.0)
+                out[info.name] = TableTraffic(min(rows, t.per_rank + neg.per_rank),
+                                              min(rows, t.per_host + neg.per_rank),
+                                              min(rows, t.world + neg.per_rank))
+            else:
+                out[info.name] = TableTraffic(rows, rows, rows)  # the full softmax reads all rows
+        elif job.workload == "recommender":
+            out[info.name] = TableTraffic.zipf(rows, per_rank, topo, job.recommender.zipf_alpha)
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    shape: tuple[int, ...]
+    density: float | None
+    method: str
+    partitions: int
+    bytes_sent: float
+    seconds: float
+
+
+def param_costs(plan: Plan, infos: list[ParamInfo], traffic, cluster: Cluster) -> list[Row]:
+    topo, links = cluster.topology(), cluster.links
+    rows = []
+    for pp, info in zip(plan.params, infos):
+        t = traffic.get(pp.name)
+        density = t.per_rank / pp.shape[0] if t else None
+        if pp.method == "allreduce":
+            c = ring_allreduce(info.nbytes, topo, links)
+        elif t is not None:
+            c = ps_expected(pp, t, topo, links, plan.local_aggregation, info.row_bytes)
+        else:  # a dense parameter on the servers (mode="ps"): every row, every step
+            b = max(dense_served_bytes(pp, topo.world_size, info.row_bytes))
+            c = Cost(b, seconds(b, link_for(topo, links), 4 * (topo.world_size - 1)))
+        rows.append(Row(pp.name, pp.shape, density, pp.method, pp.partitions, c.bytes_sent,
+                        c.seconds))
+    return rows
+
+
+def step_seconds(plan: Plan, infos: list[ParamInfo], traffic, cluster: Cluster) -> float:
+    """Communication seconds per step: dense parameters bucketed together, tables one by one."""
+    topo, links = cluster.topology(), cluster.links
+    dense = sum(i.nbytes for pp, i in zip(plan.params, infos) if pp.method == "allreduce")
+    total = 0.0
+    if dense:
+        total += ring_allreduce(dense, topo, links, math.ceil(dense / plan.bucket_bytes)).seconds
+    return total + sum(r.seconds for r in param_costs(plan, infos, traffic, cluster)
+                       if r.method == "ps")
+
+
+def report(job: Job, cluster: Cluster) -> dict:
+    model = meta_model(job)
+    infos = analyze(model)
+    traffic = table_traffic(job, infos, cluster)
+    topo, n = cluster.topology(), cluster.world_size
+    common = dict(sparse_reduce=job.parallel.sparse_reduce,
+                  local_aggregation=job.parallel.local_aggregation,
+                  bucket_bytes=int(job.parallel.bucket_mb * 2**20), topology=topo,
+                  links=cluster.links, traffic=traffic)
+    plans = {mode: make_plan(infos, n, mode, **common) for mode in ("hybrid", "allreduce", "ps")}
+    rows = param_costs(plans["hybrid"], infos, traffic, cluster)
+    times = {mode: step_seconds(p, infos, traffic, cluster) for mode, p in plans.items()}
+    return {"world_size": n, "hosts": topo.num_hosts,
+            "params": [vars(r) | {"shape": list(r.shape),
+                                  "why": plans["hybrid"].by_name()[r.name].reason} for r in rows],
+            "step_comm_seconds": times,
+            "hybrid_speedup_over_allreduce": times["allreduce"] / times["hybrid"]
+            if times["hybrid"] else None}
