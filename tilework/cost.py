@@ -101,8 +101,9 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
                 ids = current[rank]
                 to = dest(ids)
                 to_others = int((to != me).sum())
-                # pull: ids out, (back call) rows for what others asked; push: ids out, grads out
-                sent[rank] += 4 * COUNT_BYTES * (g - 1) + 2 * ID_BYTES * to_others \
+                # pull: counts, ids out, then rows for what others asked (lengths known);
+                # push: counts, then each id packed with its gradient row
+                sent[rank] += 2 * COUNT_BYTES * (g - 1) + 2 * ID_BYTES * to_others \
                     + row_bytes * to_others
                 for j, peer in enumerate(members):
                     arriving[peer].append(ids[to == j])
@@ -115,13 +116,13 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
 
 
 def dense_served_bytes(plan: ParamPlan, n: int, row_bytes: int) -> list[int]:
-    """Exact bytes of a dense parameter on the servers (mode="ps"): push rows, pull shards."""
+    """Exact bytes of a dense parameter on the servers (mode="ps"): push rows, pull shards
+    (lengths are static, so no counts travel)."""
     if n == 1:
         return [0]
     sizes = TableLayout(plan, n).shard_sizes
     rows = plan.shape[0]
-    return [2 * COUNT_BYTES * (n - 1) + row_bytes * (rows - sizes[r]) + row_bytes * sizes[r] * (n - 1)
-            for r in range(n)]
+    return [row_bytes * (rows - sizes[r]) + row_bytes * sizes[r] * (n - 1) for r in range(n)]
 
 
 # -- parameter server: expected, for planning ---------------------------------------------------
@@ -202,14 +203,14 @@ def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, link
     if not (local_aggregation and hosts > 1 and local > 1
             and len({len(h) for h in topology.hosts}) == 1):
         sent, received = _exchange(traffic.per_rank, n, servers, row_bytes)
-        return Cost(sent, seconds(max(sent, received), link_for(topology, links), 4 * (n - 1)))
+        return Cost(sent, seconds(max(sent, received), link_for(topology, links), 3 * (n - 1)))
     forwarders = min(servers, local)
     s1, r1 = _exchange(traffic.per_rank, local, forwarders, row_bytes)
     # Across hosts: each host's forwarders hold what the host merged; a server hears every host.
     s2, r2 = _exchange(traffic.per_host / forwarders, hosts, max(1, servers // forwarders),
                        row_bytes)
-    t = seconds(max(s1, r1), links.intra, 4 * (local - 1)) + \
-        seconds(max(s2, r2), links.inter, 4 * (hosts - 1))
+    t = seconds(max(s1, r1), links.intra, 3 * (local - 1)) + \
+        seconds(max(s2, r2), links.inter, 3 * (hosts - 1))
     return Cost(s1 + s2, t)
 
 

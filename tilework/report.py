@@ -85,7 +85,7 @@ def param_costs(plan: Plan, infos: list[ParamInfo], traffic, cluster: Cluster) -
             c = ps_expected(pp, t, topo, links, plan.local_aggregation, info.row_bytes)
         else:  # a dense parameter on the servers (mode="ps"): every row, every step
             b = max(dense_served_bytes(pp, topo.world_size, info.row_bytes))
-            c = Cost(b, seconds(b, link_for(topo, links), 4 * (topo.world_size - 1)))
+            c = Cost(b, seconds(b, link_for(topo, links), 2 * (topo.world_size - 1)))
         rows.append(Row(pp.name, pp.shape, density, pp.method, pp.partitions, c.bytes_sent,
                         c.seconds))
     return rows

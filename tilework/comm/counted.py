@@ -90,11 +90,13 @@ def broadcast(tensor: torch.Tensor, src: int, group, stats: Stats, method: str) 
 
 
 def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
-                 remote: list[bool] | None = None) -> list[torch.Tensor]:
+                 remote: list[bool] | None = None,
+                 recv_lengths: list[int] | None = None) -> list[torch.Tensor]:
     """Send chunks[j] to group rank j; return what each group rank sent here, in rank order.
 
-    Chunks may differ in length (first dimension) but share the trailing shape and dtype. The
-    lengths go first in a small all-to-all of int64 counts (counted too: it is real traffic).
+    Chunks may differ in length (first dimension) but share the trailing shape and dtype. Unless
+    the caller knows what will arrive (`recv_lengths`, e.g. the answers to its own requests),
+    the lengths go first in a small all-to-all of int64 counts (counted too: real traffic).
     `remote[j]` says group rank j is on another host, for the inter-host byte count.
     """
     n = group_size(group)
@@ -104,14 +106,16 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
     trailing = chunks[0].shape[1:]
     row = int(torch.tensor(trailing).prod().item()) if len(trailing) else 1
     device = chunks[0].device
-    send_counts = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64, device=device)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
     remote = remote or [False] * n
-    count_bytes = 8 * (n - 1)
-    stats.record(method, count_bytes, count_bytes, 8 * sum(remote))
+    if recv_lengths is None:
+        send_counts = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64, device=device)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        count_bytes = 8 * (n - 1)
+        stats.record(method, count_bytes, count_bytes, 8 * sum(remote))
+        recv_lengths = recv_counts.tolist()
     send = torch.cat([c.reshape(-1) for c in chunks])
-    recv_sizes = [int(c) * row for c in recv_counts.tolist()]
+    recv_sizes = [int(c) * row for c in recv_lengths]
     recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=device)
     dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
                            input_split_sizes=[c.numel() for c in chunks], group=group)

@@ -1,0 +1,188 @@
+"""`tilework bench`: tilework beside PyTorch's DDP, same model, data and seed, in the same run.
+
+    tilework bench --quick           # < 2 minutes: the sparse LM and the CNN on 2 emulated hosts
+    tilework bench                   # every workload, loopback and emulated hosts at 3 link rates
+
+Emulated hosts are network namespaces joined by a bridge (bench/netns.py), each host's link
+shaped with tbf. The rate is chosen by ratio, not habit: the Parallax testbed had about 1,000
+FLOP of GPU compute per byte of network (12 TFLOP/s on 100 Gb/s); this machine's per-process
+matmul FLOP/s over 1,000 gives the "parallax" rate, reported with 10x and 0.1x of it. Without
+root or iproute2 the suite says so and runs on loopback only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+from .netns import LinkShape, available, emulated_cluster
+from .worker import SYSTEMS
+
+PARALLAX_FLOP_PER_BYTE = 12e12 / (100e9 / 8)   # TITAN Xp fp32 over 100 Gb/s InfiniBand (~960)
+
+
+def matmul_flops(size: int = 512, repeats: int = 20) -> float:
+    """One thread's fp32 matmul FLOP/s on this machine (what one rank computes with)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    hosts: int
+    link: LinkShape | None       # None: loopback, one host
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(commands: list[list[str]], envs: list[dict], timeout: float) -> None:
+    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c, e in zip(commands, envs)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [(i, o) for i, (p, o) in enumerate(zip(procs, outs)) if p.returncode]
+    if failed:
+        rank, out = failed[0]
+        raise RuntimeError(f"benchmark rank {rank} failed:\n{out[-2000:]}")
+
+
+def run_one(workload: str, system: str, setting: Setting, steps: int, warmup: int,
+            cluster=None, timeout: float = 300) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [sys.executable, "-m", "tilework.bench.worker", "--workload", workload,
+                "--system", system, "--steps", str(steps), "--warmup", str(warmup),
+                "--out", str(out)]
+        port = _free_port()
+        base = {**os.environ, "WORLD_SIZE": str(setting.hosts), "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1"}
+        if cluster is None:
+            envs = [{**base, "RANK": str(r), "MASTER_ADDR": "127.0.0.1"} for r in range(setting.hosts)]
+            commands = [argv] * setting.hosts
+        else:
+            envs = [{**base, **cluster.gloo_env(r, port), "RANK": str(r)} for r in range(setting.hosts)]
+            commands = [cluster.command(r, argv) for r in range(setting.hosts)]
+        _launch(commands, envs, timeout)
+        result = json.loads(out.read_text())
+    return {**result, "setting": setting.name, "hosts": setting.hosts}
+
+
+def settings(quick: bool, flops: float) -> tuple[list[Setting], str]:
+    ok, why = available(LinkShape(rate_mbit=100))
+    parallax = flops / PARALLAX_FLOP_PER_BYTE * 8 / 1e6   # Mbit/s
+    chosen = [Setting("1 host", 1, None)]
+    if not ok:
+        return chosen + [Setting("loopback, 2 ranks", 2, None)], f"no emulated hosts: {why}"
+    rates = [("parallax", 1.0)] if quick else [("parallax", 1.0), ("10x", 10.0), ("0.1x", 0.1)]
+    for label, factor in rates:
+        chosen.append(Setting(f"2 hosts, {label} ({parallax * factor:,.0f} Mbit/s)", 2,
+                              LinkShape(rate_mbit=parallax * factor)))
+    if not quick:
+        chosen.insert(1, Setting("loopback, 2 ranks", 2, None))
+    return chosen, f"emulated hosts: tbf-shaped veth links; parallax rate {parallax:,.0f} Mbit/s"
+
+
+def run_suite(workloads: list[str], systems: list[str], quick: bool, steps: int, warmup: int,
+              log=print) -> dict:
+    flops = matmul_flops()
+    chosen, note = settings(quick, flops)
+    log(f"per-process matmul: {flops / 1e9:.1f} GFLOP/s; {note}")
+    results = []
+    for setting in chosen:
+        systems_here = systems if setting.hosts > 1 else ["hybrid"]  # one rank: nothing to sync
+        cm = nullcontext() if setting.link is None else emulated_cluster(setting.hosts, setting.link)
+        with cm as cluster:
+            for w in workloads:
+                for s in systems_here:
+                    r = run_one(w, s, setting, steps, warmup, cluster)
+                    results.append(r)
+                    log(f"{setting.name:>34}  {w:>11}  {s:>10}  {r['step_s'] * 1e3:8.1f} ms/step  "
+                        f"{r['throughput']:10,.0f} {r['unit']}/s  {r['bytes_per_step'] / 1e6:8.3f} MB")
+    return {"flops_per_s": flops, "note": note, "results": results, "quick": quick,
+            "steps": steps, "warmup": warmup}
+
+
+def ratios(results: list[dict]) -> list[dict]:
+    """Each result with its throughput relative to DDP in the same setting and workload."""
+    ddp = {(r["setting"], r["workload"]): r["throughput"] for r in results if r["system"] == "ddp"}
+    return [{**r, "vs_ddp": r["throughput"] / ddp[(r["setting"], r["workload"])]
+             if (r["setting"], r["workload"]) in ddp else None} for r in results]
+
+
+def write_report(suite: dict, markdown: Path, png: Path, command: str) -> None:
+    rows = ratios(suite["results"])
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "?"
+    lines = [
+        "# Benchmarks: tilework beside DistributedDataParallel",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {os.cpu_count()} cores ({cpu}), one thread per rank, gloo, CPU.  ",
+        f"Per-process fp32 matmul: {suite['flops_per_s'] / 1e9:.1f} GFLOP/s; {suite['note']}.  ",
+        f"Median of {suite['steps']} measured steps after {suite['warmup']} warm-up steps; the step "
+        "time of a step is its slowest rank's. Bytes: what one rank sent in a step (tilework: "
+        "its counters; DDP: ring all-reduce of dense gradients plus the all-gather of sparse ones).",
+        "",
+        "| setting | workload | system | ms/step | throughput | vs DDP | MB sent/step | peak RSS MB |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = "-" if r["vs_ddp"] is None else f"{r['vs_ddp']:.2f}x"
+        lines.append(f"| {r['setting']} | {r['workload']} | {r['system']} | {r['step_s'] * 1e3:.1f} | "
+                     f"{r['throughput']:,.0f} {r['unit']}/s | {ratio} | "
+                     f"{r['bytes_per_step'] / 1e6:.3f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    markdown.write_text("\n".join(lines) + "\n\n![throughput against hosts](" + png.name + ")\n")
+    _plot(rows, png)
+
+
+def _plot(rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    single = {r["workload"]: r["throughput"] for r in rows if r["hosts"] == 1}
+    link_settings = [s for s in dict.fromkeys(r["setting"] for r in rows) if "parallax" in s]
+    for ax, w in zip(axes[0], workloads):
+        for system in SYSTEMS:
+            pts = [(r["hosts"], r["throughput"]) for r in rows
+                   if r["workload"] == w and r["system"] == system and r["setting"] in link_settings]
+            if pts and w in single:
+                xs, ys = zip(*([(1, single[w])] + sorted(pts)))
+                ax.plot(xs, ys, marker="o", label=system)
+        ax.set_title(f"{w} (Parallax-ratio link)")
+        ax.set_xlabel("hosts (1 rank each)")
+        ax.set_ylabel(f"{next(r['unit'] for r in rows if r['workload'] == w)} per second")
+        ax.set_xticks([1, 2])
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

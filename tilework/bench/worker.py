@@ -1,0 +1,114 @@
+"""One rank of a benchmark: train a workload under one system and time the steps.
+
+    python -m tilework.bench.worker --workload lm100k --system hybrid --steps 5 --out r.json
+
+Run by `tilework.bench.suite` in every rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set).
+Systems: ddp (DistributedDataParallel, dense gradients: Horovod's analogue), ddp-sparse (DDP with
+sparse embedding gradients, gloo's sparse all-reduce), and tilework's allreduce, ps and hybrid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid")
+
+
+def _setup(workload, system: str, world_size: int):
+    torch.manual_seed(0)
+    model = workload.make(system in ("ddp-sparse", "ps", "hybrid"))
+    if system.startswith("ddp"):
+        if world_size > 1:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+    import tilework
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tilework.parallelize(model, opt, mode=system, log=False)
+    return model, opt
+
+
+def _ddp_bytes(model, world_size: int) -> int:
+    """What DDP sent this step: ring all-reduce of dense grads; sparse grads are all-gathered
+    (every rank sends its indices and values to the n - 1 others)."""
+    from ..cost import ring_allreduce_bytes
+
+    dense = sparse = 0
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            g = p.grad.coalesce()
+            sparse += g.indices().numel() * 8 + g.values().numel() * g.values().element_size()
+        else:
+            dense += p.numel() * p.element_size()
+    return ring_allreduce_bytes(dense, world_size) + (world_size - 1) * sparse
+
+
+def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:
+    from .workloads import WORKLOADS
+
+    workload = WORKLOADS[workload_name]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    model, opt = _setup(workload, system, world_size)
+    times, sent = [], []
+    for step in range(warmup + steps):
+        inputs = workload.batch(step, rank, world_size)
+        dist.barrier()
+        start = time.perf_counter()
+        model(*inputs).backward()
+        if system.startswith("ddp"):
+            step_bytes = _ddp_bytes(model, world_size)
+        opt.step()
+        opt.zero_grad()
+        elapsed = time.perf_counter() - start
+        if not system.startswith("ddp"):
+            import tilework
+
+            step_bytes = sum(t["sent"] for t in tilework.stats(model)["last_step"].values())
+        if step >= warmup:
+            times.append(elapsed)
+            sent.append(step_bytes)
+    # The step of the slowest rank is the step.
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    median = statistics.median(t.tolist())
+    result = {"workload": workload_name, "system": system, "world_size": world_size,
+              "step_s": median, "throughput": workload.units_per_step / median,
+              "unit": workload.unit, "bytes_per_step": statistics.median(sent),
+              "peak_rss_bytes": peak.item(), "steps": steps}
+    dist.destroy_process_group()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workload", required=True)
+    p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    result = run(a.workload, a.system, a.steps, a.warmup)
+    if result and int(__import__("os").environ.get("RANK", "0")) == 0:
+        with open(a.out, "w") as f:
+            json.dump(result, f)
+    from ..comm import exit_worker
+
+    exit_worker(0)
+
+
+if __name__ == "__main__":
+    main()
