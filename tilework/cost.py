@@ -214,5 +214,16 @@ def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, link
     return Cost(s1 + s2, t)
 
 
+def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
+                     row_bytes: int) -> Cost:
+    """What DDP does with a sparse gradient on gloo: every rank's (ids, rows) go to every other
+    rank (an all-gather), so each rank receives (n - 1) times a rank's rows, growing with n."""
+    n = topology.world_size
+    if n == 1:
+        return Cost(0, 0.0)
+    mine = traffic.per_rank * (ID_BYTES + row_bytes)
+    return Cost((n - 1) * mine, seconds((n - 1) * mine, link_for(topology, links), 2 * (n - 1)))
+
+
 def compute_seconds(flops: float, flops_per_s: float) -> float:
     return flops / flops_per_s if flops_per_s > 0 else math.inf

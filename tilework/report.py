@@ -14,7 +14,7 @@ import torch
 from .analysis import ParamInfo, analyze
 from .cluster import Cluster
 from .cost import (Cost, TableTraffic, dense_served_bytes, link_for, ps_expected, ring_allreduce,
-                   seconds)
+                   seconds, sparse_allgather)
 from .models import DLRM, SmallResNet, WordLM
 from .plan import Plan
 from .planner import make_plan
@@ -114,6 +114,14 @@ def report(job: Job, cluster: Cluster) -> dict:
     plans = {mode: make_plan(infos, n, mode, **common) for mode in ("hybrid", "allreduce", "ps")}
     rows = param_costs(plans["hybrid"], infos, traffic, cluster)
     times = {mode: step_seconds(p, infos, traffic, cluster) for mode, p in plans.items()}
+    # DDP with sparse gradients: dense parameters all-reduced, tables all-gathered.
+    dense_plan = plans["allreduce"]
+    dense_bytes = sum(i.nbytes for i in infos if i.name not in traffic)
+    times["ddp_sparse_allgather"] = (
+        ring_allreduce(dense_bytes, topo, cluster.links,
+                       max(1, math.ceil(dense_bytes / dense_plan.bucket_bytes))).seconds
+        + sum(sparse_allgather(traffic[i.name], topo, cluster.links, i.row_bytes).seconds
+              for i in infos if i.name in traffic))
     return {"world_size": n, "hosts": topo.num_hosts,
             "params": [vars(r) | {"shape": list(r.shape),
                                   "why": plans["hybrid"].by_name()[r.name].reason} for r in rows],

@@ -64,6 +64,19 @@ class DenseSync:
             self.next_bucket += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        if len(bucket.params) == 1:
+            # A parameter that fills a bucket alone (a large table) is reduced in place: copying
+            # hundreds of MB into a buffer and back cost more than the all-reduce on loopback.
+            p = bucket.params[0][1]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+            if p.grad.is_contiguous():
+                bucket.buffer = p.grad
+                bucket.work = all_reduce_async(p.grad, self.group, self.stats, "allreduce",
+                                               self.successor_remote)
+                return
         chunks = []
         for _, p in bucket.params:
             g = p.grad
@@ -91,7 +104,8 @@ class DenseSync:
             offset = 0
             for _, p in bucket.params:
                 n = p.numel()
-                p.grad = bucket.buffer[offset:offset + n].view_as(p)
+                if p.grad is not bucket.buffer:
+                    p.grad = bucket.buffer[offset:offset + n].view_as(p)
                 offset += n
             bucket.ready.clear()
             bucket.buffer = bucket.work = None
