@@ -4,6 +4,7 @@
     tilework run --hosts cluster.toml train.py on each host of the cluster file
     tilework train job.toml [--resume]         a reference workload from a job file
     tilework plan --job J --cluster C          the plan and its predicted cost
+    tilework calibrate --cluster C [-n N]      measure collectives, fit the cluster file's link
     tilework demo                              the embedded default job
 """
 
@@ -46,6 +47,19 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--job", required=True, help="job file (TOML)")
     plan.add_argument("--cluster", required=True, help="cluster file (TOML)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+
+    cal = sub.add_parser("calibrate", help="time collectives here and fit the cluster file's link")
+    cal.add_argument("--cluster", required=True, help="cluster file (TOML) to update")
+    cal.add_argument("-n", "--nproc", type=int, default=2, help="local worker processes (default 2)")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+
+    bench = sub.add_parser("bench", help="tilework beside DDP on emulated hosts (needs root for "
+                                         "namespaces; else loopback)")
+    bench.add_argument("--quick", action="store_true", help="under 2 minutes: lm100k and cnn")
+    bench.add_argument("--workloads", nargs="+", help="lm100k lm800k cnn gpt recommender")
+    bench.add_argument("--systems", nargs="+", help="ddp ddp-sparse allreduce ps hybrid")
+    bench.add_argument("--steps", type=int, default=5, help="measured steps (median)")
+    bench.add_argument("--out", default="docs/benchmarks.md", help="markdown report (+ PNG beside)")
 
     demo = sub.add_parser("demo", help="the embedded default job (word LM on stdlib sources)")
     demo.add_argument("-n", "--nproc", type=int, default=2,
@@ -129,8 +143,53 @@ def _cmd_plan(a, argv) -> int:
     console.print(table)
     t = out["step_comm_seconds"]
     console.print(f"predicted communication per step: hybrid {t['hybrid'] * 1e3:.2f} ms, "
-                  f"all-AllReduce {t['allreduce'] * 1e3:.2f} ms, all-PS {t['ps'] * 1e3:.2f} ms; "
+                  f"all-AllReduce {t['allreduce'] * 1e3:.2f} ms, all-PS {t['ps'] * 1e3:.2f} ms, "
+                  f"DDP-style sparse all-gather {t['ddp_sparse_allgather'] * 1e3:.2f} ms; "
                   f"hybrid speed-up over all-AllReduce {out['hybrid_speedup_over_allreduce']:.2f}x")
+    return 0
+
+
+def _cmd_calibrate(a, argv) -> int:
+    from . import calibrate
+    from .cluster import Cluster
+
+    Cluster.load(a.cluster)  # checked here, before any worker starts
+    if a.nproc < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise UserError(f"-n/--nproc: calibration needs at least 2 processes, got {a.nproc}")
+    launched = _relaunch(a.nproc, argv)
+    if launched is not None:
+        return launched
+    groups = _groups_from_env()
+    sizes, repeats = ((calibrate.QUICK_SIZES, calibrate.QUICK_REPEATS) if a.quick
+                      else (calibrate.DEFAULT_SIZES, calibrate.DEFAULT_REPEATS))
+    results = calibrate.measure(groups.world, groups.world_size, sizes, repeats)
+    if groups.rank == 0:
+        key, json_path = calibrate.write_calibration(a.cluster, results,
+                                                     spans_hosts=groups.topology.num_hosts > 1)
+        print(calibrate.summary(results))
+        print(f"{a.cluster}: {key} set from the all_reduce fit; every fit in {json_path}")
+    return _worker_done(groups)
+
+
+def _cmd_bench(a, argv) -> int:
+    from .bench.suite import run_suite, write_report
+
+    workloads = a.workloads or (["lm100k", "cnn"] if a.quick else
+                                ["lm100k", "lm800k", "cnn", "gpt", "recommender"])
+    systems = a.systems or ["ddp", "ddp-sparse", "allreduce", "ps", "hybrid"]
+    from .bench.worker import SYSTEMS
+    from .bench.workloads import WORKLOADS
+
+    for kind, names, known in (("--workloads", workloads, WORKLOADS), ("--systems", systems, SYSTEMS)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise UserError(f"{kind}: unknown {unknown[0]!r} (expected one of: {', '.join(known)})")
+    if a.steps < 1:
+        raise UserError(f"--steps: expected at least 1, got {a.steps}")
+    suite = run_suite(workloads, systems, a.quick, a.steps, warmup=2)
+    out = Path(a.out)
+    write_report(suite, out, out.with_suffix(".png"), "tilework bench " + " ".join(argv[1:]))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
 
@@ -175,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else argv
         args = _parser().parse_args(argv)
-        commands = {"run": _cmd_run, "train": _cmd_train, "plan": _cmd_plan, "demo": _cmd_demo}
+        commands = {"run": _cmd_run, "train": _cmd_train, "plan": _cmd_plan, "bench": _cmd_bench,
+                    "demo": _cmd_demo,
+                    "calibrate": _cmd_calibrate}
         return commands[args.command](args, argv)
     except UserError as e:
         print(f"tilework: error: {e}", file=sys.stderr)

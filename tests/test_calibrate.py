@@ -1,0 +1,129 @@
+"""Calibration: the alpha-beta fit (pure), the cluster file it writes, and a real 2-rank run."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch.distributed as dist
+
+from tilework import cost
+from tilework.calibrate import (Measurement, calibration_path, dump_toml, fit_alpha_beta,
+                                measure, write_calibration)
+from tilework.cluster import Cluster, Link, Links, Topology
+from tilework.testing import spawn
+
+
+def test_fit_recovers_alpha_and_beta_exactly():
+    alpha, beta = 250e-6, 1.2e9
+    sizes = [4096, 65536, 1 << 20, 16 << 20]
+    a, b = fit_alpha_beta(sizes, [alpha + x / beta for x in sizes])
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
+    # Two points determine the line.
+    a, b = fit_alpha_beta([1000, 2000], [alpha + 1000 / beta, alpha + 2000 / beta])
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
+
+
+def test_fit_clamps_a_negative_alpha_and_rejects_what_gives_no_bandwidth():
+    # Exactly proportional times less a little: alpha would be negative, so 0 and beta refitted.
+    a, b = fit_alpha_beta([1e6, 2e6, 4e6], [0.9e-3, 1.9e-3, 3.9e-3])
+    assert a == 0.0 and 1e9 < b < 1.2e9
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_alpha_beta([1000, 2000], [2e-3, 1e-3])
+    with pytest.raises(ValueError, match="two or more distinct sizes"):
+        fit_alpha_beta([1000, 1000], [1e-3, 1e-3])
+    with pytest.raises(ValueError, match="seconds"):
+        fit_alpha_beta([1000, 2000], [0.0, 1e-3])
+
+
+def test_link_of_a_fit_reproduces_it_in_the_cost_model():
+    n, alpha, beta = 4, 600e-6, 1e9
+    buffers = (1 << 20, 4 << 20)
+    wire = tuple(cost.ring_allreduce_bytes(b, n) for b in buffers)
+    m = Measurement("all_reduce", n, buffers, wire, tuple(alpha + w / beta for w in wire),
+                    alpha, beta)
+    assert m.messages == 2 * (n - 1)
+    planned = cost.ring_allreduce(8 << 20, Topology.from_sizes([n]), Links(intra=m.link()))
+    assert planned.seconds == pytest.approx(alpha + cost.ring_allreduce_bytes(8 << 20, n) / beta)
+    assert m.predict(8 << 20) == pytest.approx(planned.seconds)
+
+
+def test_hand_written_toml_reads_back():
+    data = {"rendezvous": "node0:29500", "flag": True, "ratio": 0.25, "list": [1, 2],
+            "hosts": [{"name": "node0", "address": "192.0.2.1", "procs": 2},
+                      {"name": "odd \"name\"", "procs": 1}],
+            "links": {"intra": {"bandwidth_gbps": 7.5, "latency_us": 256.0},
+                      "inter": {"bandwidth_gbps": 0.5, "latency_us": 1000.0}},
+            "a b": {"c": {"d": 1}}}
+    assert tomllib.loads(dump_toml(data)) == data
+
+
+def _fit(name, n, alpha_s, bytes_per_s):
+    return Measurement(name, n, (4096, 65536), (4096, 65536), (1e-3, 2e-3), alpha_s, bytes_per_s)
+
+
+@pytest.mark.parametrize("spans_hosts,writer", [(False, "tomli_w"), (True, "tomli_w"),
+                                                (False, "by hand")])
+def test_write_calibration_updates_one_link_and_keeps_the_rest(tmp_path, monkeypatch,
+                                                                 spans_hosts, writer):
+    if writer == "by hand":
+        monkeypatch.setitem(sys.modules, "tomli_w", None)   # import tomli_w raises ImportError
+    else:
+        pytest.importorskip("tomli_w")
+    path = tmp_path / "cluster.toml"
+    path.write_text("# my cluster\n# two lines\n\nrendezvous = \"a:29500\"\n[[hosts]]\nname = \"a\"\n"
+                    "procs = 2\n[[hosts]]\nname = \"b\"\nprocs = 1\n[links.inter]\n"
+                    "bandwidth_gbps = 3.0\nlatency_us = 7.0\n")
+    os.chmod(path, 0o640)
+    results = {"all_reduce": _fit("all_reduce", 3, 800e-6, 1e9),
+               "all_to_all": _fit("all_to_all", 3, 400e-6, 2e9)}
+    key, json_path = write_calibration(path, results, spans_hosts=spans_hosts, when="T")
+    c = Cluster.load(path)
+    assert [h.name for h in c.hosts] == ["a", "b"] and c.rendezvous == "a:29500"
+    fitted = Link(bandwidth_gbps=8.0, latency_us=200.0)  # 800 us over 2(n-1) = 4 messages
+    untouched = Link(3.0, 7.0) if not spans_hosts else Links().intra
+    assert key == ("links.inter" if spans_hosts else "links.intra")
+    assert (c.links.inter, c.links.intra) == ((fitted, untouched) if spans_hosts else (untouched, fitted))
+    text = path.read_text()
+    assert text.startswith("# my cluster\n# two lines\n# tilework calibrate:")
+    assert oct(path.stat().st_mode & 0o777) == oct(0o640)
+    assert json_path == calibration_path(path) == tmp_path / "cluster.calibration.json"
+    saved = json.loads(json_path.read_text())
+    assert saved["updated"] == key
+    assert saved["calibration"]["all_to_all"]["alpha_us"] == pytest.approx(400.0)
+    assert saved["calibration"]["all_to_all"]["bandwidth_gbps"] == pytest.approx(16.0)
+    # Again: still one calibrate line, no temporary files left.
+    write_calibration(path, results, spans_hosts=spans_hosts, when="T2")
+    assert path.read_text().count("# tilework calibrate:") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.calibration.json", "cluster.toml"]
+
+
+def test_cli_refuses_one_process_and_a_missing_file(tmp_path):
+    (tmp_path / "c.toml").write_text('[[hosts]]\nname = "a"\nprocs = 2\n')
+    for args, message in ((["-n", "1"], "at least 2 processes"), ([], "file not found")):
+        cluster = str(tmp_path / ("c.toml" if args else "missing.toml"))
+        r = subprocess.run([sys.executable, "-m", "tilework", "calibrate", "--cluster", cluster,
+                            *args], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "RANK"})
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def _measure_tiny(rank, world_size):
+    results = measure(dist.group.WORLD, world_size, sizes=[4 << 10, 4 << 20], repeats=2)
+    return {name: (m.alpha_s, m.bytes_per_s, m.points) for name, m in results.items()}
+
+
+def test_measure_on_two_real_ranks_gives_a_positive_finite_fit():
+    out = spawn(_measure_tiny, world_size=2, timeout=60)
+    assert out[0] == out[1]   # every rank returns the same figures
+    assert set(out[0]) == {"all_reduce", "all_to_all", "send_recv"}
+    for name, (alpha, beta, points) in out[0].items():
+        assert math.isfinite(alpha) and alpha >= 0, name
+        assert math.isfinite(beta) and beta > 0, name
+        assert [w for w, _ in points] == {"all_reduce": [4 << 10, 4 << 20],
+                                          "all_to_all": [2 << 10, 2 << 20],
+                                          "send_recv": [4 << 10, 4 << 20]}[name]
+        assert all(s > 0 for _, s in points)

@@ -1,0 +1,438 @@
+"""Calibration: time real collectives on this world and fit the alpha-beta model to them.
+
+    tilework calibrate --cluster cluster.toml [-n N] [--quick]
+
+Each collective is timed over a range of buffer sizes (median of `repeats` after a warm-up) and
+`t = alpha + bytes / beta` is fitted, where `bytes` is what one rank sends by the cost model's
+definitions (`WIRE`): a ring all-reduce sends 2(n-1)/n of its buffer, an evenly split
+all-to-all sends (n-1)/n of it to the others, a send sends all of it. Rank 0 then writes the
+all-reduce fit into the cluster file as the link the world's ranks span (`links.inter` when they
+are on several hosts, else `links.intra`), with `latency_us` per message (alpha over the
+2(n-1) messages `cost.ring_allreduce` counts, so the planner reproduces the fitted time), and
+every collective's fit into `<cluster stem>.calibration.json` beside it.
+
+The fit is ordinary least squares, so the large sizes, whose time is mostly bytes / beta,
+decide beta; alpha is clamped at 0. (Weighting by 1/t, to give small sizes a say, was tried and
+fails on shaped links: a tbf bucket lets the first ~125 KB through unshaped, so small sizes look
+fast, and a relative fit took beta from them: 1.5 to 9 times too high for large messages; see
+docs/comm-model.md.)
+
+`python -m tilework.calibrate` is a bare worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in
+the environment, gloo over TCP) for benchmarks that start processes themselves, e.g. inside
+emulated hosts; it writes rank 0's results as JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from . import cost
+from .cluster import Cluster, Link
+from .config import from_dict, read_toml
+from .errors import UserError
+
+KB, MB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
+DEFAULT_REPEATS = 5
+QUICK_SIZES = (4 * KB, 64 * KB, 1 * MB, 4 * MB)
+QUICK_REPEATS = 3
+COLLECTIVES = ("all_reduce", "all_to_all", "send_recv")
+
+
+def _all_to_all_bytes(nbytes: int, n: int) -> int:
+    return (n - 1) * nbytes // n
+
+
+# collective -> (bytes one rank sends for a buffer of `nbytes` on n ranks, messages per call):
+# the cost model's definitions (cost.ring_allreduce: 2(n-1) messages; one per peer for an
+# all-to-all; a send/recv between two ranks is one message, timed as half a round trip).
+WIRE: dict[str, tuple[Callable[[int, int], int], Callable[[int], int]]] = {
+    "all_reduce": (cost.ring_allreduce_bytes, lambda n: 2 * (n - 1)),
+    "all_to_all": (_all_to_all_bytes, lambda n: n - 1),
+    "send_recv": (lambda nbytes, n: nbytes, lambda n: 1),
+}
+
+
+class CalibrationError(UserError):
+    """The timings do not determine a model (e.g. times that do not grow with the size)."""
+
+
+def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
+    """(alpha in s, beta in bytes/s) of `t = alpha + bytes / beta`, ordinary least squares.
+    alpha is clamped at 0 (refitting beta alone, through the origin) since a latency cannot be
+    negative; times that do not grow with the size raise ValueError."""
+    x = np.asarray(sizes_bytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if x.shape != t.shape or x.ndim != 1:
+        raise ValueError(f"sizes and seconds must be two equal-length lists, got {x.shape} and {t.shape}")
+    if len(np.unique(x)) < 2:
+        raise ValueError("need points at two or more distinct sizes")
+    if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(np.isfinite(x)) and np.all(x >= 0)):
+        raise ValueError("sizes must be finite and >= 0, seconds finite and > 0")
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(design, t, rcond=None)
+    if alpha < 0:
+        alpha = 0.0
+        inv_beta = float(np.sum(x * t) / np.sum(x * x))
+    if not inv_beta > 0:
+        raise ValueError("the times do not grow with the size, so they give no bandwidth "
+                         f"(sizes {x.tolist()} bytes, seconds {t.tolist()}); use larger sizes")
+    return float(alpha), float(1.0 / inv_beta)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One collective timed on `world_size` ranks: the points and their alpha-beta fit."""
+
+    collective: str
+    world_size: int
+    buffer_bytes: tuple[int, ...]
+    wire_bytes: tuple[int, ...]      # what one rank sends per call (the cost model's bytes)
+    seconds: tuple[float, ...]       # median per size
+    alpha_s: float
+    bytes_per_s: float
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        return list(zip(self.wire_bytes, self.seconds))
+
+    @property
+    def messages(self) -> int:
+        return WIRE[self.collective][1](self.world_size)
+
+    @property
+    def alpha_us(self) -> float:
+        return self.alpha_s * 1e6
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        return self.bytes_per_s * 8 / 1e9
+
+    def link(self) -> Link:
+        """The fit as a cost-model link: latency per message, so `cost.seconds(bytes, link,
+        self.messages)` is the fitted time."""
+        return Link(bandwidth_gbps=self.bandwidth_gbps, latency_us=self.alpha_us / self.messages)
+
+    def predict(self, buffer_bytes: int, link: Link | None = None) -> float:
+        """Seconds the cost model gives one call on a buffer of `buffer_bytes` (on `link`, by
+        default this fit's own)."""
+        wire = WIRE[self.collective][0](buffer_bytes, self.world_size)
+        return cost.seconds(wire, link or self.link(), self.messages)
+
+    @classmethod
+    def from_dict(cls, collective: str, d: dict[str, Any]) -> "Measurement":
+        """The inverse of `as_dict` (what the worker and the calibration JSON hold)."""
+        pts = d["points"]
+        return cls(collective, d["world_size"], tuple(p["buffer_bytes"] for p in pts),
+                   tuple(p["wire_bytes"] for p in pts), tuple(p["seconds"] for p in pts),
+                   d["alpha_us"] * 1e-6, d["bandwidth_gbps"] * 1e9 / 8)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "messages": self.messages,
+                "alpha_us": self.alpha_us, "bandwidth_gbps": self.bandwidth_gbps,
+                "latency_us_per_message": self.alpha_us / self.messages,
+                "points": [{"buffer_bytes": b, "wire_bytes": w, "seconds": s}
+                           for b, w, s in zip(self.buffer_bytes, self.wire_bytes, self.seconds)]}
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+def _elements(nbytes: int, n: int) -> int:
+    """float32 elements for a buffer of about `nbytes`, a multiple of n (even all-to-all splits)."""
+    return max(n, (nbytes // 4) // n * n)
+
+
+def time_points(group, world_size: int, sizes, repeats: int = DEFAULT_REPEATS,
+                collectives=COLLECTIVES, warmup: int = 1) -> dict[str, list[tuple[int, int, float]]]:
+    """Time each collective on every buffer size in `group` (every rank calls this, with the same
+    arguments): {collective: [(buffer bytes, wire bytes, median seconds)]}, the same on every rank.
+
+    A call's time is the slowest rank's, from a barrier to the collective's return; send/recv is
+    a ping-pong between group ranks 0 and 1, timed on rank 0 as half the round trip. Buffers are
+    float32, rounded down to a multiple of `world_size` elements (the points carry the real size).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if world_size < 2:
+        raise ValueError(f"calibration needs at least 2 ranks, got {world_size}")
+    if dist.get_world_size(group) != world_size:
+        raise ValueError(f"world_size {world_size} but the group has {dist.get_world_size(group)} ranks")
+    unknown = sorted(set(collectives) - set(WIRE))
+    if unknown:
+        raise ValueError(f"unknown collective {unknown[0]!r} (expected one of {', '.join(WIRE)})")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    sizes = sorted({_elements(int(s), world_size) * 4 for s in sizes})
+    me = dist.get_rank(group)
+    peer = {0: dist.get_global_rank(group, 1), 1: dist.get_global_rank(group, 0)}.get(me)
+
+    def call(name: str, send: torch.Tensor, recv: torch.Tensor) -> float:
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        if name == "all_reduce":
+            dist.all_reduce(send, group=group)
+        elif name == "all_to_all":
+            dist.all_to_all_single(recv, send, group=group)
+        elif me == 0:
+            dist.send(send, dst=peer)
+            dist.recv(recv, src=peer)
+            return (time.perf_counter() - start) / 2
+        elif me == 1:
+            dist.recv(recv, src=peer)
+            dist.send(recv, dst=peer)
+            return 0.0   # rank 0 times the round trip
+        else:
+            return 0.0
+        return time.perf_counter() - start
+
+    # Connections and buffers come up on the first calls, which a per-size warm-up of one
+    # would charge to the smallest size.
+    first = torch.ones(sizes[0] // 4)
+    for name in collectives:
+        for _ in range(3 if warmup else 0):
+            call(name, first, torch.empty_like(first))
+    times = torch.zeros(len(collectives), len(sizes), repeats, dtype=torch.float64)
+    for c, name in enumerate(collectives):
+        buffers = [(torch.ones(nbytes // 4), torch.empty(nbytes // 4)) for nbytes in sizes]
+        for send, recv in buffers:
+            for _ in range(warmup):
+                call(name, send, recv)
+        # Sizes interleaved within each round: a burst of load elsewhere on the machine then
+        # slows one round of every size, which the median drops, not every repeat of one size.
+        for r in range(repeats):
+            for s, (send, recv) in enumerate(buffers):
+                times[c, s, r] = call(name, send, recv)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return {name: [(b, WIRE[name][0](b, world_size), statistics.median(times[c, s].tolist()))
+                   for s, b in enumerate(sizes)]
+            for c, name in enumerate(collectives)}
+
+
+def measure(group, world_size: int, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
+            collectives=COLLECTIVES, warmup: int = 1) -> dict[str, Measurement]:
+    """`time_points`, then the alpha-beta fit of each collective's points (at least two sizes).
+    Every rank returns the same result."""
+    return {name: fit_points(name, world_size, pts)
+            for name, pts in time_points(group, world_size, sizes, repeats, collectives,
+                                         warmup).items()}
+
+
+def fit_points(collective: str, world_size: int, points) -> Measurement:
+    """The Measurement of `time_points`' points for one collective."""
+    buffers, wire, seconds = (tuple(col) for col in zip(*points))
+    try:
+        alpha, beta = fit_alpha_beta(wire, seconds)
+    except ValueError as e:
+        raise CalibrationError(f"{collective}: {e}") from None
+    return Measurement(collective, world_size, buffers, wire, seconds, alpha, beta)
+
+
+# -- writing the cluster file -------------------------------------------------------------------
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and os.replace, so a
+    reader sees the old file or the new one, never half of one. Keeps the old file's mode."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_BARE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def _key(k: str) -> str:
+    return k if k and set(k) <= _BARE else json.dumps(k)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return ("-" if v < 0 else "") + ("nan" if math.isnan(v) else "inf")
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)   # JSON escapes are valid TOML basic strings
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _is_tables(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """TOML for plain data (what tomllib reads back): scalars, arrays, tables, arrays of tables.
+    Used where `tomli_w` is not installed."""
+    lines: list[str] = []
+
+    def table(d: dict[str, Any], path: list[str]) -> None:
+        for k, v in d.items():
+            if not isinstance(v, dict) and not _is_tables(v):
+                lines.append(f"{_key(k)} = {_value(v)}")
+        for k, v in d.items():
+            name = ".".join(_key(p) for p in [*path, k])
+            if isinstance(v, dict):
+                if any(not isinstance(x, dict) and not _is_tables(x) for x in v.values()) or not v:
+                    lines.extend(["", f"[{name}]"])
+                table(v, [*path, k])
+            elif _is_tables(v):
+                for item in v:
+                    lines.extend(["", f"[[{name}]]"])
+                    table(item, [*path, k])
+
+    table(data, [])
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_text(data: dict[str, Any]) -> str:
+    try:
+        import tomli_w
+    except ImportError:
+        return dump_toml(data)
+    return tomli_w.dumps(data)
+
+
+def calibration_path(cluster_path: str | Path) -> Path:
+    p = Path(cluster_path)
+    return p.with_name(f"{p.stem}.calibration.json")
+
+
+def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
+                      spans_hosts: bool, when: str | None = None) -> tuple[str, Path]:
+    """Put the all-reduce fit into the cluster file's `links.inter` (`spans_hosts`) or
+    `links.intra`, and every fit into `calibration_path(cluster_path)`. Returns the link's key and
+    the JSON's path. Other keys of the file are kept; its comments are not (TOML writers drop
+    them), except the leading comment block, which is kept with a line saying what changed."""
+    path = Path(cluster_path)
+    if "all_reduce" not in results:
+        raise ValueError("the cluster file's link comes from the all_reduce fit, which is missing")
+    when = when or datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    data = read_toml(path)
+    Cluster.load(path)  # a valid file before, or a clear error naming it
+    kind = "inter" if spans_hosts else "intra"
+    link = results["all_reduce"].link()
+    values = {"bandwidth_gbps": _sig(link.bandwidth_gbps), "latency_us": _sig(link.latency_us)}
+    links = data.setdefault("links", {})
+    if not isinstance(links, dict):
+        raise UserError(f"{path}: links: expected a table")
+    links.setdefault(kind, {}).update(values)
+    from_dict(Cluster, data, source=str(path))  # still valid after the change
+
+    original = path.read_text(encoding="utf-8")
+    header = []
+    for line in original.splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# tilework calibrate:"):
+            header.append(line)
+    n = results["all_reduce"].world_size
+    header.append(f"# tilework calibrate: links.{kind} from {n}-rank all_reduce on {when} "
+                  f"(all fits in {calibration_path(path).name})")
+    _atomic_write(path, "\n".join(header) + "\n" + _toml_text(data))
+
+    report = {"cluster": path.name, "when": when, "world_size": n,
+              "spans_hosts": spans_hosts, "updated": f"links.{kind}", "link": values,
+              "calibration": {name: m.as_dict() for name, m in results.items()}}
+    json_path = calibration_path(path)
+    _atomic_write(json_path, json.dumps(report, indent=2) + "\n")
+    return f"links.{kind}", json_path
+
+
+def summary(results: dict[str, Measurement]) -> str:
+    lines = [f"{'collective':<11} {'alpha_us':>9} {'bandwidth_gbps':>14}  points (wire KB: ms)"]
+    for name, m in results.items():
+        pts = ", ".join(f"{w / 1024:g}: {s * 1e3:.3g}" for w, s in m.points)
+        lines.append(f"{name:<11} {m.alpha_us:>9.1f} {m.bandwidth_gbps:>14.3f}  {pts}")
+    return "\n".join(lines)
+
+
+# -- a bare worker for benchmarks ---------------------------------------------------------------
+
+def _sizes_arg(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tilework.calibrate --sizes A,B --out results.json [--judge C,D]`: time the
+    collectives on --sizes and --judge, fit on --sizes only; rank 0 writes {"fit": ..., "judge":
+    ...} to --out."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser(prog="python -m tilework.calibrate")
+    p.add_argument("--sizes", type=_sizes_arg, required=True, help="bytes, comma-separated")
+    p.add_argument("--judge", type=_sizes_arg, default=[], help="bytes, comma-separated")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    p.add_argument("--collectives", default=",".join(COLLECTIVES))
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ["MASTER_PORT"]
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    collectives = tuple(c for c in a.collectives.split(",") if c)
+    # All sizes in one go, interleaved round by round, so that fitted and judged points see the
+    # same load on the machine; the fit is then made on --sizes alone.
+    points = time_points(dist.group.WORLD, world, [*a.sizes, *a.judge], a.repeats, collectives)
+    fitted = {_elements(s, world) * 4 for s in a.sizes}
+    fit = {name: fit_points(name, world, [p for p in pts if p[0] in fitted])
+           for name, pts in points.items()}
+    judged = {name: [p for p in pts if p[0] not in fitted] for name, pts in points.items()}
+    if rank == 0:
+        out = {"world_size": world,
+               "fit": {name: m.as_dict() for name, m in fit.items()},
+               "judge": {name: [{"buffer_bytes": b, "wire_bytes": w, "seconds": s}
+                                for b, w, s in pts] for name, pts in judged.items()}}
+        _atomic_write(Path(a.out), json.dumps(out, indent=2) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
