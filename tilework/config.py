@@ -140,16 +140,3 @@ def _build(cls: Any, data: Any, prefix: str) -> Any:
         if prefix and e.where and not e.where.startswith(prefix):
             raise ConfigError(f"{prefix}.{e.where}", e.problem) from None
         raise
-
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    """The inverse of `from_dict`, dropping None values (TOML has no null)."""
-
-    def clean(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items() if x is not None}
-        if isinstance(v, list):
-            return [clean(x) for x in v]
-        return v
-
-    return clean(dataclasses.asdict(obj))

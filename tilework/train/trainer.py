@@ -170,11 +170,12 @@ def _traffic(model, session: _Session) -> tuple[dict, str]:
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+    if n < 1000:
+        return f"{n:.0f} B"
+    for unit in ("kB", "MB", "GB"):
         n /= 1000
-    return f"{n} B"
+        if n < 1000 or unit == "GB":
+            return f"{n:,.1f} {unit}"
 
 
 def _checkpoint(directory: Path, step: int, model, opt, job: Job, session: _Session) -> None:
