@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torch import nn
 
 from tilework.analysis import analyze, measure_density
 from tilework.errors import PlanError

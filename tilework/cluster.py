@@ -191,6 +191,13 @@ class Topology:
         depth = max(len(h) for h in self.hosts)
         return [tuple(h[j] for h in self.hosts if j < len(h)) for j in range(depth)]
 
+    @property
+    def can_aggregate_locally(self) -> bool:
+        """Local aggregation (two-hop exchanges) needs several hosts of equal size, each with
+        more than one rank; the runtime and the cost model both ask here."""
+        sizes = {len(h) for h in self.hosts}
+        return self.num_hosts > 1 and len(sizes) == 1 and sizes != {1}
+
     def leaders(self) -> tuple[int, ...]:
         return tuple(h[0] for h in self.hosts)
 

@@ -74,8 +74,7 @@ def hierarchical_allreduce(nbytes: int, topology: Topology, links: Links) -> Cos
 
 def _hops(layout: TableLayout, topology: Topology, local_aggregation: bool):
     """[(groups as lists of global ranks, ids -> index in the group)] as `sparse.hops_for`."""
-    sizes = {len(h) for h in topology.hosts}
-    if not (local_aggregation and topology.num_hosts > 1 and len(sizes) == 1 and sizes != {1}):
+    if not (local_aggregation and topology.can_aggregate_locally):
         return [([list(range(topology.world_size))], layout.owner_of)]
     per_host = len(topology.hosts[0])
     return [([list(h) for h in topology.hosts], lambda ids: layout.owner_of(ids) % per_host),
@@ -123,6 +122,13 @@ def dense_served_bytes(plan: ParamPlan, n: int, row_bytes: int) -> list[int]:
     sizes = TableLayout(plan, n).shard_sizes
     rows = plan.shape[0]
     return [row_bytes * (rows - sizes[r]) + row_bytes * sizes[r] * (n - 1) for r in range(n)]
+
+
+def dense_served(plan: ParamPlan, topology: Topology, links: Links, row_bytes: int) -> Cost:
+    """A dense parameter on the servers: the busiest rank's bytes, and its two all-to-alls."""
+    n = topology.world_size
+    sent = max(dense_served_bytes(plan, n, row_bytes))
+    return Cost(sent, seconds(sent, link_for(topology, links), 2 * (n - 1)) if n > 1 else 0.0)
 
 
 # -- parameter server: expected, for planning ---------------------------------------------------
@@ -200,8 +206,7 @@ def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, link
         return Cost(0, 0.0)
     servers = min(plan.partitions, n)
     local, hosts = len(topology.hosts[0]), topology.num_hosts
-    if not (local_aggregation and hosts > 1 and local > 1
-            and len({len(h) for h in topology.hosts}) == 1):
+    if not (local_aggregation and topology.can_aggregate_locally):
         sent, received = _exchange(traffic.per_rank, n, servers, row_bytes)
         return Cost(sent, seconds(max(sent, received), link_for(topology, links), 3 * (n - 1)))
     forwarders = min(servers, local)

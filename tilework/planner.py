@@ -98,15 +98,14 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
            local_aggregation: bool, row_map: RowMap = "contiguous") -> ParamPlan:
     """The cheapest way to synchronise one table: all-reduce, or the servers with P partitions."""
     dense = ring_allreduce(info.nbytes, topology, links)
-    best = ParamPlan(info.name, info.shape, "allreduce", 1, row_map, "")
-    best_s, best_ps = dense.seconds, None
+    best_ps = None
     for p in partition_candidates(topology.world_size, info.shape[0]):
         candidate = ParamPlan(info.name, info.shape, "ps", p, row_map, "")
         cost = ps_expected(candidate, traffic, topology, links, local_aggregation, info.row_bytes)
         if best_ps is None or cost.seconds < best_ps[1].seconds:
             best_ps = (candidate, cost)
     fraction = traffic.per_rank / info.shape[0]
-    if best_ps is not None and best_ps[1].seconds < best_s:
+    if best_ps is not None and best_ps[1].seconds < dense.seconds:
         plan, cost = best_ps
         why = (f"{fraction:.1%} rows/step: servers {cost.seconds * 1e3:.3g} ms < all-reduce "
                f"{dense.seconds * 1e3:.3g} ms")

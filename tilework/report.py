@@ -13,8 +13,7 @@ import torch
 
 from .analysis import ParamInfo, analyze
 from .cluster import Cluster
-from .cost import (Cost, TableTraffic, dense_served_bytes, link_for, ps_expected, ring_allreduce,
-                   seconds, sparse_allgather)
+from .cost import TableTraffic, dense_served, ps_expected, ring_allreduce, sparse_allgather
 from .models import DLRM, SmallResNet, WordLM
 from .plan import Plan
 from .planner import make_plan
@@ -84,8 +83,7 @@ def param_costs(plan: Plan, infos: list[ParamInfo], traffic, cluster: Cluster) -
         elif t is not None:
             c = ps_expected(pp, t, topo, links, plan.local_aggregation, info.row_bytes)
         else:  # a dense parameter on the servers (mode="ps"): every row, every step
-            b = max(dense_served_bytes(pp, topo.world_size, info.row_bytes))
-            c = Cost(b, seconds(b, link_for(topo, links), 2 * (topo.world_size - 1)))
+            c = dense_served(pp, topo, links, info.row_bytes)
         rows.append(Row(pp.name, pp.shape, density, pp.method, pp.partitions, c.bytes_sent,
                         c.seconds))
     return rows

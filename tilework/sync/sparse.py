@@ -39,7 +39,7 @@ class Hop:
 
 def hops_for(layout: TableLayout, groups, local_aggregation: bool) -> list[Hop]:
     topo, me = groups.topology, groups.rank
-    if not hierarchical(topo, local_aggregation):
+    if not (local_aggregation and topo.can_aggregate_locally):
         remote = [topo.host_of(r) != topo.host_of(me) for r in range(topo.world_size)]
         return [Hop(groups.world, layout.owner_of, remote)]
     per_host = len(topo.hosts[0])
@@ -47,12 +47,6 @@ def hops_for(layout: TableLayout, groups, local_aggregation: bool) -> list[Hop]:
     return [Hop(groups.intra, lambda ids: layout.owner_of(ids) % per_host, [False] * per_host),
             Hop(groups.inter, lambda ids: layout.owner_of(ids) // per_host,
                 [h != topo.host_of(me) for h in range(topo.num_hosts)])]
-
-
-def hierarchical(topo, local_aggregation: bool) -> bool:
-    """Local aggregation applies to several hosts of equal size with more than one rank each."""
-    sizes = {len(h) for h in topo.hosts}
-    return local_aggregation and topo.num_hosts > 1 and len(sizes) == 1 and sizes != {1}
 
 
 def _by_destination(dest: torch.Tensor, n: int):
