@@ -198,3 +198,26 @@ def test_sum_versus_mean_and_byte_counts():
     dense_params = 4 * 4 + 4 + 4 + 1      # conv weight and bias, head weight and bias, fp32
     assert stats["last_step"]["allreduce"]["sent"] == 2 * (2 - 1) * dense_params * 4 // 2
     assert stats["dense_allreduce_bytes_per_step"] == (1000 * 4 + dense_params) * 4
+
+
+def _one_row_each(rank, world_size):
+    model = Tiny(rows=4, dim=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    tilework.parallelize(model, opt, log=False)
+    # Rows 0-1 live on rank 0, rows 2-3 on rank 1: each owner receives exactly one row.
+    model(torch.tensor([[0]]) if rank == 0 else torch.tensor([[3]])).backward()
+    opt.step()
+    with torch.no_grad():
+        return model.table.weight  # a gather: every rank takes part
+
+
+def test_a_single_pushed_row_of_width_one_is_delivered():
+    """Regression: one received row of an odd-width packet failed to unpack its id (seen at 4
+    ranks on the LM's 500x1 softmax bias)."""
+    got = spawn(_one_row_each, 2)[0]
+
+    model = Tiny(rows=4, dim=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    (model(torch.tensor([[0]])) + model(torch.tensor([[3]]))).div(2).backward()
+    opt.step()
+    torch.testing.assert_close(got, model.table.weight.detach(), rtol=1e-6, atol=1e-7)

@@ -121,7 +121,9 @@ class PSTable:
         packed = torch.cat([ids[order].view(grads.dtype).reshape(len(ids), width), grads[order]], 1)
         got = torch.cat(all_to_all_v(list(torch.split(packed, counts)), hop.group, self.stats,
                                      "ps", hop.remote))
-        got_ids = got[:, :width].contiguous().view(torch.int64).reshape(-1)
+        # reshape, not contiguous(): a single received row counts as contiguous whatever its
+        # stride, and the dtype view would then fail for odd row widths.
+        got_ids = got[:, :width].reshape(-1).view(torch.int64)
         merged, inverse = torch.unique(got_ids, return_inverse=True)
         summed = torch.zeros(len(merged), grads.shape[1], dtype=grads.dtype)
         summed.index_add_(0, inverse, got[:, width:])
