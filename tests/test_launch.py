@@ -78,7 +78,7 @@ def test_run_names_the_failed_rank(tmp_path):
     script.write_text(SCRIPT)
     r = tilework("run", "-n", "2", str(script), str(tmp_path), "--fail")
     assert r.returncode == 1
-    assert "rank 1 (exit code 3) failed" in r.stderr
+    assert r.stderr.strip() == "tilework run: rank 1 failed (exit code 3)"
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -73,8 +73,27 @@ def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
         checkpoint.load(path, {"lm.vocab": 20})
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="truncated or corrupted"):
+    with pytest.raises(CheckpointError, match=r"truncated checkpoint: [\d,]+ of [\d,]+ bytes"):
         checkpoint.load(path)
+    # One flipped bit inside the tensor data: torch.load alone would return the wrong weights.
+    flipped = bytearray(data)
+    flipped[-2000] ^= 0x01
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="corrupted checkpoint: .* SHA-256"):
+        checkpoint.load(path)
+    path.write_bytes(b"TILEWORK-CHECKPOINT garbage\n" + data)
+    with pytest.raises(CheckpointError, match="damaged checkpoint header"):
+        checkpoint.load(path)
+    path.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        checkpoint.load(path)
+
+
+def test_format_1_checkpoints_still_load(tmp_path):
+    path = tmp_path / "old.pt"
+    torch.save({"format": "tilework-checkpoint", "version": 1, "step": 3, "fingerprint": {"f": 1},
+                "state": {"w": torch.arange(3.0)}}, path)
+    assert torch.equal(checkpoint.load(path, {"f": 1})["state"]["w"], torch.arange(3.0))
 
 
 def test_resume_refuses_a_different_model(tmp_path):

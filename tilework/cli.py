@@ -34,14 +34,20 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--hosts", metavar="CLUSTER_TOML", help="cluster file: run this host's share")
     run.add_argument("--host", help="this host's name in the cluster file (default: hostname)")
     run.add_argument("--run-id", default="tilework", help="rendezvous id, the same on every host")
-    run.add_argument("--max-restarts", type=int, default=0, help="restart the group on failure")
+    _fault_flags(run)
+    run.add_argument("-v", "--verbose", action="store_true", help="show the launcher's own log")
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER)
 
     train = sub.add_parser("train", help="train a reference workload from a job file")
     train.add_argument("job", help="job file (TOML)")
-    train.add_argument("-n", "--nproc", type=int, default=1, help="local worker processes")
+    where = train.add_mutually_exclusive_group()
+    where.add_argument("-n", "--nproc", type=int, default=1, help="local worker processes")
+    where.add_argument("--hosts", metavar="CLUSTER_TOML", help="cluster file: run this host's share")
+    train.add_argument("--host", help="this host's name in the cluster file (default: hostname)")
+    train.add_argument("--run-id", default="tilework", help="rendezvous id, the same on every host")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    _fault_flags(train)
 
     plan = sub.add_parser("plan", help="what tilework would do with a job on a cluster, and its cost")
     plan.add_argument("--job", required=True, help="job file (TOML)")
@@ -69,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fault_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart every worker after a failure, up to this many times (tilework "
+                        "train resumes from the last checkpoint)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="fail a collective whose peers stay silent this long (default 300)")
+
+
 def _groups_from_env():
     """Inside a torchrun/`tilework run` worker with more than one rank: join the world."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -82,24 +96,37 @@ def _cmd_run(a, argv) -> int:
     from . import launch
     from .cluster import Cluster
 
-    if not Path(a.script).is_file():
+    if not os.path.isfile(a.script):  # unlike Path.is_file, never raises (e.g. on a long name)
         raise UserError(f"{a.script}: script not found")
-    if a.hosts:
-        spec = launch.cluster_spec(Cluster.load(a.hosts), a.host, a.run_id, a.max_restarts)
-    else:
-        spec = launch.local_spec(a.nproc, a.max_restarts)
-    return launch.run(spec, [a.script, *a.args])
+    return launch.run(_spec(a), [a.script, *a.args], verbose=a.verbose)
 
 
-def _relaunch(nproc: int, argv: list[str]) -> int | None:
-    """Outside a worker with nproc > 1: start nproc workers running this same command."""
-    if nproc < 1:
-        raise UserError(f"-n/--nproc: expected at least 1 process, got {nproc}")
-    if nproc == 1 or "RANK" in os.environ:
+def _spec(a):
+    """Where the workers run: -n local processes, or this host's share of a cluster file."""
+    from . import launch
+    from .cluster import Cluster
+
+    restarts, timeout = getattr(a, "max_restarts", 0), getattr(a, "timeout", None)
+    if getattr(a, "hosts", None):
+        return launch.cluster_spec(Cluster.load(a.hosts), a.host, a.run_id, restarts, timeout)
+    return launch.local_spec(a.nproc, restarts, timeout)
+
+
+def _in_worker() -> bool:
+    return "RANK" in os.environ
+
+
+def _relaunch(a, argv: list[str]) -> int | None:
+    """Outside a worker: start the workers (-n, --hosts) running this same command; None where
+    this process is to do the work itself (one process, nothing to restart, or a worker)."""
+    spec = _spec(a)  # checks -n, --hosts, --max-restarts, --timeout before anything starts
+    if _in_worker():
+        return None
+    if spec.nnodes == 1 and spec.nproc_per_node == 1 and not spec.max_restarts:
         return None
     from . import launch
 
-    return launch.run(launch.local_spec(nproc), ["-m", "tilework", *argv])
+    return launch.run(spec, ["-m", "tilework", *argv])
 
 
 def _cmd_train(a, argv) -> int:
@@ -107,11 +134,13 @@ def _cmd_train(a, argv) -> int:
     from .train.trainer import train
 
     job = Job.load(a.job)  # checked here, before any worker starts
-    launched = _relaunch(a.nproc, argv)
+    launched = _relaunch(a, argv)
     if launched is not None:
         return launched
     groups = _groups_from_env()
-    train(job, groups=groups, resume=a.resume)
+    # After a restart (`--max-restarts`) the workers pick up from the last checkpoint.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    train(job, groups=groups, resume=a.resume or restarted)
     return _worker_done(groups)
 
 
@@ -156,7 +185,7 @@ def _cmd_calibrate(a, argv) -> int:
     Cluster.load(a.cluster)  # checked here, before any worker starts
     if a.nproc < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise UserError(f"-n/--nproc: calibration needs at least 2 processes, got {a.nproc}")
-    launched = _relaunch(a.nproc, argv)
+    launched = _relaunch(a, argv)
     if launched is not None:
         return launched
     groups = _groups_from_env()
@@ -209,7 +238,7 @@ def _cmd_demo(a, argv) -> int:
                                         eval_every=min(job.train.eval_every, a.steps))
     if a.out_dir:
         job.train = dataclasses.replace(job.train, out_dir=a.out_dir)
-    launched = _relaunch(a.nproc, argv)
+    launched = _relaunch(a, argv)
     if launched is not None:
         return launched
     groups = _groups_from_env()
@@ -230,6 +259,28 @@ def _worker_done(groups) -> int:
     return 0
 
 
+def _run_worker(command, args, argv) -> int:
+    """One rank of a launched group: a failure is one line, and the exit code tells the launcher
+    whether this rank caused it (see faults.py); peers that lost it do not print tracebacks."""
+    import traceback
+
+    from .comm.groups import collective_timeout_s
+    from .faults import record_for_launcher, worker_failure
+
+    try:
+        return command(args, argv)
+    except Exception as e:  # noqa: BLE001 - every failure of a worker is reported
+        failure = worker_failure(e, int(os.environ["RANK"]), collective_timeout_s())
+        if failure.traceback:
+            traceback.print_exc()
+        sys.stderr.write(f"tilework: error: {failure.line}\n")  # one write: ranks share stderr
+        sys.stderr.flush()
+        record_for_launcher(failure.line)
+        sys.stdout.flush()
+        # No teardown: a process group whose peer vanished can block in its destructors.
+        os._exit(failure.exit_code)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else argv
@@ -237,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"run": _cmd_run, "train": _cmd_train, "plan": _cmd_plan, "bench": _cmd_bench,
                     "demo": _cmd_demo,
                     "calibrate": _cmd_calibrate}
+        if _in_worker():
+            return _run_worker(commands[args.command], args, argv)
         return commands[args.command](args, argv)
     except UserError as e:
         print(f"tilework: error: {e}", file=sys.stderr)

@@ -44,7 +44,16 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_from_env(timeout_s: float = 300.0) -> dist.ProcessGroup:
+TIMEOUT_ENV = "TILEWORK_TIMEOUT_S"   # set by `tilework run --timeout` for its workers
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def collective_timeout_s() -> float:
+    """How long a collective waits for a silent peer before it fails (`--timeout`)."""
+    return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+
+
+def init_from_env(timeout_s: float | None = None) -> dist.ProcessGroup:
     """Join the world that torchrun (or `tilework run`) described in the environment.
 
     This is the one place the environment is read; everything else receives groups.
@@ -53,7 +62,7 @@ def init_from_env(timeout_s: float = 300.0) -> dist.ProcessGroup:
         device = local_device()
         dist.init_process_group(
             backend=default_backend(device),
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=timeout_s or collective_timeout_s()),
         )
     return dist.group.WORLD
 

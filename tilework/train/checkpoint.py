@@ -3,11 +3,16 @@
 A checkpoint is one file `step-XXXXXXXX.pt` plus a `latest` pointer. Both are written to a temp
 file in the same directory, fsynced and renamed into place, so a crash at any moment leaves the
 previous checkpoint whole and `latest` pointing at a complete file. Old checkpoints are pruned only
-after the new one is in place.
+after the new one is in place; temp files a killed writer left behind go at the next save.
+
+The file is a one-line header, `TILEWORK-CHECKPOINT <version> <length> <sha256>`, then the
+`torch.save` payload. torch's own reader notices a cut-off file but not flipped bytes inside a
+tensor, so the length and digest are checked before anything is decoded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tempfile
@@ -19,7 +24,9 @@ import torch
 from ..errors import CheckpointError
 
 FORMAT = "tilework-checkpoint"
-VERSION = 1
+VERSION = 2
+MAGIC = b"TILEWORK-CHECKPOINT"
+_TEMP_GLOB = ".*.tmp"
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -44,11 +51,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def save(directory: str | Path, step: int, state: dict[str, Any], fingerprint: dict[str, Any],
          keep: int = 2) -> Path:
     directory = Path(directory)
+    for stale in directory.glob(_TEMP_GLOB):  # one writer per directory: these are a dead one's
+        stale.unlink(missing_ok=True)
     buffer = io.BytesIO()
     torch.save({"format": FORMAT, "version": VERSION, "step": step, "fingerprint": fingerprint,
                 "state": state}, buffer)
+    payload = buffer.getvalue()
+    header = b"%s %d %d %s\n" % (MAGIC, VERSION, len(payload),
+                                  hashlib.sha256(payload).hexdigest().encode())
     path = directory / f"step-{step:08d}.pt"
-    atomic_write_bytes(path, buffer.getvalue())
+    atomic_write_bytes(path, header + payload)
     atomic_write_bytes(directory / "latest", path.name.encode())
     for old in sorted(directory.glob("step-*.pt"))[:-keep] if keep > 0 else []:
         if old != path:
@@ -63,19 +75,44 @@ def latest(directory: str | Path) -> Path | None:
     return Path(directory) / pointer.read_text().strip()
 
 
+def _payload(path: Path, data: bytes) -> bytes:
+    """The torch.save bytes of a checkpoint file, after its length and digest are checked."""
+    if not data.startswith(MAGIC):
+        return data  # format 1 (no header): torch's reader and the version check below judge it
+    end = data.find(b"\n")
+    fields = data[:end].split() if end > 0 else []
+    if len(fields) != 4 or not fields[2].isdigit():
+        raise CheckpointError(f"{path}: damaged checkpoint header")
+    length, digest = int(fields[2]), fields[3].decode(errors="replace")
+    payload = data[end + 1:]
+    if len(payload) != length:
+        raise CheckpointError(f"{path}: truncated checkpoint: {len(payload):,} of {length:,} bytes "
+                              "after the header")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise CheckpointError(f"{path}: corrupted checkpoint: its contents no longer match the "
+                              "SHA-256 written with them")
+    return payload
+
+
 def load(path: str | Path, fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
     """The checkpoint's contents; refuses a damaged file or one made for a different job."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint file not found")
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
+    try:
+        blob = torch.load(io.BytesIO(_payload(path, data)), map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to decode means a damaged file
         raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupted?): "
                               f"{type(e).__name__}") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a tilework checkpoint")
-    if blob.get("version") != VERSION:
+    if blob.get("version") not in (1, VERSION):
         raise CheckpointError(f"{path}: checkpoint format version {blob.get('version')}, "
                               f"expected {VERSION}")
     if fingerprint is not None:

@@ -93,7 +93,7 @@ class TrainJob:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 0           # 0: evaluate at the start and the end only
-    checkpoint_every: int = 0     # 0: no periodic checkpoints
+    checkpoint_every: int = 0     # 0: none; else every N steps and after the last
     keep_checkpoints: int = 2
     out_dir: str = "runs/job"     # checkpoints/ and metrics.jsonl go here
 

@@ -148,7 +148,8 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
                                   **traffic}, session.rank)
             if job.train.eval_every and done % job.train.eval_every == 0 and done != job.train.steps:
                 evaluate(done)
-            if job.train.checkpoint_every and done % job.train.checkpoint_every == 0:
+            if job.train.checkpoint_every and (done % job.train.checkpoint_every == 0
+                                               or done == job.train.steps):
                 _checkpoint(ckpt_dir, done, model, opt, job, session)
     evaluate(job.train.steps)
     return result

@@ -1,0 +1,167 @@
+"""What a failed run tells its user: the rank that caused it, in one line, not a wall of tracebacks.
+
+Worker side (`worker_failure`): a tilework worker that fails says so in one line on stderr and in
+torchelastic's error file, and its exit code says what kind of failure it was:
+
+- `USER_ERROR_EXIT` (2): bad input, a non-finite loss, mismatched batches: the cause itself;
+- `LOST_PEER_EXIT` (75, EX_TEMPFAIL): a collective failed because a peer vanished or did not
+  answer within the timeout: a consequence of a failure elsewhere (or of the network);
+- anything else: a bug, which keeps its traceback.
+
+Launcher side (`summarize`): from each failed rank's exit code and message, the causes first
+(killed by a signal, failed on its own), then the ranks that stopped because of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+USER_ERROR_EXIT = 2
+LOST_PEER_EXIT = 75
+
+# What gloo, NCCL and the TCPStore say when the other side of a collective is gone or silent.
+_LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                    "Connection refused", "No route to host", "Timed out", "timed out",
+                    "Timeout", "NCCL communicator was aborted", "Socket Timeout",
+                    "failed to recv", "failed to send")
+
+
+def lost_peer_reason(exc: BaseException) -> str | None:
+    """The first line of a collective's error when it means a peer is gone, else None."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    if isinstance(exc, getattr(dist, "DistNetworkError", ())) or \
+            any(sign in text for sign in _LOST_PEER_SIGNS):
+        line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        # gloo prefixes its source location: "[.../pair.cc:553] Connection closed by peer ..."
+        if line.startswith("[") and "] " in line:
+            line = line.split("] ", 1)[1]
+        return line.split(". This is typically")[0]
+    return None
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    exit_code: int
+    line: str          # what the user reads; also the launcher's message for this rank
+    traceback: bool    # a bug: print the traceback too
+
+
+def worker_failure(exc: BaseException, rank: int, timeout_s: float | None = None) -> WorkerFailure:
+    from .errors import UserError
+
+    if isinstance(exc, UserError):
+        return WorkerFailure(exc.exit_code, f"rank {rank}: {exc}", traceback=False)
+    reason = lost_peer_reason(exc)
+    if reason is not None:
+        within = f" (collective timeout {timeout_s:g} s)" if timeout_s else ""
+        return WorkerFailure(LOST_PEER_EXIT, f"rank {rank}: lost contact with its peers{within}: "
+                                             f"{reason}", traceback=False)
+    return WorkerFailure(1, f"rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0],
+                         traceback=True)
+
+
+def record_for_launcher(line: str) -> None:
+    """Leave `line` where the elastic agent looks for a worker's reason to fail."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the launcher falls back to the exit code
+
+
+# -- launcher side -----------------------------------------------------------------------------
+
+def _signal_name(exit_code: int) -> str:
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def summarize(failures: dict[int, tuple[int, str]]) -> list[str]:
+    """Lines for the user from {rank: (exit code, message)}: causes, then consequences.
+
+    The agent stops every other worker with SIGTERM once one fails, so a SIGTERM is a
+    consequence; so is `LOST_PEER_EXIT`. Everything else is a cause.
+    """
+    causes, lost, stopped = [], [], []
+    for rank, (code, message) in sorted(failures.items()):
+        if code == -signal.SIGTERM:
+            stopped.append(rank)
+        elif code == LOST_PEER_EXIT:
+            lost.append((rank, message))
+        elif code < 0:
+            causes.append(f"rank {rank} was killed by {_signal_name(code)}")
+        else:
+            last = message.strip().splitlines()[-1] if message and message.strip() else ""
+            if last.startswith(f"rank {rank}: "):
+                last = last[len(f"rank {rank}: "):]
+            generic = last.startswith("To enable traceback")
+            causes.append(f"rank {rank} failed (exit code {code})"
+                          + (f": {last}" if last and not generic else ""))
+    lines = list(causes)
+    if lost:
+        reason = lost[0][1].split(": ", 2)[-1] if lost[0][1] else ""
+        lines.append(f"{_ranks([r for r, _ in lost])} lost contact with their peers"
+                     + (f" ({reason})" if reason else ""))
+        if not causes:
+            lines.append("no rank failed on its own: a host or its network link went away, "
+                         "or a rank stopped answering (a hang, or a timeout set too short)")
+    if stopped:
+        lines.append(f"{_ranks(stopped)} stopped by the launcher")
+    return lines
+
+
+class LauncherLog(logging.Handler):
+    """Turns the elastic agent's log into tilework's lines: a failed worker and a restart, in
+    one line each; the rest of its chatter is dropped (`verbose` keeps it)."""
+
+    AGENT = "torch.distributed.elastic"
+
+    def __init__(self, stream=None, verbose: bool = False):
+        super().__init__(logging.INFO)
+        self.stream = stream or sys.stderr
+        self.verbose = verbose
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # The agent's own "failed (exitcode ...)" line names whichever failure has the smallest
+        # whole-second timestamp, often a rank that merely lost its peer: dropped. The workers
+        # say why they stopped; `summarize` names the cause at the end.
+        msg, args = record.msg, record.args or ()
+        line = None
+        if isinstance(msg, str) and "will restart worker group" in msg and len(args) == 4:
+            _, _, left, most = args
+            line = f"a worker failed; restarting them all (restart {int(most) - int(left) + 1} " \
+                   f"of {most})"
+        elif self.verbose or record.levelno >= logging.CRITICAL:
+            line = self.format(record)
+        if line:
+            self.stream.write(f"tilework run: {line}\n")
+            self.stream.flush()
+
+    def install(self) -> None:
+        parent = logging.getLogger(self.AGENT)
+        parent.addHandler(self)
+        parent.propagate = False
+        # The agent logs its restarts at INFO; its loggers are created at WARNING.
+        logging.getLogger(f"{self.AGENT}.agent.server.api").setLevel(logging.INFO)
+
+    def uninstall(self) -> None:
+        parent = logging.getLogger(self.AGENT)
+        parent.removeHandler(self)
+        parent.propagate = True
