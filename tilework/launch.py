@@ -78,6 +78,9 @@ def run(spec: LaunchSpec, python_args: list[str], verbose: bool = False) -> int:
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does, so N workers do not each start a thread per core.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node))
+    # Restarted workers must not share the rendezvous store with the attempt before them: they
+    # would read its stale gloo/NCCL addresses and fail to connect (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if spec.timeout_s is not None:
         os.environ[TIMEOUT_ENV] = str(spec.timeout_s)  # workers inherit it; init_from_env reads it
     config = LaunchConfig(
