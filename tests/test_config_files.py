@@ -49,6 +49,17 @@ def test_cluster_file_parses(tmp_path):
     ("[[hosts]]\nprocs = 1\n", "hosts[0].name", "missing"),
     ("hosts = []\n", "hosts", "at least one"),
     ("hosts = [\n", "", "not valid TOML"),
+    # found by tests/test_fuzz_inputs.py
+    (GOOD.replace('latency_us = 2.0', 'latency_us = inf'), "links.inter.latency_us",
+     "expected a finite number, got inf"),
+    (GOOD.replace('bandwidth_gbps = 100.0', 'bandwidth_gbps = nan'), "links.inter.bandwidth_gbps",
+     "expected a finite number, got nan"),
+    (GOOD.replace('procs = 3', 'procs = 9223372036854775808'), "hosts[1].procs", "64-bit integer"),
+    (GOOD.replace('procs = 3', 'procs = 4096'), "hosts[1].procs", "at most 1024"),
+    (GOOD.replace('procs = 3', 'procs = ' + '9' * 5000), "", "not valid TOML"),
+    (GOOD.replace('"node0:29400"', '"node0:\u00b2"'), "rendezvous", "'host:port'"),
+    (GOOD.replace('procs = 3', '"procs\\n" = 3'), "hosts[1].procs\\n", "unknown key"),
+    ("hosts = " + "[" * 10_000 + "]" * 10_000, "", "nested too deep"),
 ])
 def test_bad_cluster_files_name_file_and_key(tmp_path, text, where, expected):
     path = write(tmp_path, text)
@@ -73,12 +84,24 @@ def test_missing_cluster_file(tmp_path):
     ('[parallel]\nmode = "magic"\n', "parallel.mode"),
     ('[recommender]\ntable_sizes = []\n', "recommender.table_sizes"),
     ('[data]\nscaling = true\n', "data.scaling"),
+    ('[train]\nlr = inf\n', "train.lr"),
+    ('[parallel]\nbucket_mb = -inf\n', "parallel.bucket_mb"),
+    ('[lm]\nzipf_alpha = nan\n', "lm.zipf_alpha"),
+    ('[lm]\nvocab = 9223372036854775808\n', "lm.vocab"),
 ])
 def test_bad_job_files(tmp_path, text, where):
     path = write(tmp_path, text, "job.toml")
     with pytest.raises(ConfigError) as e:
         Job.load(path)
     assert f"{path}: {where}" in str(e.value), str(e.value)
+
+
+def test_non_finite_numbers_are_refused_by_name(tmp_path):
+    """TOML has inf and nan; `bucket_mb = inf` used to crash the planner (int(inf)) later."""
+    path = write(tmp_path, "[parallel]\nbucket_mb = inf\n", "job.toml")
+    with pytest.raises(ConfigError) as e:
+        Job.load(path)
+    assert str(e.value) == f"{path}: parallel.bucket_mb: expected a finite number, got inf"
 
 
 def test_job_defaults_and_fingerprint(tmp_path):

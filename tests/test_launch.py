@@ -82,12 +82,17 @@ def test_run_names_the_failed_rank(tmp_path):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["run", "-n", "0", "x.py"], "expected at least 1 process"),
+    (["run", "-n", "0", "x.py"], "expected 1 to 1024 processes, got 0"),
+    (["run", "-n", "99999999999999999999", "x.py"], "expected 1 to 1024 processes"),
     (["run", "-n", "2", "missing.py"], "missing.py: script not found"),
     (["run", "--hosts", "missing.toml", "x.py"], "file not found"),
     (["train", "nope.toml"], "nope.toml: file not found"),
     (["bogus"], "invalid choice"),
     (["demo", "--steps", "0"], "--steps: expected at least 1"),
+    # found by tests/test_fuzz_inputs.py
+    (["run", "-n", "2", "x" * 5000], "script not found"),  # not OSError: file name too long
+    (["run", "--hosts", "", "x.py"], ".: not a file"),  # not local_spec(None)
+    (["plan", "--job", "a\nb.toml", "--cluster", "c.toml"], "a\\nb.toml: file not found"),
 ])
 def test_user_errors_are_one_line_exit_2(tmp_path, args, expected):
     (tmp_path / "x.py").write_text("")

@@ -107,7 +107,7 @@ def _spec(a):
     from .cluster import Cluster
 
     restarts, timeout = getattr(a, "max_restarts", 0), getattr(a, "timeout", None)
-    if getattr(a, "hosts", None):
+    if getattr(a, "hosts", None) is not None:  # `--hosts ""` too: a path, and not a file
         return launch.cluster_spec(Cluster.load(a.hosts), a.host, a.run_id, restarts, timeout)
     return launch.local_spec(a.nproc, restarts, timeout)
 
@@ -158,8 +158,11 @@ def _cmd_plan(a, argv) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=f"{a.job} on {a.cluster}: {out['hosts']} hosts, {out['world_size']} ranks")
+    # Text, not markup: a path may hold "[/b]", which rich would take for a closing tag.
+    table = Table(title=Text(f"{a.job} on {a.cluster}: {out['hosts']} hosts, "
+                             f"{out['world_size']} ranks"))
     for col in ("parameter", "shape", "rows/step", "method", "partitions", "MB/step", "ms/step",
                 "why"):
         table.add_column(col, justify="right" if col in ("MB/step", "ms/step", "rows/step") else "left")
@@ -170,11 +173,13 @@ def _cmd_plan(a, argv) -> int:
                       f"{p['bytes_sent'] / 1e6:.3f}", f"{p['seconds'] * 1e3:.3f}", p["why"])
     console = Console(soft_wrap=True)
     console.print(table)
-    t = out["step_comm_seconds"]
+    t, speedup = out["step_comm_seconds"], out["hybrid_speedup_over_allreduce"]
     console.print(f"predicted communication per step: hybrid {t['hybrid'] * 1e3:.2f} ms, "
                   f"all-AllReduce {t['allreduce'] * 1e3:.2f} ms, all-PS {t['ps'] * 1e3:.2f} ms, "
-                  f"DDP-style sparse all-gather {t['ddp_sparse_allgather'] * 1e3:.2f} ms; "
-                  f"hybrid speed-up over all-AllReduce {out['hybrid_speedup_over_allreduce']:.2f}x")
+                  f"DDP-style sparse all-gather {t['ddp_sparse_allgather'] * 1e3:.2f} ms"
+                  # None where nothing is sent (one rank): no ratio to give
+                  + ("" if speedup is None else
+                     f"; hybrid speed-up over all-AllReduce {speedup:.2f}x"))
     return 0
 
 

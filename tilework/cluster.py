@@ -30,6 +30,8 @@ from . import config
 from .config import check
 from .errors import ConfigError
 
+MAX_PROCS = 1024  # per host: far beyond any host's accelerators or cores
+
 
 @dataclass(frozen=True)
 class Link:
@@ -66,6 +68,9 @@ class Host:
     def __post_init__(self):
         check(bool(self.name.strip()), "name", "a non-empty host name")
         check(self.procs >= 1, "procs", f"at least 1 process per host, got {self.procs}")
+        # Every layer lists a host's ranks (Topology); a typo like 2**40 must not try to.
+        check(self.procs <= MAX_PROCS, "procs",
+              f"at most {MAX_PROCS} processes per host, got {self.procs}")
 
     @property
     def reach(self) -> str:
@@ -87,7 +92,10 @@ class Cluster:
             seen.add(h.name)
         if self.rendezvous is not None:
             host, _, port = self.rendezvous.rpartition(":")
-            check(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+            # ASCII and short: str.isdigit() also takes "²", which int() refuses, and int()
+            # refuses more than 4,300 digits.
+            digits = port.isascii() and port.isdigit() and len(port) <= 5
+            check(bool(host) and digits and 0 < int(port) < 65536,
                   "rendezvous", f"'host:port' with a port in 1..65535, got {self.rendezvous!r}")
             check(self.rendezvous_host is not None, "rendezvous",
                   f"the name or address of one of the hosts, got {host!r}")

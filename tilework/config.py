@@ -9,6 +9,8 @@ and names the file and dotted key path in its error; cross-field checks live in 
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib  # values echoed in errors are cut short: a 4,000-digit integer, a long list
 import sys
 import types
 import typing
@@ -33,15 +35,18 @@ def check(condition: bool, key: str, expected: str) -> None:
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(str(path), "file not found" if not path.exists() else "not a file")
     try:
+        if not path.is_file():  # asked first: open() would block on a FIFO
+            raise ConfigError(str(path), "file not found" if not path.exists() else "not a file")
         with path.open("rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+    except (OSError, UnicodeDecodeError) as e:  # is_file() too raises some, e.g. a name too long
+        reason = getattr(e, "strerror", None) or e  # an OSError's without the path again
+        raise ConfigError(str(path), f"cannot be read ({reason})") from None
+    except ValueError as e:  # TOMLDecodeError, or an integer of more than 4,300 digits
         raise ConfigError(str(path), f"not valid TOML ({e})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(str(path), f"cannot be read ({e})") from None
+    except RecursionError:  # tomllib parses nested arrays and tables by recursion
+        raise ConfigError(str(path), "not valid TOML (arrays or tables nested too deep)") from None
 
 
 def load(cls: type[T], path: str | Path) -> T:
@@ -85,19 +90,19 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ConfigError:
                 continue
-        raise ConfigError(key, f"expected {_describe(tp)}, got {value!r}")
+        raise ConfigError(key, f"expected {_describe(tp)}, got {reprlib.repr(value)}")
     if origin is Literal:
         if value in get_args(tp) and type(value) is not bool:
             return value
-        raise ConfigError(key, f"expected {_describe(tp)}, got {value!r}")
+        raise ConfigError(key, f"expected {_describe(tp)}, got {reprlib.repr(value)}")
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(key, f"expected {_describe(tp)}, got {value!r}")
+            raise ConfigError(key, f"expected {_describe(tp)}, got {reprlib.repr(value)}")
         (inner,) = get_args(tp)
         return [_convert(inner, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(key, f"expected a table, got {value!r}")
+            raise ConfigError(key, f"expected a table, got {reprlib.repr(value)}")
         _, inner = get_args(tp)
         return {k: _convert(inner, v, f"{key}.{k}") for k, v in value.items()}
     ok = {
@@ -109,13 +114,26 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if ok is None:
         raise TypeError(f"config field {key}: unsupported annotation {tp!r}")
     if not ok(value):
-        raise ConfigError(key, f"expected {_describe(tp)}, got {value!r}")
-    return float(value) if tp is float else value
+        raise ConfigError(key, f"expected {_describe(tp)}, got {reprlib.repr(value)}")
+    if tp is float:
+        # TOML has nan and inf, but no setting means them: `bucket_mb = inf` would fail only
+        # later, deep in the planner, and `lr = nan` would train to nan without a word.
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond any float
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(key, f"expected a finite number, got {reprlib.repr(value)}")
+        return number
+    if tp is int and not -(2**63) <= value < 2**63:
+        # TOML's integers are 64-bit; tomllib reads any size, which torch and numpy cannot take.
+        raise ConfigError(key, f"expected a 64-bit integer, got {reprlib.repr(value)}")
+    return value
 
 
 def _build(cls: Any, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(prefix, f"expected a table, got {data!r}")
+        raise ConfigError(prefix, f"expected a table, got {reprlib.repr(data)}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))

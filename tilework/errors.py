@@ -12,6 +12,11 @@ class UserError(Exception):
 
     exit_code = 2
 
+    def __str__(self) -> str:
+        # One line whatever the input held: a line break in a key, a path or an argument is
+        # shown escaped, as repr() shows it.
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in super().__str__())
+
 
 class ConfigError(UserError):
     """A TOML file (job, cluster) or a value in it is wrong."""
@@ -28,3 +33,16 @@ class PlanError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, truncated, corrupted or from a different model."""
+
+
+class InputError(UserError):
+    """What a rank fed the model is wrong (ids out of range, a non-finite loss, batches that
+    differ across ranks). `ranks` are the ranks at fault: the others stop because of them."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...]):
+        self.ranks = tuple(ranks)
+        super().__init__(message)
+
+
+class IdOutOfRange(InputError, IndexError):
+    """An embedding id outside its table (an IndexError too, as nn.Embedding raises)."""

@@ -16,7 +16,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from .cluster import Cluster
+from .cluster import MAX_PROCS, Cluster
 from .errors import UserError
 
 
@@ -35,8 +35,8 @@ class LaunchSpec:
 
 
 def local_spec(nproc: int, max_restarts: int = 0, timeout_s: float | None = None) -> LaunchSpec:
-    if nproc < 1:
-        raise UserError(f"-n/--nproc: expected at least 1 process, got {nproc}")
+    if not 1 <= nproc <= MAX_PROCS:
+        raise UserError(f"-n/--nproc: expected 1 to {MAX_PROCS} processes, got {nproc}")
     return LaunchSpec(nnodes=1, nproc_per_node=nproc, rdzv_endpoint="127.0.0.1:0",
                       is_rendezvous_host=True, run_id=str(uuid.uuid4()), local_addr=None,
                       max_restarts=_restarts(max_restarts), timeout_s=_timeout(timeout_s))

@@ -82,6 +82,12 @@ def partitions_of(rank: int, partitions: int, world_size: int) -> list[int]:
     return [p for p in range(partitions) if server_of(p, world_size) == rank]
 
 
+def bucket_bytes(mb: float) -> int:
+    """A bucket size in MB as whole bytes: at least one, and any size beyond every model's (even
+    one whose bytes overflow a float) as one bucket for all."""
+    return max(1, int(min(mb * 2**20, 2**62)))
+
+
 def assign_buckets(nbytes_in_order: list[int], bucket_bytes: int) -> list[list[int]]:
     """Group parameters (indices into the list, in launch order) into all-reduce buckets: a
     bucket closes as soon as it holds at least `bucket_bytes`."""

@@ -14,22 +14,30 @@ import torch
 from .analysis import ParamInfo, analyze
 from .cluster import Cluster
 from .cost import TableTraffic, dense_served, ps_expected, ring_allreduce, sparse_allgather
+from .errors import PlanError
 from .models import DLRM, SmallResNet, WordLM
-from .plan import Plan
+from .plan import Plan, bucket_bytes
 from .planner import make_plan
 from .train.job import Job
 
 
 def meta_model(job: Job) -> torch.nn.Module:
-    with torch.device("meta"):
-        if job.workload == "lm":
-            c = job.lm
-            return WordLM(c.vocab, c.embed_dim, c.hidden, c.layers, c.sparse, c.num_sampled)
-        if job.workload == "cnn":
-            c = job.cnn
-            return SmallResNet(c.num_classes, c.width, c.blocks)
-        c = job.recommender
-        return DLRM(c.table_sizes, c.dense_features, c.embed_dim, sparse=c.sparse)
+    """The job's model with shapes and no memory; a PlanError where it cannot be built."""
+    try:
+        with torch.device("meta"):
+            if job.workload == "lm":
+                c = job.lm
+                return WordLM(c.vocab, c.embed_dim, c.hidden, c.layers, c.sparse, c.num_sampled)
+            if job.workload == "cnn":
+                c = job.cnn
+                return SmallResNet(c.num_classes, c.width, c.blocks)
+            c = job.recommender
+            return DLRM(c.table_sizes, c.dense_features, c.embed_dim, sparse=c.sparse)
+    except (RuntimeError, TypeError) as e:
+        # The job's sizes are the only input: torch refuses a tensor of 2**63 elements or more
+        # (RuntimeError), or a dimension beyond int64 (TypeError).
+        raise PlanError(f"[{job.workload}]: sizes too large for any model "
+                        f"({str(e).splitlines()[0]})") from None
 
 
 def table_traffic(job: Job, infos: list[ParamInfo], cluster: Cluster) -> dict[str, TableTraffic]:
@@ -107,7 +115,7 @@ def report(job: Job, cluster: Cluster) -> dict:
     topo, n = cluster.topology(), cluster.world_size
     common = dict(sparse_reduce=job.parallel.sparse_reduce,
                   local_aggregation=job.parallel.local_aggregation,
-                  bucket_bytes=int(job.parallel.bucket_mb * 2**20), topology=topo,
+                  bucket_bytes=bucket_bytes(job.parallel.bucket_mb), topology=topo,
                   links=cluster.links, traffic=traffic)
     plans = {mode: make_plan(infos, n, mode, **common) for mode in ("hybrid", "allreduce", "ps")}
     rows = param_costs(plans["hybrid"], infos, traffic, cluster)

@@ -11,13 +11,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _groups(channels: int) -> int:
+    """Up to 8 groups; GroupNorm needs a divisor of the channels (a width of 5 doubles to 10)."""
+    return max(g for g in range(1, 9) if channels % g == 0)
+
+
 class _Block(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.norm1 = nn.GroupNorm(min(8, cout), cout)
+        self.norm1 = nn.GroupNorm(_groups(cout), cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.norm2 = nn.GroupNorm(min(8, cout), cout)
+        self.norm2 = nn.GroupNorm(_groups(cout), cout)
         self.skip = (nn.Conv2d(cin, cout, 1, stride, bias=False)
                      if stride != 1 or cin != cout else nn.Identity())
 

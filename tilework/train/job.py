@@ -19,6 +19,9 @@ from typing import Literal
 from .. import config
 from ..config import check
 
+MAX_LAYERS = 256
+MAX_SEED = 2**40  # workloads seed generators with seed * 1_000_003 + step, which must fit 64 bits
+
 
 @dataclass
 class LMJob:
@@ -40,6 +43,8 @@ class LMJob:
         for name in ("embed_dim", "hidden", "layers", "seq_len", "zipf_tokens", "eval_sequences"):
             check(getattr(self, name) >= 1, name, f"at least 1, got {getattr(self, name)}")
         check(self.num_sampled >= 0, "num_sampled", f">= 0, got {self.num_sampled}")
+        # torch builds an LSTM layer by layer: 1,000 take a second even on the meta device.
+        check(self.layers <= MAX_LAYERS, "layers", f"at most {MAX_LAYERS}, got {self.layers}")
         check(0 < self.holdout < 0.5, "holdout", f"a fraction in (0, 0.5), got {self.holdout}")
         check(self.zipf_alpha > 0, "zipf_alpha", f"> 0, got {self.zipf_alpha}")
 
@@ -83,6 +88,7 @@ class DataJob:
 
     def __post_init__(self):
         check(self.batch_size >= 1, "batch_size", f"at least 1, got {self.batch_size}")
+        check(0 <= self.seed < MAX_SEED, "seed", f"0 <= seed < 2**40, got {self.seed}")
 
 
 @dataclass
@@ -100,6 +106,7 @@ class TrainJob:
     def __post_init__(self):
         check(self.steps >= 1, "steps", f"at least 1, got {self.steps}")
         check(self.lr > 0, "lr", f"a positive learning rate, got {self.lr}")
+        check(0 <= self.seed < MAX_SEED, "seed", f"0 <= seed < 2**40, got {self.seed}")
         check(self.log_every >= 1, "log_every", f"at least 1, got {self.log_every}")
         for name in ("eval_every", "checkpoint_every"):
             check(getattr(self, name) >= 0, name, f">= 0, got {getattr(self, name)}")
