@@ -12,7 +12,7 @@ from tilework.analysis import analyze
 from tilework.cluster import Links, Topology
 from tilework.comm import build_groups
 from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
-                           ps_expected, ps_table_bytes)
+                           input_check_bytes, ps_expected, ps_table_bytes)
 from tilework.planner import make_plan
 from tilework.testing import spawn
 
@@ -59,7 +59,8 @@ def predicted(mode, world_size, hosts, local_aggregation, step):
     model = TwoTables()
     plan = make_plan(analyze(model), world_size, mode, bucket_bytes=BUCKET)
     params = dict(model.named_parameters())
-    per_rank = [{"allreduce": 0, "ps": 0} for _ in range(world_size)]
+    per_rank = [{"allreduce": 0, "ps": 0, "check": input_check_bytes(world_size)}
+                for _ in range(world_size)]
     dense = [p.numel() * 4 for n, p in params.items() if plan.by_name()[n].method == "allreduce"]
     for r in range(world_size):
         per_rank[r]["allreduce"] = dense_sync_bytes(dense, BUCKET, world_size)

@@ -182,7 +182,7 @@ def test_summary_puts_the_cause_before_its_consequences():
                        3: (LOST_PEER_EXIT, "rank 3: lost contact with its peers: Connection reset")})
     assert lines == ["rank 2 was killed by SIGKILL",
                      "ranks 0, 3 lost contact with their peers (Connection reset)",
-                     "rank 1 stopped by the launcher"]
+                     "rank 1 stopped with it"]
     assert summarize({1: (2, "rank 1: lm.embedding: id 900 is out of range")}) == [
         "rank 1 failed (exit code 2): lm.embedding: id 900 is out of range"]
     only_lost = summarize({0: (LOST_PEER_EXIT, "rank 0: lost contact with its peers: Timed out")})

@@ -12,7 +12,7 @@ from torch import nn
 from .analysis import analyze
 from .comm.groups import Groups, build_groups, init_from_env
 from .errors import CheckpointError, PlanError
-from .plan import Method, Plan, RowMap
+from .plan import Method, Plan, RowMap, bucket_bytes
 from .planner import make_plan
 
 
@@ -22,13 +22,15 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, *, groups: G
                 bucket_mb: float = 25.0, overrides: dict[str, Method] | None = None,
                 partitions: int | dict[str, int] | None = None, row_map: RowMap = "contiguous",
                 density: dict[str, float] | None = None, plan: Plan | None = None,
-                log: bool = True):
+                check_inputs: bool = True, log: bool = True):
     """Make `model` and `optimizer` train data-parallel; returns the same two objects.
 
     Dense parameters are all-reduced; sparse tables go to the parameter server (hybrid, the
     default). `groups` defaults to the world torchrun describes (one process: no group at all).
     `overrides` forces a method per parameter name; `partitions` sets server partitions (one per
     rank by default); `density` gives measured touched-row fractions of dense-layout tables.
+    `check_inputs` has every step agree that no rank fed out-of-range ids, NaN/inf or a batch
+    of another size before anything is applied (16 bytes per rank per step; sync/checks.py).
     """
     if groups is None:
         import os
@@ -39,12 +41,12 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, *, groups: G
         raise PlanError("this model is already parallelized")
     if plan is None:
         plan = make_plan(analyze(model, density), groups.world_size, mode, overrides, partitions,
-                         row_map, sparse_reduce, local_aggregation, int(bucket_mb * 2**20))
+                         row_map, sparse_reduce, local_aggregation, bucket_bytes(bucket_mb))
     if plan.world_size != groups.world_size:
         raise PlanError(f"plan is for {plan.world_size} ranks, the world has {groups.world_size}")
     from .sync.engine import Engine
 
-    Engine(model, optimizer, groups, plan)
+    Engine(model, optimizer, groups, plan, check_inputs)
     if log and groups.rank == 0:
         print_plan(plan)
     return model, optimizer

@@ -36,6 +36,15 @@ def ring_allreduce_bytes(nbytes: int, n: int) -> int:
     return 0 if n <= 1 else 2 * (n - 1) * nbytes // n
 
 
+CHECK_BYTES = 16  # per rank per step: the input-check exchange (sync/checks.py), two int64
+
+
+def input_check_bytes(n: int) -> int:
+    """What each rank sends in the per-step input check: its 16 bytes to every peer (ring
+    all-gather)."""
+    return CHECK_BYTES * (n - 1)
+
+
 def link_for(topology: Topology, links: Links) -> Link:
     return links.inter if topology.num_hosts > 1 else links.intra
 

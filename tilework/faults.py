@@ -6,6 +6,8 @@ torchelastic's error file, and its exit code says what kind of failure it was:
 - `USER_ERROR_EXIT` (2): bad input, a non-finite loss, mismatched batches: the cause itself;
 - `LOST_PEER_EXIT` (75, EX_TEMPFAIL): a collective failed because a peer vanished or did not
   answer within the timeout: a consequence of a failure elsewhere (or of the network);
+- `PEER_FAULT_EXIT` (76): every rank agreed that another rank fed bad input (sync/checks.py),
+  and this one stopped with it;
 - anything else: a bug, which keeps its traceback.
 
 Launcher side (`summarize`): from each failed rank's exit code and message, the causes first
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 USER_ERROR_EXIT = 2
 LOST_PEER_EXIT = 75
+PEER_FAULT_EXIT = 76
 
 # What gloo, NCCL and the TCPStore say when the other side of a collective is gone or silent.
 _LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -55,8 +58,11 @@ class WorkerFailure:
 
 
 def worker_failure(exc: BaseException, rank: int, timeout_s: float | None = None) -> WorkerFailure:
-    from .errors import UserError
+    from .errors import InputError, UserError
 
+    if isinstance(exc, InputError) and rank not in exc.ranks:
+        return WorkerFailure(PEER_FAULT_EXIT, f"rank {rank}: stopped with the rank at fault: {exc}",
+                             traceback=False)
     if isinstance(exc, UserError):
         return WorkerFailure(exc.exit_code, f"rank {rank}: {exc}", traceback=False)
     reason = lost_peer_reason(exc)
@@ -99,22 +105,25 @@ def summarize(failures: dict[int, tuple[int, str]]) -> list[str]:
     The agent stops every other worker with SIGTERM once one fails, so a SIGTERM is a
     consequence; so is `LOST_PEER_EXIT`. Everything else is a cause.
     """
-    causes, lost, stopped = [], [], []
+    causes: dict[str, list[int]] = {}  # what happened -> the ranks it happened to
+    lost, stopped = [], []
     for rank, (code, message) in sorted(failures.items()):
-        if code == -signal.SIGTERM:
+        if code in (-signal.SIGTERM, PEER_FAULT_EXIT):
             stopped.append(rank)
         elif code == LOST_PEER_EXIT:
             lost.append((rank, message))
         elif code < 0:
-            causes.append(f"rank {rank} was killed by {_signal_name(code)}")
+            causes.setdefault(f"killed by {_signal_name(code)}", []).append(rank)
         else:
             last = message.strip().splitlines()[-1] if message and message.strip() else ""
             if last.startswith(f"rank {rank}: "):
                 last = last[len(f"rank {rank}: "):]
             generic = last.startswith("To enable traceback")
-            causes.append(f"rank {rank} failed (exit code {code})"
-                          + (f": {last}" if last and not generic else ""))
-    lines = list(causes)
+            what = f"failed (exit code {code})" + (f": {last}" if last and not generic else "")
+            causes.setdefault(what, []).append(rank)
+    lines = [f"{_ranks(ranks)} {'was' if len(ranks) == 1 else 'were'} {what}"
+             if what.startswith("killed") else f"{_ranks(ranks)} {what}"
+             for what, ranks in causes.items()]
     if lost:
         reason = lost[0][1].split(": ", 2)[-1] if lost[0][1] else ""
         lines.append(f"{_ranks([r for r, _ in lost])} lost contact with their peers"
@@ -123,7 +132,7 @@ def summarize(failures: dict[int, tuple[int, str]]) -> list[str]:
             lines.append("no rank failed on its own: a host or its network link went away, "
                          "or a rank stopped answering (a hang, or a timeout set too short)")
     if stopped:
-        lines.append(f"{_ranks(stopped)} stopped by the launcher")
+        lines.append(f"{_ranks(stopped)} stopped with {'them' if len(causes) > 1 else 'it'}")
     return lines
 
 

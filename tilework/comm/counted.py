@@ -79,6 +79,20 @@ def all_reduce_async(tensor: torch.Tensor, group, stats: Stats, method: str,
     return dist.all_reduce(tensor, group=group, async_op=True)
 
 
+def all_gather(tensor: torch.Tensor, group, stats: Stats, method: str,
+               successor_remote: bool = False) -> list[torch.Tensor]:
+    """Every group rank's `tensor` (same shape everywhere), in rank order. Counted as gloo's ring
+    sends it: this rank's tensor and n-2 forwarded ones, n-1 in all."""
+    n = group_size(group)
+    if n == 1:
+        return [tensor]
+    wire = tensor.numel() * tensor.element_size() * (n - 1)
+    stats.record(method, wire, wire, wire if successor_remote else 0)
+    parts = [torch.empty_like(tensor) for _ in range(n)]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
 def broadcast(tensor: torch.Tensor, src: int, group, stats: Stats, method: str) -> None:
     n = group_size(group)
     if n == 1:

@@ -31,8 +31,10 @@ class _Bucket:
 
 class DenseSync:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group, world_size: int,
-                 stats: Stats, bucket_bytes: int, successor_remote: bool = False):
+                 stats: Stats, bucket_bytes: int, successor_remote: bool = False,
+                 checks=None):
         self.group, self.world_size, self.stats = group, world_size, stats
+        self.checks = checks  # sees each bucket's local gradients before they leave
         self.successor_remote = successor_remote
         order = list(reversed(params))
         self.buckets = [_Bucket([order[i] for i in members]) for members in
@@ -73,6 +75,8 @@ class DenseSync:
             elif p.grad.is_sparse:
                 p.grad = p.grad.to_dense()
             if p.grad.is_contiguous():
+                if self.checks is not None:
+                    self.checks.on_gradients([(bucket.params[0][0], p.grad)], p.grad)
                 bucket.buffer = p.grad
                 bucket.work = all_reduce_async(p.grad, self.group, self.stats, "allreduce",
                                                self.successor_remote)
@@ -85,6 +89,8 @@ class DenseSync:
             else:
                 chunks.append((g.to_dense() if g.is_sparse else g).reshape(-1))
         bucket.buffer = torch.cat(chunks)
+        if self.checks is not None:
+            self.checks.on_gradients([(name, p.grad) for name, p in bucket.params], bucket.buffer)
         bucket.work = all_reduce_async(bucket.buffer, self.group, self.stats, "allreduce",
                                        self.successor_remote)
 

@@ -17,9 +17,10 @@ from torch import nn
 
 from ..analysis import embedding_modules
 from ..comm.counted import Stats, broadcast, ring_allreduce_bytes
-from ..errors import CheckpointError, PlanError
+from ..errors import CheckpointError, InputError, PlanError
 from ..optim.rowwise import RowOptimizer, family_of
 from ..plan import Plan
+from .checks import InputChecks, check_ids
 from .dense import DenseSync
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 
@@ -44,7 +45,8 @@ def check_same_model_everywhere(model: nn.Module, groups) -> None:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups, plan: Plan):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups, plan: Plan,
+                 check_inputs: bool = True):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PlanError(f"optimizer: expected a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -78,8 +80,12 @@ class Engine:
         self._forget(set(self.tables) | set(self.served))
         topo = groups.topology
         successor_remote = topo.host_of((groups.rank + 1) % topo.world_size) != groups.host
+        self.checks = InputChecks(groups, self.stats, successor_remote) if check_inputs else None
+        self.dense_params = dense
         self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
-                               plan.bucket_bytes, successor_remote)
+                               plan.bucket_bytes, successor_remote, self.checks)
+        if self.checks is not None:
+            self._install_checks(modules)
         self.all_param_bytes = sum(p.numel() * p.element_size() for p in named.values())
         optimizer.register_step_pre_hook(lambda *_: self._before_step())
         optimizer.register_step_post_hook(lambda *_: self._after_step())
@@ -133,13 +139,47 @@ class Engine:
             if id(p) in gone:
                 del self.optimizer.state[p]
 
+    def _install_checks(self, embeddings: dict[str, nn.Module]) -> None:
+        checks, rank = self.checks, self.groups.rank
+        self.model.register_forward_pre_hook(lambda m, args, kwargs: checks.on_forward(args, kwargs),
+                                             with_kwargs=True)
+        self.model.register_forward_hook(lambda m, args, out: checks.on_output(out))
+        for name, module in embeddings.items():
+            if name not in self.tables:  # server tables check their ids before the pull
+                module.register_forward_pre_hook(
+                    lambda m, args, name=name: check_ids(name, args[0], m.num_embeddings, rank))
+
     # -- per step ------------------------------------------------------------------------------
     def _before_step(self) -> None:
+        if self.checks is not None:
+            self._check_inputs()
         self.dense.finish()
         for table in self.tables.values():
             table.push_and_apply()
         for served in self.served.values():
             served.push_and_apply()
+
+    def _check_inputs(self) -> None:
+        """Every rank agrees the step's inputs were sound before anything is sent or applied."""
+        checks = self.checks
+        if self.groups.world_size == 1:  # no buckets are launched: nothing saw the gradients
+            checks.on_gradients([(n, p.grad) for n, p in self.dense_params])
+        for name, table in self.tables.items():
+            checks.on_gradients([(name, g) for _, g in table.pending])
+        for name, served in self.served.items():
+            checks.on_gradients([(name, served.param.grad)])
+        try:
+            checks.agree()
+        except InputError:
+            # Every rank is here: drain the in-flight all-reduces together and drop the step,
+            # so a caller that catches this can go on with the next batch.
+            self.dense.finish()
+            for table in self.tables.values():
+                table.pending = []
+            for p in self.model.parameters():
+                p.grad = None
+            self.stats.end_step()
+            raise
 
     def _after_step(self) -> None:
         for served in self.served.values():

@@ -26,6 +26,7 @@ from torch import nn
 from ..comm.counted import Stats, all_to_all_v, group_size
 from ..errors import PlanError
 from ..optim.rowwise import RowOptimizer
+from .checks import check_ids
 from ..plan import ParamPlan
 from ..layout import TableLayout
 
@@ -183,10 +184,8 @@ class ShardedEmbedding(nn.Module):
 
     def forward(self, input: torch.Tensor, offsets=None, per_sample_weights=None):
         flat = input.reshape(-1)
-        if flat.numel() and (flat.min() < 0 or flat.max() >= self.num_embeddings):
-            bad = flat[(flat < 0) | (flat >= self.num_embeddings)][0].item()
-            raise IndexError(f"{self.table.name}: id {bad} is out of range for a table of "
-                             f"{self.num_embeddings} rows")
+        # Before the pull: a bad id stops this rank here, not inside the owners' lookup.
+        check_ids(self.table.name, flat, self.num_embeddings, self.table.groups.rank)
         ids, inverse = torch.unique(flat, return_inverse=True)
         rows = self.table.pull(ids)
         if torch.is_grad_enabled():

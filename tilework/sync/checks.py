@@ -1,0 +1,127 @@
+"""Checks on what each rank feeds the model, agreed by every rank before any update is applied.
+
+A rank that feeds bad input must not quietly poison the others: a NaN gradient all-reduced is a
+NaN on every rank, and batches of different sizes make the averaged gradient weigh samples
+unequally (it no longer equals one process's). Per rank, during the step:
+
+- ids are range-checked before a lookup (the parameter server's pull, or nn.Embedding),
+  and fail at once, naming the table and the rank;
+- a scalar model output (the loss) and every gradient are checked for NaN/inf as they appear,
+  before their all-reduce leaves;
+- the leading dimension of every tensor the model is called with is recorded.
+
+At the optimizer step every rank sends the others 16 bytes (a flag and a digest of its batch
+dimensions, `cost.input_check_bytes`); if anything is off, every rank learns the same thing from
+the same exchange and raises the same `InputError` together: nobody is left waiting in a
+collective, and no parameter moves. Only then is the detail gathered, to name ranks and tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from ..comm.counted import Stats, all_gather
+from ..errors import IdOutOfRange, InputError
+
+
+def check_ids(table: str, ids: torch.Tensor, rows: int, rank: int) -> None:
+    flat = ids.reshape(-1)
+    if flat.numel() and (flat.min() < 0 or flat.max() >= rows):
+        bad = flat[(flat < 0) | (flat >= rows)][0].item()
+        raise IdOutOfRange(f"rank {rank}: {table}: id {bad} is out of range for a table of "
+                           f"{rows} rows", ranks=(rank,))
+
+
+def _batch_dims(args, kwargs) -> tuple:
+    tensors = [*args, *kwargs.values()]
+    return tuple(t.shape[0] if t.dim() else None for t in tensors if torch.is_tensor(t))
+
+
+class InputChecks:
+    def __init__(self, groups, stats: Stats, successor_remote: bool):
+        self.groups, self.stats, self.successor_remote = groups, stats, successor_remote
+        self.batches: list[tuple] = []     # leading dims of each forward's inputs this step
+        self.nonfinite: str | None = None  # the first tensor found with NaN/inf this step
+        self.steps = 0
+
+    # -- during the step (local) ---------------------------------------------------------------
+    def on_forward(self, args, kwargs) -> None:
+        if torch.is_grad_enabled():  # evaluation forwards may legitimately differ per rank
+            self.batches.append(_batch_dims(args, kwargs))
+
+    def on_output(self, output) -> None:
+        if (self.nonfinite is None and torch.is_tensor(output) and output.dim() == 0
+                and output.is_floating_point() and not torch.isfinite(output)):
+            self.nonfinite = f"the loss the model returned ({output.item()})"
+
+    def on_gradients(self, named: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None = None):
+        """`named` gradients (or their concatenation `flat`, checked in one pass first)."""
+        if self.nonfinite is not None:
+            return
+        if flat is not None and bool(torch.isfinite(flat).all()):
+            return
+        for name, g in named:
+            if g is not None and g.is_sparse:
+                g = g.coalesce().values()
+            if g is not None and not bool(torch.isfinite(g).all()):
+                self.nonfinite = f"the gradient of {name}"
+                return
+
+    # -- at the step (collective) --------------------------------------------------------------
+    def agree(self) -> None:
+        """Every rank calls this at the step; raises the same InputError on every rank."""
+        self.steps += 1
+        step = self.steps  # counted from 1 since parallelize
+        batches, nonfinite = self.batches, self.nonfinite
+        self.batches, self.nonfinite = [], None
+        if self.groups.world_size == 1:
+            if nonfinite:
+                raise InputError(f"step {step}: rank 0: {nonfinite} has NaN or inf values; "
+                                 "nothing was updated", ranks=(0,))
+            return
+        digest = int.from_bytes(hashlib.blake2b(repr(batches).encode(), digest_size=7).digest(),
+                                "little")
+        mine = torch.tensor([int(nonfinite is not None), digest], dtype=torch.int64)
+        everyone = torch.stack(all_gather(mine, self.groups.world, self.stats, "check",
+                                          self.successor_remote))
+        bad_values = bool(everyone[:, 0].any())
+        uneven = bool((everyone[:, 1] != everyone[0, 1]).any())
+        if not (bad_values or uneven):
+            return
+        # Rare: everyone is here, so the detail can travel as objects.
+        details: list = [None] * self.groups.world_size
+        dist.all_gather_object(details, (nonfinite, batches), group=self.groups.world)
+        if bad_values:
+            culprits = tuple(r for r, (what, _) in enumerate(details) if what)
+            first = culprits[0]
+            raise InputError(f"step {step}: rank {first}: {details[first][0]} has NaN or inf "
+                             f"values (ranks at fault: {', '.join(map(str, culprits))}); "
+                             "nothing was updated", ranks=culprits)
+        raise _uneven(step, [b for _, b in details])
+
+
+def _uneven(step: int, batches: list[list[tuple]]) -> InputError:
+    # The ranks at fault are those that differ from the most common batch shape.
+    reference = max(batches, key=batches.count)
+    ref_rank = batches.index(reference)
+    odd = tuple(r for r, b in enumerate(batches) if b != reference)
+    r = odd[0]
+    theirs = batches[r]
+    if len(theirs) != len(reference):
+        what = (f"rank {r} called the model {len(theirs)} times since the last step, "
+                f"rank {ref_rank} {len(reference)} times")
+    else:
+        call = next(i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b)
+        arg = next((j for j, (x, y) in enumerate(zip(reference[call], theirs[call])) if x != y),
+                   min(len(reference[call]), len(theirs[call])))
+        size = theirs[call][arg] if arg < len(theirs[call]) else "no"
+        want = reference[call][arg] if arg < len(reference[call]) else "no"
+        what = (f"model input {arg} has a batch of {size} on rank {r} but {want} on rank "
+                f"{ref_rank}"
+                + (f" (forward call {call + 1} of the step)" if len(reference) > 1 else ""))
+    return InputError(f"step {step}: batches differ across ranks: {what}; with a mean over "
+                      "ranks they would weigh samples unequally, so nothing was updated "
+                      "(parallelize(check_inputs=False) allows it)", ranks=odd)
