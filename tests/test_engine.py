@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import tilework
-from tilework.errors import PlanError
+from tilework.errors import CheckpointError, PlanError
 from tilework.testing import RankFailed, spawn
 
 
@@ -221,3 +221,40 @@ def test_a_single_pushed_row_of_width_one_is_delivered():
     (model(torch.tensor([[0]])) + model(torch.tensor([[3]]))).div(2).backward()
     opt.step()
     torch.testing.assert_close(got, model.table.weight.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _with_tensor(state, key, shape):
+    model_state = dict(state["model"])
+    model_state[key] = torch.zeros(shape)
+    return {**state, "model": model_state}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_mismatched_checkpoint_is_refused_and_nothing_is_loaded(parallel):
+    source = Tiny()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)  # every value differs from a fresh Tiny's
+    src_opt = torch.optim.SGD(source.parameters(), lr=0.1)
+    if parallel:
+        tilework.parallelize(source, src_opt, log=False)
+    good = tilework.state_dict(source, src_opt)
+
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if parallel:
+        tilework.parallelize(model, opt, log=False)
+    before = {k: v.clone() for k, v in tilework.state_dict(model, opt)["model"].items()}
+    # The table comes first in the model, the broken tensor last: nothing may be copied early.
+    bad = _with_tensor(good, "head.weight", (3, 3))
+    with pytest.raises(CheckpointError, match=r"head.weight has shape \(3, 3\) in the checkpoint, "
+                                              r"\(1, 4\) in the model"):
+        tilework.load_state_dict(model, opt, bad)
+    missing = {**good, "model": {k: v for k, v in good["model"].items() if k != "conv.bias"}}
+    with pytest.raises(CheckpointError, match="conv.bias is missing"):
+        tilework.load_state_dict(model, opt, missing)
+    after = tilework.state_dict(model, opt)["model"]
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    tilework.load_state_dict(model, opt, good)  # and the right one loads
+    assert torch.equal(tilework.state_dict(model, opt)["model"]["table.weight"],
+                       good["model"]["table.weight"])

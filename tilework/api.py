@@ -90,8 +90,17 @@ def load_state_dict(model, optimizer, state: dict[str, Any]) -> None:
     engine = getattr(model, "_tilework_engine", None)
     if engine is not None:
         return engine.load_state_dict(state)
+    from .sync.engine import state_mismatch
+
+    problem = state_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                             state.get("model") if isinstance(state, dict) else None)
+    if problem:  # checked first: torch's own load copies what matches before it complains
+        raise CheckpointError(f"checkpoint does not match the model: {problem}")
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"checkpoint does not match the optimizer: {e}") from None
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
 
 
 def save(path: str | Path, model, optimizer) -> None:

@@ -44,6 +44,22 @@ def check_same_model_everywhere(model: nn.Module, groups) -> None:
                                 f"{show(a)} on rank 0 but {show(b)} on rank {rank}")
 
 
+def state_mismatch(expected: dict[str, tuple], given) -> str | None:
+    """What differs between the shapes a model expects and a saved model state, or None."""
+    if not isinstance(given, dict):
+        return "no model state"
+    for key in sorted(set(expected) | set(given)):
+        if key not in given:
+            return f"{key} is missing"
+        if key not in expected:
+            return f"{key} is unexpected"
+        value = given[key]
+        if not torch.is_tensor(value) or tuple(value.shape) != expected[key]:
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            return f"{key} has shape {shape} in the checkpoint, {expected[key]} in the model"
+    return None
+
+
 class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups, plan: Plan,
                  check_inputs: bool = True):
@@ -213,21 +229,49 @@ class Engine:
         return {"model": model_state,
                 "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
 
+    def _check_state(self, state: dict) -> None:
+        """Everything a load would touch, checked before anything is: a mismatch never
+        half-loads."""
+        expected = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        expected.update({name: table.plan.shape for name, table in self.tables.items()})
+        opt = state.get("optimizer") if isinstance(state, dict) else None
+        if not isinstance(opt, dict) or not {"dense", "groups", "rows"} <= set(opt):
+            raise CheckpointError("checkpoint does not match the model: no optimizer state in "
+                                  "tilework's layout")
+        problem = state_mismatch(expected, state.get("model"))
+        params = dict(self.model.named_parameters())
+        for name, saved in opt["dense"].items():
+            if problem:
+                break
+            if name not in params:
+                problem = f"optimizer state for {name}, which the model does not train here"
+            for key, value in saved.items():
+                if torch.is_tensor(value) and value.dim() and value.shape != params[name].shape:
+                    problem = (f"optimizer {key} of {name} has shape {tuple(value.shape)}, "
+                               f"the parameter {tuple(params[name].shape)}")
+        for name, part in [*self.tables.items(), *self.served.items()]:
+            if problem:
+                break
+            saved = opt["rows"].get(name)
+            if saved is None or "step" not in saved:
+                problem = f"no row-wise optimizer state for {name}"
+                continue
+            for key, value in saved.items():
+                if key != "step" and tuple(value.shape)[:1] != (part.layout.rows,):
+                    problem = (f"optimizer {key} of {name} has {tuple(value.shape)[:1]} rows, "
+                               f"the table {part.layout.rows}")
+        if not problem and len(opt["groups"]) != len(self.optimizer.param_groups):
+            problem = (f"{len(opt['groups'])} optimizer parameter groups in the checkpoint, "
+                       f"{len(self.optimizer.param_groups)} here")
+        if problem:
+            raise CheckpointError(f"checkpoint does not match the model: {problem}")
+
     def load_state_dict(self, state: dict) -> None:
+        self._check_state(state)
         model_state = dict(state["model"])
         for name, table in self.tables.items():
-            full = model_state.pop(name, None)
-            if full is None:
-                raise CheckpointError(f"checkpoint has no table {name}")
-            if tuple(full.shape) != table.plan.shape:
-                raise CheckpointError(f"{name}: shape {tuple(full.shape)} in the checkpoint, "
-                                      f"{table.plan.shape} in the model")
-            table.shard.copy_(table.take_shard(full))
-        result = self.model.load_state_dict(model_state, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            key = (result.missing_keys or result.unexpected_keys)[0]
-            raise CheckpointError(f"checkpoint does not match the model: {key} is "
-                                  f"{'missing' if result.missing_keys else 'unexpected'}")
+            table.shard.copy_(table.take_shard(model_state.pop(name)))
+        self.model.load_state_dict(model_state)
         for served in self.served.values():
             served.shard.copy_(served.take_shard(served.param.detach()))
         opt_state = state["optimizer"]
