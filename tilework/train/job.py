@@ -119,6 +119,7 @@ class ParallelJob:
     sparse_reduce: Literal["mean", "sum"] = "mean"
     local_aggregation: bool = True
     bucket_mb: float = 25.0
+    check_inputs: bool = True     # every step: ranks agree on finite values and equal batches
 
     def __post_init__(self):
         check(self.bucket_mb > 0, "bucket_mb", f"a positive size in MB, got {self.bucket_mb}")

@@ -66,7 +66,8 @@ def _prepare(job: Job, work: Workload, session: _Session, sampler: ShardedBatche
     parallelize(model, opt, groups=session.groups, mode=job.parallel.mode,
                 sparse_reduce=job.parallel.sparse_reduce,
                 local_aggregation=job.parallel.local_aggregation,
-                bucket_mb=job.parallel.bucket_mb, density=density, log=session.rank == 0)
+                bucket_mb=job.parallel.bucket_mb, density=density,
+                check_inputs=job.parallel.check_inputs, log=session.rank == 0)
     return model, opt
 
 
