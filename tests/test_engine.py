@@ -6,6 +6,7 @@ from torch import nn
 
 import tilework
 from tilework.errors import CheckpointError, PlanError
+from tilework.train import checkpoint
 from tilework.testing import RankFailed, spawn
 
 
@@ -140,10 +141,16 @@ def test_a_plain_model_loads_the_checkpoint(tmp_path):
     path = tmp_path / "state.pt"
     spawn(_checkpoint_roundtrip, 2, args=(str(path), "first"))
     plain = Tiny()
-    blob = torch.load(path, weights_only=True)
+    # Read through tilework's checked reader (the file carries a length and digest header).
+    blob = checkpoint.load(path)
     plain.load_state_dict(blob["state"]["model"])  # strict: exactly the single-device names
     assert plain.table.weight.shape == (1000, 4)
     assert not torch.equal(plain.table.weight, Tiny().table.weight)  # it was trained
+    other = Tiny()
+    tilework.load(path, other, None)  # the model alone, e.g. for inference
+    assert torch.equal(other.table.weight, plain.table.weight)
+    with pytest.raises(CheckpointError, match="optimizer state is in tilework's layout"):
+        tilework.load(path, other, torch.optim.Adam(other.parameters()))
 
 
 def _accumulate(rank, world_size, extra):

@@ -102,3 +102,19 @@ def test_resume_refuses_a_different_model(tmp_path):
     other.lm = dataclasses.replace(other.lm, vocab=400)
     with pytest.raises(CheckpointError, match="lm.vocab is 500 there, 400 here"):
         train(other, resume=True)
+
+
+def test_tilework_save_writes_the_same_checked_format(tmp_path):
+    import tilework
+
+    model, path = torch.nn.Linear(64, 64), tmp_path / "ckpt.pt"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.save(path, model, opt)
+    data = bytearray(path.read_bytes())
+    data[-3000] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted checkpoint"):
+        tilework.load(path, model, opt)
+    # A file from tilework.save before format 2 still loads.
+    torch.save({"format": "tilework-state", "state": tilework.state_dict(model, opt)}, path)
+    tilework.load(path, model, opt)

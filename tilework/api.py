@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any, Literal
 
@@ -96,35 +95,35 @@ def load_state_dict(model, optimizer, state: dict[str, Any]) -> None:
                              state.get("model") if isinstance(state, dict) else None)
     if problem:  # checked first: torch's own load copies what matches before it complains
         raise CheckpointError(f"checkpoint does not match the model: {problem}")
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"checkpoint does not match the optimizer: {e}") from None
+    saved = state.get("optimizer")
+    if optimizer is not None:
+        if isinstance(saved, dict) and "rows" in saved:
+            raise CheckpointError("this checkpoint's optimizer state is in tilework's layout: "
+                                  "parallelize the model first, or pass optimizer=None to load "
+                                  "the model alone")
+        try:
+            optimizer.load_state_dict(saved)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint does not match the optimizer: {e}") from None
     model.load_state_dict(state["model"])
 
 
 def save(path: str | Path, model, optimizer) -> None:
-    """Write a checkpoint atomically (every rank calls it; rank 0 writes)."""
-    from .train.checkpoint import atomic_write_bytes
+    """Write a checkpoint atomically, with its length and digest (every rank calls it; rank 0
+    writes). The same file format as `tilework train`'s checkpoints (train/checkpoint.py)."""
+    from .train import checkpoint
 
     state = state_dict(model, optimizer)
     engine = getattr(model, "_tilework_engine", None)
     if engine is None or engine.groups.rank == 0:
-        buffer = io.BytesIO()
-        torch.save({"format": "tilework-state", "state": state}, buffer)
-        atomic_write_bytes(Path(path), buffer.getvalue())
+        checkpoint.write(path, state)
     if engine is not None and engine.groups.world_size > 1:
         torch.distributed.barrier(group=engine.groups.world)
 
 
 def load(path: str | Path, model, optimizer) -> None:
-    path = Path(path)
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: checkpoint file not found") from None
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path}: not a readable checkpoint: {type(e).__name__}") from None
-    if not isinstance(blob, dict) or blob.get("format") != "tilework-state":
-        raise CheckpointError(f"{path}: not a tilework state file")
-    load_state_dict(model, optimizer, blob["state"])
+    """Load a checkpoint from `save` (or `tilework train`): damaged or mismatched files are
+    refused before anything is loaded."""
+    from .train import checkpoint
+
+    load_state_dict(model, optimizer, checkpoint.load(path)["state"])

@@ -29,10 +29,12 @@ LOST_PEER_EXIT = 75
 PEER_FAULT_EXIT = 76
 
 # What gloo, NCCL and the TCPStore say when the other side of a collective is gone or silent.
+# gloo's "Application timeout caused pair closure" is what a second collective in flight gets
+# once the first one's timeout has closed the connection (seen with a host's link cut).
 _LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                     "Connection refused", "No route to host", "Timed out", "timed out",
                     "Timeout", "NCCL communicator was aborted", "Socket Timeout",
-                    "failed to recv", "failed to send")
+                    "failed to recv", "failed to send", "Application timeout caused pair closure")
 
 
 def lost_peer_reason(exc: BaseException) -> str | None:
@@ -126,7 +128,8 @@ def summarize(failures: dict[int, tuple[int, str]]) -> list[str]:
              for what, ranks in causes.items()]
     if lost:
         reason = lost[0][1].split(": ", 2)[-1] if lost[0][1] else ""
-        lines.append(f"{_ranks([r for r, _ in lost])} lost contact with their peers"
+        lines.append(f"{_ranks([r for r, _ in lost])} lost contact with "
+                     f"{'its' if len(lost) == 1 else 'their'} peers"
                      + (f" ({reason})" if reason else ""))
         if not causes:
             lines.append("no rank failed on its own: a host or its network link went away, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ def run(spec: LaunchSpec, python_args: list[str], verbose: bool = False) -> int:
         os.environ[TIMEOUT_ENV] = str(spec.timeout_s)  # workers inherit it; init_from_env reads it
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
-        run_id=spec.run_id, rdzv_backend="c10d", rdzv_endpoint=spec.rdzv_endpoint,
+        run_id=spec.run_id, rdzv_backend=_register_rendezvous(), rdzv_endpoint=spec.rdzv_endpoint,
         rdzv_configs={"is_host": spec.is_rendezvous_host}, max_restarts=spec.max_restarts,
         monitor_interval=0.5, start_method="spawn", local_addr=spec.local_addr,
     )
@@ -108,3 +109,93 @@ def run(spec: LaunchSpec, python_args: list[str], verbose: bool = False) -> int:
     finally:
         log.uninstall()
     return 0
+
+
+# -- the rendezvous: c10d, minus what a network outage turns into a hang or a lost restart -------
+
+RDZV_BACKEND = "tilework-c10d"
+# On the way out an agent tells the rendezvous host it is leaving. With that host unreachable the
+# call blocks until the link returns (a TCPStore's own timeout does not fire while the peer is
+# silent: measured), so the agent gives up after this long; the others notice anyway.
+SHUTDOWN_WAIT_S = 5.0
+
+
+def _register_rendezvous() -> str:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(RDZV_BACKEND, _create_rendezvous)  # idempotent
+    return RDZV_BACKEND
+
+
+def _create_rendezvous(params):
+    from torch.distributed.elastic.rendezvous import (RendezvousParameters,
+                                                      rendezvous_handler_registry)
+
+    inner = rendezvous_handler_registry.create_handler(RendezvousParameters(
+        "c10d", params.endpoint, params.run_id, params.min_nodes, params.max_nodes,
+        params.local_addr, **params.config))
+    return _FixedSizeRendezvous(inner, params.endpoint)
+
+
+class _FixedSizeRendezvous:
+    """The c10d handler (torch's RendezvousHandler interface, by delegation) for a group whose
+    size never changes (min_nodes == max_nodes).
+
+    `num_nodes_waiting` is always 0: the agent asks it every monitor interval while its workers
+    look healthy, and with the rendezvous host unreachable that call blocks until the link
+    returns. Meanwhile the workers time out; when the call finally answers (another host waits to
+    re-form), the agent restarts them as a membership change, which does not count as a restart:
+    TORCHELASTIC_RESTART_COUNT stays 0 on this host alone, and its workers start afresh while the
+    others resume (seen: one extra failed attempt per outage). A fixed-size group loses nothing
+    by it: a host can only be waiting after one left, and that breaks the others' collectives,
+    which restarts them the counted way.
+
+    `shutdown` waits at most SHUTDOWN_WAIT_S (see there).
+    """
+
+    def __init__(self, inner, endpoint: str):
+        self._inner, self._endpoint = inner, endpoint
+
+    def get_backend(self) -> str:
+        return RDZV_BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def next_rendezvous(self):
+        return self._inner.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self):
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        outcome: list = []
+
+        def close():
+            try:
+                outcome.append(self._inner.shutdown())
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                outcome.append(e)
+
+        # A daemon: left blocked on an unreachable host, it must not hold up the exit.
+        t = threading.Thread(target=close, name="tilework-rdzv-shutdown", daemon=True)
+        t.start()
+        t.join(SHUTDOWN_WAIT_S)
+        if not outcome:
+            print(f"tilework run: the rendezvous host {self._endpoint} did not answer within "
+                  f"{SHUTDOWN_WAIT_S:g} s on the way out (that host or the network is down)",
+                  file=sys.stderr)
+            return False
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return bool(outcome[0])

@@ -165,6 +165,13 @@ def teardown_commands(hosts: int, prefix: str) -> list[list[str]]:
     return [["ip", "netns", "del", n] for n in names]
 
 
+def link_commands(host: EmulatedHost, up: bool) -> list[list[str]]:
+    """Commands that take a host's link down (a pulled cable: its switch port loses carrier and
+    nothing reaches it or leaves it) or bring it back. Addresses stay, and TCP connections
+    survive an outage shorter than their retransmission limit."""
+    return [["ip", "-n", host.namespace, "link", "set", host.ifname, "up" if up else "down"]]
+
+
 def netns_exec(namespace: str, argv: list[str], env: Mapping[str, str] | None = None) -> list[str]:
     """argv run inside `namespace`, with `env` added to the environment it inherits."""
     assignments = [f"{k}={v}" for k, v in (env or {}).items()]
@@ -272,6 +279,11 @@ class EmulatedCluster:
         """argv to run on host `host_index` (e.g. with subprocess.Popen)."""
         return netns_exec(self.hosts[host_index].namespace, argv, env)
 
+    def set_link(self, host_index: int, up: bool) -> None:
+        """Cut host `host_index`'s link (up=False) or restore it (see `link_commands`)."""
+        for argv in link_commands(self.hosts[host_index], up):
+            _run(argv)
+
     def gloo_env(self, host_index: int, master_port: int | None = None) -> dict[str, str]:
         """Environment for a gloo process on host `host_index`: gloo binds to that host's veth
         (not loopback, which every namespace has), and the rendezvous is on host 0."""
@@ -373,6 +385,6 @@ def emulated_cluster(hosts: int, link: LinkShape = LinkShape(None),
 
 
 __all__ = ["EmulatedCluster", "EmulatedHost", "EmulationError", "LinkShape", "available",
-           "emulated_cluster", "egress_qdisc", "host_layout", "list_namespaces", "netns_exec",
-           "new_prefix", "remove_stale_namespaces", "setup_commands", "switch_namespace",
-           "tbf_args", "teardown_commands"]
+           "emulated_cluster", "egress_qdisc", "host_layout", "link_commands", "list_namespaces",
+           "netns_exec", "new_prefix", "remove_stale_namespaces", "setup_commands",
+           "switch_namespace", "tbf_args", "teardown_commands"]

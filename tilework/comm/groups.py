@@ -105,6 +105,9 @@ def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | No
             f"topology has {topology.world_size} ranks but the world has {dist.get_world_size(world)}"
         )
     backend = dist.get_backend(world)
+    # new_group's own default is 30 minutes, whatever the world was given: without this a rank
+    # whose peer host went silent would wait half an hour in a host or cross-host group.
+    timeout = _timeout_of(world, backend)
     intra = inter = None
     if topology.num_hosts == 1:
         intra = world if topology.world_size > 1 else None
@@ -113,15 +116,26 @@ def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | No
     else:
         # new_group is collective over the world: every rank creates every group, in one order.
         for ranks in topology.hosts:
-            g = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
+            g = dist.new_group(list(ranks), backend=backend, timeout=timeout) \
+                if len(ranks) > 1 else None
             if rank in ranks:
                 intra = g
         for ranks in topology.inter_host_groups():
-            g = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
+            g = dist.new_group(list(ranks), backend=backend, timeout=timeout) \
+                if len(ranks) > 1 else None
             if rank in ranks:
                 inter = g
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return Groups(world=world, topology=topology, rank=rank, intra=intra, inter=inter, device=device)
+
+
+def _timeout_of(world: dist.ProcessGroup, backend: str) -> datetime.timedelta:
+    """The collective timeout `world` was created with (else `--timeout`'s)."""
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    try:
+        return world._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # private API: fall back to what init_from_env uses
+        return datetime.timedelta(seconds=collective_timeout_s())
 
 
 def exit_worker(code: int = 0) -> None:

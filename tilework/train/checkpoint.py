@@ -48,19 +48,27 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def save(directory: str | Path, step: int, state: dict[str, Any], fingerprint: dict[str, Any],
-         keep: int = 2) -> Path:
-    directory = Path(directory)
-    for stale in directory.glob(_TEMP_GLOB):  # one writer per directory: these are a dead one's
+def write(path: str | Path, state: dict[str, Any], step: int | None = None,
+          fingerprint: dict[str, Any] | None = None) -> Path:
+    """One checkpoint file, atomically: header (length, digest), then the torch.save payload."""
+    path = Path(path)
+    for stale in path.parent.glob(_TEMP_GLOB):  # one writer per directory: these are a dead one's
         stale.unlink(missing_ok=True)
     buffer = io.BytesIO()
-    torch.save({"format": FORMAT, "version": VERSION, "step": step, "fingerprint": fingerprint,
-                "state": state}, buffer)
+    torch.save({"format": FORMAT, "version": VERSION, "step": step,
+                "fingerprint": fingerprint or {}, "state": state}, buffer)
     payload = buffer.getvalue()
     header = b"%s %d %d %s\n" % (MAGIC, VERSION, len(payload),
                                   hashlib.sha256(payload).hexdigest().encode())
-    path = directory / f"step-{step:08d}.pt"
     atomic_write_bytes(path, header + payload)
+    return path
+
+
+def save(directory: str | Path, step: int, state: dict[str, Any], fingerprint: dict[str, Any],
+         keep: int = 2) -> Path:
+    """A training run's checkpoint `step-XXXXXXXX.pt`, then `latest`, then pruning."""
+    directory = Path(directory)
+    path = write(directory / f"step-{step:08d}.pt", state, step, fingerprint)
     atomic_write_bytes(directory / "latest", path.name.encode())
     for old in sorted(directory.glob("step-*.pt"))[:-keep] if keep > 0 else []:
         if old != path:
@@ -110,6 +118,8 @@ def load(path: str | Path, fingerprint: dict[str, Any] | None = None) -> dict[st
     except Exception as e:  # noqa: BLE001 - any failure to decode means a damaged file
         raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupted?): "
                               f"{type(e).__name__}") from None
+    if isinstance(blob, dict) and blob.get("format") == "tilework-state":  # tilework.save, v1
+        return {"format": FORMAT, "version": 1, "step": None, "fingerprint": {}, **blob}
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a tilework checkpoint")
     if blob.get("version") not in (1, VERSION):
