@@ -157,7 +157,7 @@ batch_size = 8
 [train]
 steps = 50
 optimizer = "sgd"
-lr = 1e30
+lr = 3e38
 out_dir = "{tmp_path / 'out'}"
 """)
     r = subprocess.run([sys.executable, "-m", "tilework", "train", str(job), "-n", "2"],

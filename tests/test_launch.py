@@ -115,3 +115,94 @@ def test_cluster_spec_for_each_host():
         cluster_spec(cluster, "c")
     with pytest.raises(UserError):
         local_spec(2, max_restarts=-1)
+
+
+# -- scripts under `tilework run` fail as `tilework train`'s workers do (tilework/script.py) ------
+
+def _run_script(tmp_path, text, *args):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(text))
+    return tilework("run", "-n", "2", str(script), *args)
+
+
+def _lines_but_rank_0_stopped(stderr):
+    """stderr's lines, less the one that says rank 0 was stopped: the launcher stops a rank still
+    running when another fails, which a slow start of rank 0 can make happen."""
+    return [line for line in stderr.splitlines() if line != "tilework run: rank 0 stopped with it"]
+
+
+def test_a_script_that_raises_on_one_rank_is_one_traceback_and_one_line(tmp_path):
+    r = _run_script(tmp_path, """
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        def fail():
+            raise ValueError("boom on rank 1")
+        if dist.get_rank() == 1:
+            fail()
+        dist.barrier()  # rank 0 loses its peer here: one line, no traceback
+    """)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.splitlines()
+    assert "tilework run: rank 1 failed (exit code 1): ValueError: boom on rank 1" in lines, \
+        r.stderr
+    assert "tilework: error: rank 1: ValueError: boom on rank 1" in lines, r.stderr
+    assert r.stderr.count("Traceback (most recent call last)") == 1, r.stderr
+    # The traceback starts at the script, as python's would: no runner or runpy frames.
+    first_frame = lines[lines.index("Traceback (most recent call last):") + 1]
+    assert first_frame.startswith(f'  File "{tmp_path / "job.py"}", line 7'), r.stderr
+
+
+def test_a_script_raising_a_user_error_is_one_line_without_traceback(tmp_path):
+    r = _run_script(tmp_path, """
+        import os
+        from tilework.errors import ConfigError
+        if os.environ["RANK"] == "1":
+            raise ConfigError("job.toml", "lr: expected a number")
+    """)
+    assert r.returncode == 1, r.stderr
+    assert _lines_but_rank_0_stopped(r.stderr) == [
+        "tilework: error: rank 1: job.toml: lr: expected a number",
+        "tilework run: rank 1 failed (exit code 2): job.toml: lr: expected a number"], r.stderr
+
+
+def test_a_scripts_sys_exit_passes_through_and_its_exit_handlers_run(tmp_path):
+    r = _run_script(tmp_path, """
+        import atexit, pathlib, sys, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")  # open at exit: the runner leaves as exit_worker does
+        rank = dist.get_rank()
+        atexit.register(lambda: pathlib.Path(sys.argv[1], f"atexit{rank}").touch())
+        dist.barrier()
+        if rank == 1:
+            # After rank 0 has left: else the launcher may stop it before its exit handlers run.
+            deadline = time.monotonic() + 60
+            while not pathlib.Path(sys.argv[1], "atexit0").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sys.exit(3)
+    """, str(tmp_path))
+    assert r.returncode == 1
+    assert _lines_but_rank_0_stopped(r.stderr) == ["tilework run: rank 1 failed (exit code 3)"], \
+        r.stderr
+    assert (tmp_path / "atexit0").exists() and (tmp_path / "atexit1").exists()
+
+
+def test_a_script_sees_name_argv_and_path_as_under_python(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "helper.py").write_text("VALUE = 42\n")  # importable: sys.path[0]
+    (tmp_path / "sub" / "job.py").write_text(textwrap.dedent("""
+        import json, os, sys
+        import helper
+        out = {"name": __name__, "argv": sys.argv, "path0": sys.path[0], "helper": helper.VALUE}
+        open(f"seen-{os.environ.get('RANK', 'python')}.json", "w").write(json.dumps(out))
+    """))
+    args = ["sub/job.py", "a b", "--flag", "-n", "3"]
+    plain = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+    assert plain.returncode == 0, plain.stderr
+    r = subprocess.run([sys.executable, "-m", "tilework", "run", "-n", "2", *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = json.loads((tmp_path / "seen-python.json").read_text())
+    assert want["argv"] == args and want["name"] == "__main__" and want["helper"] == 42
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"seen-{rank}.json").read_text()) == want

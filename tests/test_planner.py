@@ -115,3 +115,45 @@ def test_tilework_plan_cli(tmp_path):
     methods = {p["name"]: p["method"] for p in out["params"]}
     assert methods["embedding.weight"] == "ps" and methods["rnn.weight_hh_l0"] == "allreduce"
     assert out["hybrid_speedup_over_allreduce"] > 1
+
+
+LONG_NAME = "_orig_mod.blocks.0.attention.query_key_value.weight"
+
+
+def _narrow_console():
+    import io
+
+    from rich.console import Console
+
+    return Console(width=60, file=io.StringIO(), record=True)
+
+
+def test_the_plan_printed_by_parallelize_never_cuts_a_name():
+    from tilework.api import print_plan
+    from tilework.plan import ParamPlan, Plan
+
+    plan = Plan((ParamPlan(LONG_NAME, (3072, 1024), "allreduce", reason="dense parameter"),
+                 ParamPlan("tables.[b]x", (50000, 16), "ps", 2, reason="sparse table")), 2)
+    console = _narrow_console()
+    print_plan(plan, console)
+    text = console.export_text()
+    assert LONG_NAME in text and "tables.[b]x" in text and "…" not in text, text
+    assert "allreduce" in text and "partitions" in text, text  # the other columns are readable
+
+
+def test_the_plan_printed_by_tilework_plan_never_cuts_a_name():
+    from pathlib import Path
+
+    from tilework.cli import _print_report
+    from tilework.cluster import Cluster
+    from tilework.report import report
+    from tilework.train.job import Job
+
+    examples = Path(__file__).parent.parent / "docs" / "examples"
+    out = report(Job.load(examples / "demo-job.toml"), Cluster.load(examples / "demo-2hosts.toml"))
+    out["params"][0]["name"] = LONG_NAME
+    console = _narrow_console()
+    _print_report(out, "demo-job.toml on demo-2hosts.toml", console)
+    text = console.export_text()
+    assert LONG_NAME in text and "…" not in text, text
+    assert "allreduce" in text and "partitions" in text, text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from .plan import Method, Plan, RowMap, bucket_bytes
 from .planner import make_plan
 
 
-def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, *, groups: Groups | None = None,
+def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, groups: Groups | None = None,
                 mode: Literal["hybrid", "allreduce", "ps"] = "hybrid",
                 sparse_reduce: Literal["mean", "sum"] = "mean", local_aggregation: bool = True,
                 bucket_mb: float = 25.0, overrides: dict[str, Method] | None = None,
@@ -24,6 +25,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, *, groups: G
                 check_inputs: bool = True, log: bool = True):
     """Make `model` and `optimizer` train data-parallel; returns the same two objects.
 
+    Gradients follow DistributedDataParallel's rules: when `backward()` returns every dense
+    `.grad` is the average over ranks; `model.no_sync()` / `model.require_backward_grad_sync`
+    keep a backward local. `optimizer=None` (a hand-written update) all-reduces everything.
     Dense parameters are all-reduced; sparse tables go to the parameter server (hybrid, the
     default). `groups` defaults to the world torchrun describes (one process: no group at all).
     `overrides` forces a method per parameter name; `partitions` sets server partitions (one per
@@ -38,6 +42,15 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, *, groups: G
             else build_groups()
     if getattr(model, "_tilework_engine", None) is not None:
         raise PlanError("this model is already parallelized")
+    if optimizer is None and plan is None:
+        if mode == "ps" or "ps" in (overrides or {}).values():
+            raise PlanError("the parameter server applies the optimizer's update: pass the "
+                            "optimizer (parallelize(model, opt)), or use mode='allreduce'")
+        plan = make_plan(analyze(model, density), groups.world_size, "allreduce", None, None,
+                         row_map, sparse_reduce, local_aggregation, bucket_bytes(bucket_mb))
+        plan = dataclasses.replace(plan, params=tuple(
+            dataclasses.replace(p, reason="no optimizer: the servers could not apply updates")
+            for p in plan.params))
     if plan is None:
         plan = make_plan(analyze(model, density), groups.world_size, mode, overrides, partitions,
                          row_map, sparse_reduce, local_aggregation, bucket_bytes(bucket_mb))
@@ -52,17 +65,19 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, *, groups: G
 
 
 def print_plan(plan: Plan, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from .tables import add_name_column, name_cell, print_table
 
     table = Table(title=f"tilework plan: mode={plan.mode}, {plan.world_size} ranks, "
                         f"sparse_reduce={plan.sparse_reduce}, "
                         f"local_aggregation={plan.local_aggregation}")
-    for col in ("parameter", "shape", "method", "partitions", "why"):
+    add_name_column(table)
+    for col in ("shape", "method", "partitions", "why"):
         table.add_column(col)
-    for row in plan.table():
-        table.add_row(*row)
-    (console or Console()).print(table)
+    for name, *rest in plan.table():
+        table.add_row(name_cell(name), *rest)
+    print_table(table, console)
 
 
 def _engine(model):
@@ -108,6 +123,29 @@ def load_state_dict(model, optimizer, state: dict[str, Any]) -> None:
     model.load_state_dict(state["model"])
 
 
+def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over `model`'s parameters and, for a parallelized model,
+    the gradients of its tables on the parameter server too (which are not parameters), so
+    the norm and the clipping are one process's. A plain or DDP-wrapped module, or an iterable
+    of parameters, goes to torch's own. Every rank calls it."""
+    engine = getattr(model, "_tilework_engine", None)
+    if engine is None:
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
+                                              foreach)
+    return engine.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite, foreach)
+
+
+def clip_grad_value_(model, clip_value: float, foreach: bool | None = None) -> None:
+    """torch.nn.utils.clip_grad_value_, server tables included (see clip_grad_norm_)."""
+    engine = getattr(model, "_tilework_engine", None)
+    if engine is None:
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        return torch.nn.utils.clip_grad_value_(params, clip_value, foreach=foreach)
+    return engine.clip_grad_value_(float(clip_value), foreach)
+
+
 def save(path: str | Path, model, optimizer) -> None:
     """Write a checkpoint atomically, with its length and digest (every rank calls it; rank 0
     writes). The same file format as `tilework train`'s checkpoints (train/checkpoint.py)."""
@@ -118,7 +156,8 @@ def save(path: str | Path, model, optimizer) -> None:
     if engine is None or engine.groups.rank == 0:
         checkpoint.write(path, state)
     if engine is not None and engine.groups.world_size > 1:
-        torch.distributed.barrier(group=engine.groups.world)
+        with engine.guard.call("tilework.save()"):
+            torch.distributed.barrier(group=engine.groups.world)
 
 
 def load(path: str | Path, model, optimizer) -> None:

@@ -98,7 +98,8 @@ def _cmd_run(a, argv) -> int:
 
     if not os.path.isfile(a.script):  # unlike Path.is_file, never raises (e.g. on a long name)
         raise UserError(f"{a.script}: script not found")
-    return launch.run(_spec(a), [a.script, *a.args], verbose=a.verbose)
+    # Through the runner: a failing script is reported as a `tilework train` worker's failure is.
+    return launch.run(_spec(a), ["-m", "tilework.script", a.script, *a.args], verbose=a.verbose)
 
 
 def _spec(a):
@@ -157,22 +158,28 @@ def _cmd_plan(a, argv) -> int:
         print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
+
+    _print_report(out, f"{a.job} on {a.cluster}", Console(soft_wrap=True))
+    return 0
+
+
+def _print_report(out: dict, title: str, console) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from .tables import add_name_column, name_cell, print_table
+
     # Text, not markup: a path may hold "[/b]", which rich would take for a closing tag.
-    table = Table(title=Text(f"{a.job} on {a.cluster}: {out['hosts']} hosts, "
-                             f"{out['world_size']} ranks"))
-    for col in ("parameter", "shape", "rows/step", "method", "partitions", "MB/step", "ms/step",
-                "why"):
+    table = Table(title=Text(f"{title}: {out['hosts']} hosts, {out['world_size']} ranks"))
+    add_name_column(table)
+    for col in ("shape", "rows/step", "method", "partitions", "MB/step", "ms/step", "why"):
         table.add_column(col, justify="right" if col in ("MB/step", "ms/step", "rows/step") else "left")
     for p in out["params"]:
-        table.add_row(p["name"], "x".join(map(str, p["shape"])),
+        table.add_row(name_cell(p["name"]), "x".join(map(str, p["shape"])),
                       "-" if p["density"] is None else f"{p['density']:.2%}", p["method"],
                       str(p["partitions"]) if p["method"] == "ps" else "-",
                       f"{p['bytes_sent'] / 1e6:.3f}", f"{p['seconds'] * 1e3:.3f}", p["why"])
-    console = Console(soft_wrap=True)
-    console.print(table)
+    print_table(table, console)
     t, speedup = out["step_comm_seconds"], out["hybrid_speedup_over_allreduce"]
     console.print(f"predicted communication per step: hybrid {t['hybrid'] * 1e3:.2f} ms, "
                   f"all-AllReduce {t['allreduce'] * 1e3:.2f} ms, all-PS {t['ps'] * 1e3:.2f} ms, "
@@ -180,7 +187,6 @@ def _cmd_plan(a, argv) -> int:
                   # None where nothing is sent (one rank): no ratio to give
                   + ("" if speedup is None else
                      f"; hybrid speed-up over all-AllReduce {speedup:.2f}x"))
-    return 0
 
 
 def _cmd_calibrate(a, argv) -> int:
@@ -267,23 +273,12 @@ def _worker_done(groups) -> int:
 def _run_worker(command, args, argv) -> int:
     """One rank of a launched group: a failure is one line, and the exit code tells the launcher
     whether this rank caused it (see faults.py); peers that lost it do not print tracebacks."""
-    import traceback
-
-    from .comm.groups import collective_timeout_s
-    from .faults import record_for_launcher, worker_failure
+    from .faults import stop_worker
 
     try:
         return command(args, argv)
     except Exception as e:  # noqa: BLE001 - every failure of a worker is reported
-        failure = worker_failure(e, int(os.environ["RANK"]), collective_timeout_s())
-        if failure.traceback:
-            traceback.print_exc()
-        sys.stderr.write(f"tilework: error: {failure.line}\n")  # one write: ranks share stderr
-        sys.stderr.flush()
-        record_for_launcher(failure.line)
-        sys.stdout.flush()
-        # No teardown: a process group whose peer vanished can block in its destructors.
-        os._exit(failure.exit_code)
+        stop_worker(e)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,3 +46,8 @@ class InputError(UserError):
 
 class IdOutOfRange(InputError, IndexError):
     """An embedding id outside its table (an IndexError too, as nn.Embedding raises)."""
+
+
+def use_allreduce_hint(name: str) -> str:
+    """The call that keeps parameter `name` off the parameter server, for refusals it fixes."""
+    return f"parallelize(model, opt, overrides={{{name!r}: 'allreduce'}})"

@@ -1,14 +1,15 @@
 """What a failed run tells its user: the rank that caused it, in one line, not a wall of tracebacks.
 
-Worker side (`worker_failure`): a tilework worker that fails says so in one line on stderr and in
-torchelastic's error file, and its exit code says what kind of failure it was:
+Worker side (`worker_failure`, `stop_worker`): a worker that fails (`tilework train`'s, or a
+script under `tilework run`) says so in one line on stderr and in torchelastic's error file, and
+its exit code says what kind of failure it was:
 
 - `USER_ERROR_EXIT` (2): bad input, a non-finite loss, mismatched batches: the cause itself;
 - `LOST_PEER_EXIT` (75, EX_TEMPFAIL): a collective failed because a peer vanished or did not
   answer within the timeout: a consequence of a failure elsewhere (or of the network);
 - `PEER_FAULT_EXIT` (76): every rank agreed that another rank fed bad input (sync/checks.py),
   and this one stopped with it;
-- anything else: a bug, which keeps its traceback.
+- anything else (1): a bug, in tilework or in the user's script, which keeps its traceback.
 
 Launcher side (`summarize`): from each failed rank's exit code and message, the causes first
 (killed by a signal, failed on its own), then the ranks that stopped because of them.
@@ -23,6 +24,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 USER_ERROR_EXIT = 2
 LOST_PEER_EXIT = 75
@@ -74,6 +76,34 @@ def worker_failure(exc: BaseException, rank: int, timeout_s: float | None = None
                                              f"{reason}", traceback=False)
     return WorkerFailure(1, f"rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0],
                          traceback=True)
+
+
+def stop_worker(exc: BaseException) -> NoReturn:
+    """End this rank of a launched group on `exc`: its line on stderr and for the launcher, the
+    traceback only for a bug, and the exit code that says whether this rank caused the failure.
+
+    The one place a worker's exception becomes its report (`tilework train`'s workers and the
+    scripts under `tilework run` alike).
+    """
+    import traceback
+
+    from .comm import guard
+    from .comm.groups import collective_timeout_s
+
+    if guard.STOPPING.is_set():
+        # The call guard found why the ranks diverged and ends this process itself with that
+        # reason; this exception (a peer that left) is only its consequence.
+        guard.STOPPING.wait()
+        time.sleep(2 * guard.ANSWER_S)
+    failure = worker_failure(exc, int(os.environ.get("RANK", "0")), collective_timeout_s())
+    if failure.traceback:
+        traceback.print_exception(exc)
+    sys.stderr.write(f"tilework: error: {failure.line}\n")  # one write: ranks share stderr
+    sys.stderr.flush()
+    record_for_launcher(failure.line)
+    sys.stdout.flush()
+    # No teardown: a process group whose peer vanished can block in its destructors.
+    os._exit(failure.exit_code)
 
 
 def record_for_launcher(line: str) -> None:

@@ -5,7 +5,8 @@ Several:      tilework run --hosts cluster.toml train.py       (the same command
 
 Each worker gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, MASTER_ADDR,
 ...). With a cluster file the c10d rendezvous runs on the file's rendezvous host, which every host
-reaches at its address; this host is found by `--host NAME` or else by its hostname.
+reaches at its address; this host is found by `--host NAME` or else by its hostname. The workers
+run the script through `tilework.script`, so that a failing script is reported in one line.
 """
 
 from __future__ import annotations

@@ -79,6 +79,17 @@ def all_reduce_async(tensor: torch.Tensor, group, stats: Stats, method: str,
     return dist.all_reduce(tensor, group=group, async_op=True)
 
 
+def all_reduce(tensor: torch.Tensor, group, stats: Stats, method: str,
+               op=dist.ReduceOp.SUM) -> None:
+    """Reduce `tensor` in place over `group` (blocking), counted as a ring all-reduce."""
+    n = group_size(group)
+    if n == 1:
+        return
+    wire = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), n)
+    stats.record(method, wire, wire)
+    dist.all_reduce(tensor, op=op, group=group)
+
+
 def all_gather(tensor: torch.Tensor, group, stats: Stats, method: str,
                successor_remote: bool = False) -> list[torch.Tensor]:
     """Every group rank's `tensor` (same shape everywhere), in rank order. Counted as gloo's ring

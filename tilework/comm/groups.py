@@ -26,6 +26,7 @@ class Groups:
     intra: dist.ProcessGroup | None
     inter: dist.ProcessGroup | None
     device: torch.device
+    store: object = None  # the world's key-value store: a side channel for the call guard
 
     @property
     def world_size(self) -> int:
@@ -126,7 +127,18 @@ def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | No
             if rank in ranks:
                 inter = g
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return Groups(world=world, topology=topology, rank=rank, intra=intra, inter=inter, device=device)
+    return Groups(world=world, topology=topology, rank=rank, intra=intra, inter=inter, device=device,
+                  store=_store_of(world))
+
+
+def _store_of(world: dist.ProcessGroup):
+    """The default group's store (TCPStore behind a prefix), where the world is that group."""
+    if world is not dist.group.WORLD:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # private API: the guard is then off
+        return None
 
 
 def _timeout_of(world: dist.ProcessGroup, backend: str) -> datetime.timedelta:

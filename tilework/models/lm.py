@@ -74,7 +74,8 @@ class WordLM(nn.Module):
         for i in range(0, h.shape[0], chunk):
             logits = h[i:i + chunk] @ self.softmax_weight.weight.t() + self.softmax_bias.weight.t()
             total += F.cross_entropy(logits, flat[i:i + chunk], reduction="sum").item()
-        return math.exp(total / flat.numel())
+        mean = total / flat.numel()
+        return math.exp(mean) if mean < 709.0 else math.inf  # a diverged model: not an error here
 
 
 def log_uniform_log_prob(ids: torch.Tensor, vocab: int) -> torch.Tensor:

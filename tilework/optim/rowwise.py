@@ -11,6 +11,12 @@ Given unique local row indices and their summed gradient rows, each updates only
   (sqrt(v) + eps here, sqrt(v / bias2) + eps in dense Adam).
 - adam, dense (a dense parameter served by the PS in mode="ps": every row every step): exactly
   torch.optim.Adam's formula.
+- adamw: adam after torch.optim.AdamW's decoupled weight decay, w *= 1 - lr * weight_decay. Lazy
+  tables decay a row only on the steps that touch it, as its moments: a row untouched for k steps
+  keeps its value where AdamW would have shrunk it by (1 - lr * weight_decay)^k. Rows touched
+  every step get AdamW's decay exactly; dense-served rows are exactly torch.optim.AdamW.
+  Adam's own weight_decay (L2, added to the gradient before the moments) is not implemented and
+  is refused.
 
 Hyper-parameters are read from the user's param group at every step, so LR schedulers that change
 `group["lr"]` keep working for the rows on the servers.
@@ -23,22 +29,30 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import PlanError
+from ..errors import PlanError, use_allreduce_hint
 
-Family = Literal["sgd", "adagrad", "adam"]
+Family = Literal["sgd", "adagrad", "adam", "adamw"]
+
+# Exact types: a subclass may change step() in ways the row-wise rule would not follow.
+_ADAMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SparseAdam)
 
 
 def family_of(optimizer: torch.optim.Optimizer, group: dict, param_name: str) -> Family:
-    """Which row-wise rule reproduces `optimizer` for a parameter; refuses what none can."""
+    """Which row-wise rule reproduces `optimizer` for a parameter; refuses what none can, with the
+    override that keeps the parameter off the servers."""
     kind = type(optimizer).__name__
+
     def unsupported(why):
-        return PlanError(f"{param_name}: {kind} {why} is not supported on the parameter server "
-                         "(supported: SGD without momentum, Adagrad, Adam/SparseAdam without "
-                         "weight decay)")
-    if group.get("weight_decay", 0):
-        raise unsupported("with weight_decay")
+        return PlanError(f"{param_name}: {' '.join(filter(None, (kind, why)))} is not supported "
+                         "on the parameter server (supported: SGD without momentum, Adagrad, "
+                         "Adam/SparseAdam without weight decay, AdamW); to all-reduce it "
+                         f"instead: {use_allreduce_hint(param_name)}")
     if group.get("maximize", False):
         raise unsupported("with maximize=True")
+    if type(optimizer) in _ADAMS:
+        return _adam_family(optimizer, group, unsupported)
+    if group.get("weight_decay", 0):
+        raise unsupported("with weight_decay")
     if isinstance(optimizer, torch.optim.SGD):
         if group.get("momentum", 0):
             raise unsupported("with momentum")
@@ -47,11 +61,18 @@ def family_of(optimizer: torch.optim.Optimizer, group: dict, param_name: str) ->
         if group.get("lr_decay", 0) or group.get("initial_accumulator_value", 0):
             raise unsupported("with lr_decay or initial_accumulator_value")
         return "adagrad"
-    if type(optimizer) in (torch.optim.Adam, torch.optim.SparseAdam):
-        if group.get("amsgrad", False):
-            raise unsupported("with amsgrad")
-        return "adam"
     raise unsupported("")
+
+
+def _adam_family(optimizer, group: dict, unsupported) -> Family:
+    if group.get("amsgrad", False):
+        raise unsupported("with amsgrad")
+    # Newer torch has Adam(decoupled_weight_decay=True), which is AdamW; older AdamW lacks the key.
+    if isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False):
+        return "adamw"
+    if group.get("weight_decay", 0):
+        raise unsupported("with weight_decay (L2; use torch.optim.AdamW for decoupled decay)")
+    return "adam"
 
 
 class RowOptimizer:
@@ -61,7 +82,7 @@ class RowOptimizer:
         self.state: dict[str, torch.Tensor] = {}
         if family == "adagrad":
             self.state["sum"] = torch.zeros_like(shard)
-        elif family == "adam":
+        elif family in ("adam", "adamw"):
             self.state["exp_avg"] = torch.zeros_like(shard)
             self.state["exp_avg_sq"] = torch.zeros_like(shard)
 
@@ -81,7 +102,16 @@ class RowOptimizer:
             std = s[rows].sqrt_().add_(self.group["eps"])
             w.index_add_(0, rows, grads / std, alpha=-lr)
         else:
+            if self.family == "adamw":
+                self._decay(rows, lr)
             self._adam(rows, grads, lr)
+
+    def _decay(self, rows, lr):
+        """AdamW's decoupled weight decay, before the update: on the rows updated at this step
+        (lazy tables: the touched ones only; see the module docstring)."""
+        weight_decay = self.group["weight_decay"]
+        if weight_decay:
+            self.shard[rows] *= 1 - lr * weight_decay
 
     def _adam(self, rows, grads, lr):
         beta1, beta2 = self.group["betas"]

@@ -1,23 +1,29 @@
-"""Dense synchronisation: gradients packed into buckets, each all-reduced as soon as it is full.
+"""Dense synchronisation with DistributedDataParallel's semantics: when `backward()` returns,
+every dense gradient holds the average over ranks.
 
 Buckets hold parameters in reverse registration order (roughly the order backward produces their
 gradients). A post-accumulate-grad hook marks a parameter ready; once every parameter of the next
 bucket is ready, its gradients are copied into one flat buffer and an asynchronous all-reduce is
-launched, overlapping with the rest of backward. `finish()` (before the optimizer step) launches
-the buckets still waiting, with zeros for parameters that got no gradient on this rank, waits for
-all and writes the averaged gradients back. Buckets launch strictly in index order on every rank,
-so ranks whose graphs differ still issue the same collectives in the same order.
+launched, overlapping with the rest of backward. `finish_backward()`, run by the engine from an
+end-of-backward autograd callback, launches the buckets still waiting (with zeros for parameters
+that got no gradient on this rank), waits for all and writes the averaged gradients back. Buckets
+launch strictly in index order on every rank, so ranks whose graphs differ still issue the same
+collectives in the same order.
+
+What is reduced is the whole accumulated `.grad`, as DDP does: repeated backward passes without a
+step average each micro-batch's gradient (the sum of averages is the average of sums), and
+backward passes with sync off (`no_sync`, `require_backward_grad_sync = False`) leave local sums
+that the next synchronised backward averages.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
 
 from ..comm.counted import Stats, all_reduce_async
 from ..plan import assign_buckets
+from .hooks import PicklesAsNoop
 
 
 class _Bucket:
@@ -32,7 +38,7 @@ class _Bucket:
 class DenseSync:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group, world_size: int,
                  stats: Stats, bucket_bytes: int, successor_remote: bool = False,
-                 checks=None):
+                 checks=None, on_grad=None):
         self.group, self.world_size, self.stats = group, world_size, stats
         self.checks = checks  # sees each bucket's local gradients before they leave
         self.successor_remote = successor_remote
@@ -42,22 +48,15 @@ class DenseSync:
         self.where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
                       for i, (_, p) in enumerate(bucket.params)}
         self.next_bucket = 0
-        self.sync_enabled = True
-        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in params]
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (gradient accumulation); the next synced backward and
-        step all-reduce the sum."""
-        before, self.sync_enabled = self.sync_enabled, False
-        try:
-            yield
-        finally:
-            self.sync_enabled = before
+        self.active = False  # a synchronised backward has produced gradients not yet averaged
+        self.on_grad = on_grad  # the engine's "this backward touched us" (queues its callback)
+        self.handles = [p.register_post_accumulate_grad_hook(PicklesAsNoop(self._on_grad)) for _, p in params]
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self.sync_enabled or self.world_size == 1:
+        sync = self.on_grad() if self.on_grad is not None else True
+        if not sync or self.world_size == 1:
             return
+        self.active = True
         b, i = self.where[id(p)]
         self.buckets[b].ready.add(i)
         while (self.next_bucket < len(self.buckets)
@@ -69,6 +68,7 @@ class DenseSync:
         if len(bucket.params) == 1:
             # A parameter that fills a bucket alone (a large table) is reduced in place: copying
             # hundreds of MB into a buffer and back cost more than the all-reduce on loopback.
+            # Safe since nothing reads `.grad` before backward returns, when the reduce is done.
             p = bucket.params[0][1]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -94,12 +94,12 @@ class DenseSync:
         bucket.work = all_reduce_async(bucket.buffer, self.group, self.stats, "allreduce",
                                        self.successor_remote)
 
-    def finish(self) -> None:
-        """Before the optimizer step: every bucket reduced, gradients averaged in place."""
-        if self.world_size == 1:
+    def finish_backward(self) -> None:
+        """At the end of a synchronised backward: every bucket reduced, gradients averaged in
+        place. A no-op when this backward reduced nothing."""
+        if not self.active:
             return
-        if not self.sync_enabled:
-            return
+        self.active = False
         while self.next_bucket < len(self.buckets):
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
@@ -111,12 +111,9 @@ class DenseSync:
             for _, p in bucket.params:
                 n = p.numel()
                 if p.grad is not bucket.buffer:
+                    # Views of distinct ranges: a later backward accumulates into each in place.
                     p.grad = bucket.buffer[offset:offset + n].view_as(p)
                 offset += n
             bucket.ready.clear()
             bucket.buffer = bucket.work = None
         self.next_bucket = 0
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()

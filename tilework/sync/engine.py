@@ -1,40 +1,54 @@
 """Apply a Plan to a model and its optimizer: the runtime half of "one plan, two executors".
 
-After `Engine(...)` the user's model and optimizer work as before:
-- all-reduce parameters stay ordinary parameters; `DenseSync` buckets their gradients;
+After `Engine(...)` the user's model and optimizer work as under DistributedDataParallel:
+- all-reduce parameters stay ordinary parameters; `DenseSync` buckets their gradients, and when
+  `backward()` returns (an end-of-backward autograd callback) every `.grad` holds the average;
 - parameter-server tables leave the model: their module is replaced by a `ShardedEmbedding`
-  that pulls rows, and the optimizer forgets them; owners update them row-wise;
-- dense parameters on the servers (mode="ps") stay as replicas, updated by their owners.
-The optimizer's step pre-hook finishes the all-reduces and pushes the sparse gradients; its
-post-hook pulls the server-updated dense replicas. No training-loop change is needed.
+  that pulls rows; at the end of backward their gradient rows go to their owners, and
+  `optimizer.step()` has the owners apply them row-wise (the optimizer forgets the tables);
+- dense parameters on the servers (mode="ps") stay as replicas: their gradient goes to its
+  owners at the end of backward (`.grad` is then None), the step updates the owners' rows and
+  pulls them back.
+`no_sync()` and DDP's `require_backward_grad_sync` keep a backward local. No training-loop
+change is needed; clipping that must include the tables is `tilework.clip_grad_norm_`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from ..analysis import embedding_modules
-from ..comm.counted import Stats, broadcast, ring_allreduce_bytes
-from ..errors import CheckpointError, InputError, PlanError
+from ..comm.counted import Stats, all_reduce, broadcast, ring_allreduce_bytes
+from ..comm.guard import CallGuard
+from ..errors import CheckpointError, InputError, PlanError, use_allreduce_hint
 from ..optim.rowwise import RowOptimizer, family_of
 from ..plan import Plan
 from .checks import InputChecks, check_ids
 from .dense import DenseSync
+from .hooks import PicklesAsNoop, plain_no_sync
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 
 
 def check_same_model_everywhere(model: nn.Module, groups) -> None:
-    """Parameter names, shapes and dtypes must agree on every rank, else collectives deadlock."""
+    """Parameter names, shapes and dtypes must agree on every rank, else collectives deadlock.
+    Values that differ are copied from rank 0 (as DDP does), with a warning naming them: a
+    script that seeds each rank differently, or builds rank-dependent tables, learns of it."""
     if groups.world_size == 1:
         return
-    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    with torch.no_grad():
+        mine = [(n, tuple(p.shape), str(p.dtype), _fingerprint(p)) for n, p in model.named_parameters()]
     everyone: list = [None] * groups.world_size
     dist.all_gather_object(everyone, mine, group=groups.world)
-    reference = dict((n, (s, d)) for n, s, d in everyone[0])
+    reference = dict((n, (s, d)) for n, s, d, _ in everyone[0])
     for rank, theirs in enumerate(everyone[1:], start=1):
-        theirs_map = dict((n, (s, d)) for n, s, d in theirs)
+        theirs_map = dict((n, (s, d)) for n, s, d, _ in theirs)
         for name in sorted(set(reference) | set(theirs_map)):
             a, b = reference.get(name), theirs_map.get(name)
             if a != b:
@@ -42,6 +56,32 @@ def check_same_model_everywhere(model: nn.Module, groups) -> None:
                     return "absent" if x is None else f"shape {x[0]} {x[1]}"
                 raise PlanError(f"the model differs across ranks: parameter {name} is "
                                 f"{show(a)} on rank 0 but {show(b)} on rank {rank}")
+    differ = [n for i, (n, *_rest) in enumerate(everyone[0])
+              if any(theirs[i][3] != everyone[0][i][3] for theirs in everyone[1:])]
+    if differ and groups.rank == 0:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        warnings.warn(f"tilework: parameters differ across ranks before training: {shown}; every "
+                      "rank starts from rank 0's values (as with DDP). Seed the model the same "
+                      "way on every rank (torch.manual_seed before building it) to silence this",
+                      stacklevel=4)
+
+
+def _fingerprint(p: torch.Tensor) -> tuple[float, float]:
+    # Two float64 sums: different random initialisations never agree on both.
+    flat = p.detach().reshape(-1).double()
+    return float(flat.sum()), float((flat * flat).sum())
+
+
+def _no_engine():
+    return None
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float, foreach) -> torch.Tensor:
+    """The total norm of `grads`, as torch.nn.utils.clip_grad_norm_ computes it."""
+    if not grads:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]), norm_type)
 
 
 def state_mismatch(expected: dict[str, tuple], given) -> str | None:
@@ -60,16 +100,35 @@ def state_mismatch(expected: dict[str, tuple], given) -> str | None:
     return None
 
 
+def refuse_wrapped(model: nn.Module) -> None:
+    """A module already wrapped for data parallelism would be synchronised twice (or by ranks
+    that disagree on what it holds): refused."""
+    for name, m in model.named_modules():
+        kinds = {c.__name__ for c in type(m).__mro__}
+        wrapper = kinds & {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}
+        if wrapper:
+            where = f"submodule {name}" if name else "the model"
+            raise PlanError(f"{where} is wrapped in {wrapper.pop()}: tilework synchronises the "
+                            "model itself; pass the plain module (turn the script's own "
+                            "distributed mode off)")
+
+
 class Engine:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, groups, plan: Plan,
-                 check_inputs: bool = True):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise PlanError(f"optimizer: expected a torch.optim.Optimizer, got "
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, groups,
+                 plan: Plan, check_inputs: bool = True):
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise PlanError(f"optimizer: expected a torch.optim.Optimizer or None, got "
                             f"{type(optimizer).__name__}")
         self.model, self.optimizer, self.groups, self.plan = model, optimizer, groups, plan
         self.stats = Stats()
+        self.guard = CallGuard(groups.store, groups.rank, groups.world_size)
+        refuse_wrapped(model)
         check_same_model_everywhere(model, groups)
-        self._check_optimizer_covers(model, optimizer)
+        if optimizer is not None:
+            self._check_optimizer_covers(model, optimizer)
+        elif any(pp.method == "ps" for pp in plan.params):
+            raise PlanError("the parameter server applies the optimizer's update: pass the "
+                            "optimizer (parallelize(model, opt)), or use mode='allreduce'")
         with torch.no_grad():  # every replica starts from rank 0's values, as DDP does
             for t in [*model.parameters(), *model.buffers()]:
                 broadcast(t.data, 0, groups.world, self.stats, "setup")
@@ -78,6 +137,7 @@ class Engine:
         named = dict(model.named_parameters())
         modules = embedding_modules(model)
         self.tables: dict[str, PSTable] = {}
+        self.table_modules: dict[str, ShardedEmbedding] = {}
         self.served: dict[str, DenseServed] = {}
         dense: list[tuple[str, nn.Parameter]] = []
         for pp in plan.params:
@@ -88,33 +148,49 @@ class Engine:
                 self._check_not_tied(model, pp.name, p)
                 table = PSTable(pp, p.data, groups, self.stats, plan.local_aggregation,
                                 plan.sparse_reduce, self._row_optimizer(pp.name, p, lazy=True))
-                self._replace_module(pp.name, ShardedEmbedding(table, modules[pp.name]))
-                self.tables[pp.name] = table
+                table.on_grad, table.guard = self._touched, self.guard
+                module = ShardedEmbedding(table, modules[pp.name])
+                self._replace_module(pp.name, module)
+                self.tables[pp.name], self.table_modules[pp.name] = table, module
             else:
                 self.served[pp.name] = DenseServed(pp, p, groups, self.stats,
                                                    self._row_optimizer(pp.name, p, lazy=False))
-        self._forget(set(self.tables) | set(self.served))
+                p.register_post_accumulate_grad_hook(PicklesAsNoop(self._served_grad))
+        if optimizer is not None:
+            self._forget(set(self.tables) | set(self.served))
         topo = groups.topology
         successor_remote = topo.host_of((groups.rank + 1) % topo.world_size) != groups.host
         self.checks = InputChecks(groups, self.stats, successor_remote) if check_inputs else None
         self.dense_params = dense
         self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
-                               plan.bucket_bytes, successor_remote, self.checks)
+                               plan.bucket_bytes, successor_remote, self.checks,
+                               on_grad=self._touched)
         if self.checks is not None:
             self._install_checks(modules)
         self.all_param_bytes = sum(p.numel() * p.element_size() for p in named.values())
-        optimizer.register_step_pre_hook(lambda *_: self._before_step())
-        optimizer.register_step_post_hook(lambda *_: self._after_step())
-        user_zero_grad = optimizer.zero_grad
+        # Per backward: whether it synchronises, and whether its end callback is queued.
+        self._callback_queued, self._sync_this_backward = False, True
+        self._unsynced = False    # server gradients left local by a backward without sync
+        self._unapplied = False   # server gradients pushed and waiting for optimizer.step()
+        if not hasattr(model, "require_backward_grad_sync"):
+            model.require_backward_grad_sync = True  # DDP's flag, for programs written for DDP
+        model.no_sync = plain_no_sync(self.no_sync)
+        model.register_forward_pre_hook(PicklesAsNoop(self._on_forward))
+        model.register_load_state_dict_post_hook(PicklesAsNoop(self._after_load))
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(lambda *_: self._before_step())
+            optimizer.register_step_post_hook(lambda *_: self._after_step())
+            user_zero_grad = optimizer.zero_grad
 
-        def zero_grad(set_to_none: bool = True):
-            for t in self.tables.values():
-                t.pending = []
-            user_zero_grad(set_to_none=set_to_none)
+            def zero_grad(set_to_none: bool = True):
+                self._discard_server_gradients()
+                user_zero_grad(set_to_none=set_to_none)
 
-        optimizer.zero_grad = zero_grad
+            optimizer.zero_grad = zero_grad
         model._tilework_engine = self
-        model.no_sync = self.dense.no_sync
+
+    def __reduce__(self):  # torch.save(model): the saved model is a plain one
+        return (_no_engine, ())
 
     # -- set-up helpers ------------------------------------------------------------------------
     @staticmethod
@@ -130,7 +206,8 @@ class Engine:
         owners = [m for m in model.modules() if any(q is p for q in m.parameters(recurse=False))]
         if len(owners) > 1:
             raise PlanError(f"{name} is shared by {len(owners)} modules (tied weights); a tied "
-                            "table cannot move to the parameter server yet: use allreduce for it")
+                            "table cannot move to the parameter server yet; to all-reduce it "
+                            f"instead: {use_allreduce_hint(name)}")
 
     def _group_of(self, p):
         return next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
@@ -157,50 +234,173 @@ class Engine:
 
     def _install_checks(self, embeddings: dict[str, nn.Module]) -> None:
         checks, rank = self.checks, self.groups.rank
-        self.model.register_forward_pre_hook(lambda m, args, kwargs: checks.on_forward(args, kwargs),
-                                             with_kwargs=True)
-        self.model.register_forward_hook(lambda m, args, out: checks.on_output(out))
+        self.model.register_forward_pre_hook(
+            PicklesAsNoop(lambda m, args, kwargs: checks.on_forward(args, kwargs)),
+            with_kwargs=True)
+        self.model.register_forward_hook(PicklesAsNoop(lambda m, args, out: checks.on_output(out)))
         for name, module in embeddings.items():
             if name not in self.tables:  # server tables check their ids before the pull
-                module.register_forward_pre_hook(
-                    lambda m, args, name=name: check_ids(name, args[0], m.num_embeddings, rank))
+                module.register_forward_pre_hook(PicklesAsNoop(
+                    lambda m, args, name=name: check_ids(name, args[0], m.num_embeddings, rank)))
 
-    # -- per step ------------------------------------------------------------------------------
+    # -- the gradient's way: backward, its end, the step ----------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (gradient accumulation): the next backward outside it
+        averages the sum, as DDP's `no_sync`."""
+        before, self.model.require_backward_grad_sync = self.model.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.model.require_backward_grad_sync = before
+
+    def _touched(self) -> bool:
+        """Called by every gradient hook of ours: queue the end-of-backward work once per
+        backward; returns whether this backward synchronises."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            self._sync_this_backward = bool(self.model.require_backward_grad_sync)
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        return self._sync_this_backward
+
+    def _served_grad(self, param) -> None:
+        self._touched()
+
+    def _end_of_backward(self) -> None:
+        with self.guard.call("the gradient sync at the end of backward()"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        if not self._sync_this_backward:
+            for table in self.tables.values():
+                table.coalesce()
+            self._unsynced = bool(self.tables or self.served)
+            return
+        self.dense.finish_backward()
+        self._sync_servers()
+        if self.optimizer is None:  # no step to wait for: this is where the step ends
+            if self.checks is not None:
+                self._check_inputs()
+            self.stats.end_step()
+
+    def _sync_servers(self) -> None:
+        """Server gradients to their owners (collective); checked for NaN/inf before they go."""
+        if self.checks is not None:
+            for name, table in self.tables.items():
+                self.checks.on_gradients([(name, g) for _, g in table.pending])
+            for name, served in self.served.items():
+                self.checks.on_gradients([(name, served.param.grad)])
+        for table in self.tables.values():
+            table.push()
+        for served in self.served.values():
+            served.push()
+        self._unsynced = False
+        self._unapplied = bool(self.tables or self.served)
+
+    def _discard_server_gradients(self) -> None:
+        for part in [*self.tables.values(), *self.served.values()]:
+            part.discard()
+        self._unsynced = self._unapplied = False
+
+    def _on_forward(self, module, args) -> None:
+        # A loop that zeroes gradients itself (model.zero_grad(), a hand-written update) and
+        # never calls optimizer.step() would leave the server tables untouched, silently.
+        if self._unapplied and torch.is_grad_enabled() and self.dense_params and all(
+                p.grad is None for _, p in self.dense_params if p.requires_grad):
+            names = ", ".join([*self.tables, *self.served])
+            first = next(iter([*self.tables, *self.served]))
+            raise PlanError(f"gradients were zeroed without optimizer.step(), which is what "
+                            f"updates the parameters on the servers ({names}): call "
+                            f"optimizer.step(), or keep them all-reduced: "
+                            f"{use_allreduce_hint(first)}, or parallelize(model, None) for a "
+                            "hand-written update")
+
     def _before_step(self) -> None:
+        with self.guard.call("optimizer.step()"):
+            self._prepare_step()
+
+    def _prepare_step(self) -> None:
+        if self._unsynced:
+            self._sync_servers()
         if self.checks is not None:
             self._check_inputs()
-        self.dense.finish()
-        for table in self.tables.values():
-            table.push_and_apply()
-        for served in self.served.values():
-            served.push_and_apply()
+        for part in [*self.tables.values(), *self.served.values()]:
+            part.apply()
+        self._unapplied = False
 
     def _check_inputs(self) -> None:
-        """Every rank agrees the step's inputs were sound before anything is sent or applied."""
+        """Every rank agrees the step's inputs were sound before anything is applied."""
         checks = self.checks
         if self.groups.world_size == 1:  # no buckets are launched: nothing saw the gradients
             checks.on_gradients([(n, p.grad) for n, p in self.dense_params])
-        for name, table in self.tables.items():
-            checks.on_gradients([(name, g) for _, g in table.pending])
-        for name, served in self.served.items():
-            checks.on_gradients([(name, served.param.grad)])
         try:
             checks.agree()
         except InputError:
-            # Every rank is here: drain the in-flight all-reduces together and drop the step,
-            # so a caller that catches this can go on with the next batch.
-            self.dense.finish()
-            for table in self.tables.values():
-                table.pending = []
+            # Every rank is here: drop the step together, so a caller that catches this can go
+            # on with the next batch.
+            self._discard_server_gradients()
             for p in self.model.parameters():
                 p.grad = None
             self.stats.end_step()
             raise
 
     def _after_step(self) -> None:
-        for served in self.served.values():
-            served.pull()
+        with self.guard.call("optimizer.step()"):
+            for served in self.served.values():
+                served.pull()
         self.stats.end_step()
+
+    def _after_load(self, module, incompatible) -> None:
+        # model.load_state_dict wrote the replicas of server-updated dense parameters; their
+        # owners' rows follow.
+        for served in self.served.values():
+            served.shard.copy_(served.take_shard(served.param.detach()))
+
+    # -- clipping, with the gradients the servers hold ------------------------------------------
+    def _server_gradients(self) -> list[torch.Tensor]:
+        if self._unsynced:
+            self._sync_servers()
+        parts = [part.received_grads() for part in [*self.tables.values(), *self.served.values()]]
+        return [g for g in parts if g is not None]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool,
+                        foreach) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the model's parameters and the server tables'
+        gradients (each row held by its owner: one scalar all-reduce combines them)."""
+        with self.guard.call("tilework.clip_grad_norm_()"):
+            return self._clip_norm(max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def _clip_norm(self, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
+        dense = [p.grad for p in self.model.parameters() if p.grad is not None]
+        server = self._server_gradients()
+        total = _norm(dense, norm_type, foreach)
+        if self.tables or self.served:
+            mine = _norm(server, norm_type, foreach)
+            inf = math.isinf(norm_type)
+            combined = (mine if inf else mine ** norm_type).reshape(1).to(torch.float64)
+            all_reduce(combined, self.groups.world, self.stats, "clip",
+                       op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            if inf:
+                total = torch.maximum(total, combined[0].to(total.dtype))
+            else:
+                total = (total.double() ** norm_type + combined[0]) ** (1.0 / norm_type)
+                total = total.to(dense[0].dtype if dense else torch.float32)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                               "`parameters` is non-finite, so it cannot be clipped. To disable "
+                               "this error and scale the gradients by the non-finite norm anyway, "
+                               "set `error_if_nonfinite=False`")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in [*dense, *server]:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def clip_grad_value_(self, clip_value: float, foreach) -> None:
+        torch.nn.utils.clip_grad_value_(self.model.parameters(), clip_value, foreach=foreach)
+        with self.guard.call("tilework.clip_grad_value_()"):
+            for g in self._server_gradients():
+                g.clamp_(-clip_value, clip_value)
 
     # -- reporting -----------------------------------------------------------------------------
     def stats_dict(self) -> dict:
@@ -211,29 +411,43 @@ class Engine:
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def _model_state(self, gather_to) -> dict:
+        """model.state_dict() with the tables gathered to rank `gather_to` ("meta": shapes only,
+        no communication)."""
+        for module in self.table_modules.values():
+            module.gather_to = gather_to
+        try:
+            return dict(self.model.state_dict())
+        finally:
+            for module in self.table_modules.values():
+                module.gather_to = None
+
     def state_dict(self, dst: int = 0) -> dict:
         """Single-device layout: tables gathered to rank `dst` (None on other ranks).
 
         Optimizer state is keyed by parameter name, so it loads at any world size and plan.
         """
-        model_state = dict(self.model.state_dict())
+        with self.guard.call("tilework.state_dict() / tilework.save()"):
+            return self._gathered_state(dst)
+
+    def _gathered_state(self, dst: int) -> dict:
+        model_state = self._model_state(gather_to=dst)
         rows: dict[str, dict] = {}
         for name, part in [*self.tables.items(), *self.served.items()]:
-            if name in self.tables:
-                model_state[name] = part.gather(part.shard, dst)
             state = {k: part.gather(v, dst) for k, v in part.optimizer.state_tensors().items()}
             rows[name] = {"step": part.optimizer.step_count, **state}
-        dense_state = {self.param_names[id(p)]: {k: v for k, v in s.items()}
-                       for p, s in self.optimizer.state.items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        optimizer = self.optimizer
+        dense_state = {} if optimizer is None else {
+            self.param_names[id(p)]: {k: v for k, v in s.items()} for p, s in optimizer.state.items()}
+        groups = [] if optimizer is None else [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         return {"model": model_state,
                 "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
 
     def _check_state(self, state: dict) -> None:
         """Everything a load would touch, checked before anything is: a mismatch never
         half-loads."""
-        expected = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-        expected.update({name: table.plan.shape for name, table in self.tables.items()})
+        expected = {k: tuple(v.shape) for k, v in self._model_state(gather_to="meta").items()}
         opt = state.get("optimizer") if isinstance(state, dict) else None
         if not isinstance(opt, dict) or not {"dense", "groups", "rows"} <= set(opt):
             raise CheckpointError("checkpoint does not match the model: no optimizer state in "
@@ -260,27 +474,25 @@ class Engine:
                 if key != "step" and tuple(value.shape)[:1] != (part.layout.rows,):
                     problem = (f"optimizer {key} of {name} has {tuple(value.shape)[:1]} rows, "
                                f"the table {part.layout.rows}")
-        if not problem and len(opt["groups"]) != len(self.optimizer.param_groups):
+        here = self.optimizer.param_groups if self.optimizer is not None else []
+        if not problem and len(opt["groups"]) != len(here):
             problem = (f"{len(opt['groups'])} optimizer parameter groups in the checkpoint, "
-                       f"{len(self.optimizer.param_groups)} here")
+                       f"{len(here)} here")
         if problem:
             raise CheckpointError(f"checkpoint does not match the model: {problem}")
 
     def load_state_dict(self, state: dict) -> None:
         self._check_state(state)
-        model_state = dict(state["model"])
-        for name, table in self.tables.items():
-            table.shard.copy_(table.take_shard(model_state.pop(name)))
-        self.model.load_state_dict(model_state)
-        for served in self.served.values():
-            served.shard.copy_(served.take_shard(served.param.detach()))
+        self.model.load_state_dict(state["model"])  # tables and served rows take their shards
+        self._discard_server_gradients()
         opt_state = state["optimizer"]
         by_name = {n: p for n, p in self.model.named_parameters()}
-        for name, s in opt_state["dense"].items():
-            self.optimizer.state[by_name[name]] = {k: (v.clone() if torch.is_tensor(v) else v)
-                                                   for k, v in s.items()}
-        for group, saved in zip(self.optimizer.param_groups, opt_state["groups"]):
-            group.update(saved)
+        if self.optimizer is not None:
+            for name, s in opt_state["dense"].items():
+                self.optimizer.state[by_name[name]] = {k: (v.clone() if torch.is_tensor(v) else v)
+                                                       for k, v in s.items()}
+            for group, saved in zip(self.optimizer.param_groups, opt_state["groups"]):
+                group.update(saved)
         for name, part in [*self.tables.items(), *self.served.items()]:
             saved = dict(opt_state["rows"][name])
             step = saved.pop("step")

@@ -24,11 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.counted import Stats, all_to_all_v, group_size
-from ..errors import PlanError
+from ..comm.guard import CallGuard
+from ..errors import PlanError, use_allreduce_hint
 from ..optim.rowwise import RowOptimizer
 from .checks import check_ids
 from ..plan import ParamPlan
 from ..layout import TableLayout
+
+
+UNGUARDED = CallGuard(None, 0, 1)
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,11 @@ class PSTable:
         self.shard = full.detach().reshape(full.shape[0], -1)[rows].clone()
         self.row_shape = full.shape[1:]
         self.optimizer: RowOptimizer = make_optimizer(self.shard)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's, global ids
+        self.received: tuple[torch.Tensor, torch.Tensor] | None = None  # owned rows, local index
+        self.on_grad: Callable[[], object] | None = None  # the engine's end-of-backward trigger
+        self.guard = UNGUARDED                            # the engine's CallGuard
+        self.lookup_call = f"a lookup in {self.name} (the model's forward)"
 
     # -- pull ---------------------------------------------------------------------------------
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
@@ -93,23 +101,47 @@ class PSTable:
         out[order] = torch.cat(back)
         return out
 
-    # -- push ---------------------------------------------------------------------------------
+    # -- push (end of a synchronised backward) and apply (optimizer step) ------------------------
     def accumulate(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
         self.pending.append((ids, grad_rows.reshape(len(ids), -1)))
+        if self.on_grad is not None:
+            self.on_grad()
 
-    def push_and_apply(self) -> None:
-        """Send pending gradient rows to their owners, which update their rows (collective)."""
+    def coalesce(self) -> None:
+        """Merge pending rows by id: backward passes without sync never hold more than one row
+        per id, however many there are."""
+        if len(self.pending) > 1:
+            self.pending = [_merge_rows(self.pending, self.shard.shape[1], self.shard.dtype)]
+
+    def push(self) -> None:
+        """Send pending gradient rows to their owners (collective), which sum them into
+        `received` until the step applies them."""
         if self.pending:
-            ids, inverse = torch.unique(torch.cat([i for i, _ in self.pending]), return_inverse=True)
-            grads = torch.zeros(len(ids), self.shard.shape[1], dtype=self.shard.dtype)
-            grads.index_add_(0, inverse, torch.cat([g for _, g in self.pending]))
+            ids, grads = _merge_rows(self.pending, self.shard.shape[1], self.shard.dtype)
             grads.mul_(self.scale)
         else:
             ids = torch.empty(0, dtype=torch.long)
             grads = torch.empty(0, self.shard.shape[1], dtype=self.shard.dtype)
         self.pending = []
         ids, grads = self._deliver(ids, grads, self.hops)
-        self.optimizer.apply(self.layout.local_index(ids), grads)
+        rows = self.layout.local_index(ids)
+        if self.received is not None:
+            rows, grads = _merge_rows([self.received, (rows, grads)], grads.shape[1], grads.dtype)
+        self.received = (rows, grads)
+
+    def apply(self) -> None:
+        """The optimizer step on this rank's rows: local, counts one step even with no rows."""
+        rows, grads = self.received if self.received is not None else (
+            torch.empty(0, dtype=torch.long), self.shard.new_empty(0, self.shard.shape[1]))
+        self.received = None
+        self.optimizer.apply(rows, grads)
+
+    def discard(self) -> None:
+        self.pending, self.received = [], None
+
+    def received_grads(self) -> torch.Tensor | None:
+        """This rank's rows of the summed gradient (for clipping), or None."""
+        return None if self.received is None else self.received[1]
 
     def _deliver(self, ids, grads, hops):
         if not hops:
@@ -143,6 +175,14 @@ class PSTable:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, dtype):
+    """(ids, rows) pairs -> unique ids and their summed rows."""
+    ids, inverse = torch.unique(torch.cat([i for i, _ in parts]), return_inverse=True)
+    rows = torch.zeros(len(ids), width, dtype=dtype)
+    rows.index_add_(0, inverse, torch.cat([g for _, g in parts]))
+    return ids, rows
+
+
 def gather_rows(local: torch.Tensor, layout: TableLayout, groups, dst: int | None):
     """The full (rows x width) table assembled from every rank's shard `local`: on rank `dst`
     only (None elsewhere), or on every rank when dst is None. A collective."""
@@ -173,21 +213,23 @@ class ShardedEmbedding(nn.Module):
         super().__init__()
         if getattr(original, "max_norm", None) is not None:
             raise PlanError(f"{table.name}: max_norm renormalises rows in place during lookup, "
-                            "which the parameter server does not do; drop max_norm or use "
-                            "allreduce for this table")
+                            "which the parameter server does not do; drop max_norm, or "
+                            f"all-reduce this table: {use_allreduce_hint(table.name)}")
         self.table = table
         self.bag = isinstance(original, nn.EmbeddingBag)
         self.padding_idx = original.padding_idx
         self.mode = getattr(original, "mode", None)
         self.include_last_offset = getattr(original, "include_last_offset", False)
         self.num_embeddings, self.embedding_dim = original.num_embeddings, original.embedding_dim
+        self.gather_to: int | str | None = None  # state_dict: every rank, one rank, or "meta"
 
     def forward(self, input: torch.Tensor, offsets=None, per_sample_weights=None):
         flat = input.reshape(-1)
         # Before the pull: a bad id stops this rank here, not inside the owners' lookup.
         check_ids(self.table.name, flat, self.num_embeddings, self.table.groups.rank)
         ids, inverse = torch.unique(flat, return_inverse=True)
-        rows = self.table.pull(ids)
+        with self.table.guard.call(self.table.lookup_call):
+            rows = self.table.pull(ids)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             rows.register_hook(lambda g, ids=ids: self.table.accumulate(ids, g))
@@ -211,6 +253,41 @@ class ShardedEmbedding(nn.Module):
                             "torch.no_grad(), or look rows up by calling the module")
         return self.table.gather(self.table.shard, dst=None)
 
+    # -- the user's own checkpoints: model.state_dict() / load_state_dict() -----------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The whole table under its own key, in single-device layout: gathered from every rank
+        (a collective: every rank calls model.state_dict() together)."""
+        table = self.table
+        if self.gather_to == "meta":
+            destination[prefix + "weight"] = torch.empty(table.plan.shape, dtype=table.shard.dtype,
+                                                         device="meta")
+            return
+        with table.guard.call(f"model.state_dict(), which gathers {table.name}"):
+            destination[prefix + "weight"] = table.gather(table.shard, self.gather_to)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key, shape = prefix + "weight", tuple(self.table.plan.shape)
+        for other in state_dict:
+            if other.startswith(prefix) and other != key and "." not in other[len(prefix):]:
+                unexpected_keys.append(other)
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        value = state_dict[key]
+        if not torch.is_tensor(value) or tuple(value.shape) != shape:
+            got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {got} from "
+                              f"checkpoint, the shape in current model is {shape}.")
+            return
+        with torch.no_grad():
+            self.table.shard.copy_(self.table.take_shard(value.detach()))
+
+    def __reduce_ex__(self, protocol):
+        raise PlanError(f"torch.save(model) cannot save {self.table.name}: its rows are spread "
+                        "over the ranks; use tilework.save(path, model, optimizer), or "
+                        "torch.save(model.state_dict(), path) called on every rank")
+
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, partitions="
                 f"{self.table.plan.partitions}, shard_rows={len(self.table.global_rows)}")
@@ -231,13 +308,17 @@ class DenseServed:
         self.global_rows = self.rows_of[groups.rank]
         self.shard = self._view(param.detach())[self.global_rows].clone()
         self.optimizer: RowOptimizer = make_optimizer(self.shard)
+        self.received: torch.Tensor | None = None  # this rank's rows of the averaged gradient
         topo = groups.topology
         self.remote = [topo.host_of(r) != topo.host_of(groups.rank) for r in range(topo.world_size)]
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(self.layout.rows, -1)
 
-    def push_and_apply(self) -> None:
+    def push(self) -> None:
+        """End of a synchronised backward: every owner gets the sum of its rows of the gradient
+        (a reduce-scatter), added to what it holds until the step. The gradient lives there
+        now: `.grad` is None, so nothing else applies it."""
         grad = self.param.grad
         if grad is None:
             grad = torch.zeros_like(self.param)
@@ -245,8 +326,21 @@ class DenseServed:
         # Every rank always sends every owner its rows: the lengths are known, no count exchange.
         got = all_to_all_v([g[rows] for rows in self.rows_of], self.groups.world, self.stats, "ps",
                            self.remote, recv_lengths=[len(self.shard)] * self.groups.world_size)
-        self.optimizer.apply(torch.arange(len(self.shard)), torch.stack(got).sum(0))
-        self.param.grad = None  # the servers own this update; the user's optimizer must not apply it
+        summed = torch.stack(got).sum(0)
+        self.received = summed if self.received is None else self.received + summed
+        self.param.grad = None
+
+    def apply(self) -> None:
+        grads = self.received if self.received is not None else torch.zeros_like(self.shard)
+        self.received = None
+        self.optimizer.apply(torch.arange(len(self.shard)), grads)
+
+    def discard(self) -> None:
+        self.received = None
+        self.param.grad = None
+
+    def received_grads(self) -> torch.Tensor | None:
+        return self.received
 
     def pull(self) -> None:
         n = self.groups.world_size

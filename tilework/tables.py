@@ -1,0 +1,33 @@
+"""Tables of parameters for the terminal (rich): the plan that `parallelize` prints and
+`tilework plan`'s report.
+
+A parameter's name is what the user searches the model for and copies into `overrides=`, so it is
+never cut: rich shrinks a table to the terminal by wrapping cells and, past that, truncating them
+with an ellipsis ("_orig_mod.blocks.0.attent…"). Here the other columns wrap first, and a table
+that still does not fit is printed wider than the terminal, which wraps its lines instead.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+_UNBOUNDED = 1 << 16  # wide enough to measure any table's narrowest layout without clamping
+
+
+def add_name_column(table: Table, header: str = "parameter") -> None:
+    table.add_column(header, no_wrap=True)
+
+
+def name_cell(name: str) -> Text:
+    """Text, not markup: a module key may hold "[b]", which rich would take for a tag."""
+    return Text(name)
+
+
+def print_table(table: Table, console: Console | None = None) -> None:
+    console = console or Console()
+    narrowest = console.measure(table, options=console.options.update_width(_UNBOUNDED)).minimum
+    if narrowest > console.width:
+        table.width = narrowest
+    console.print(table, crop=False)
