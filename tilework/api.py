@@ -130,20 +130,39 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
     the norm and the clipping are one process's. A plain or DDP-wrapped module, or an iterable
     of parameters, goes to torch's own. Every rank calls it."""
     engine = getattr(model, "_tilework_engine", None)
-    if engine is None:
-        params = model.parameters() if isinstance(model, nn.Module) else model
+    if engine is not None:
+        return engine.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite,
+                                      foreach)
+    params = list(model.parameters() if isinstance(model, nn.Module) else model)
+    if not _sparse_grads(params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
                                               foreach)
-    return engine.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite, foreach)
+    # torch's own refuses sparse gradients (nn.Embedding(sparse=True), under DDP too): the same
+    # formula, a sparse gradient's norm being that of its coalesced rows.
+    from .sync.engine import clip_by_total_norm, coalesced_grads, total_norm
+
+    grads = coalesced_grads(params)
+
+    total = total_norm(grads, float(norm_type), foreach)
+    return clip_by_total_norm(grads, total, float(max_norm), float(norm_type), error_if_nonfinite)
 
 
 def clip_grad_value_(model, clip_value: float, foreach: bool | None = None) -> None:
     """torch.nn.utils.clip_grad_value_, server tables included (see clip_grad_norm_)."""
     engine = getattr(model, "_tilework_engine", None)
-    if engine is None:
-        params = model.parameters() if isinstance(model, nn.Module) else model
+    if engine is not None:
+        return engine.clip_grad_value_(float(clip_value), foreach)
+    params = list(model.parameters() if isinstance(model, nn.Module) else model)
+    if not _sparse_grads(params):
         return torch.nn.utils.clip_grad_value_(params, clip_value, foreach=foreach)
-    return engine.clip_grad_value_(float(clip_value), foreach)
+    from .sync.engine import coalesced_grads
+
+    for g in coalesced_grads(params):
+        g.clamp_(-clip_value, clip_value)
+
+
+def _sparse_grads(params) -> bool:
+    return any(p.grad is not None and p.grad.is_sparse for p in params)
 
 
 def save(path: str | Path, model, optimizer) -> None:

@@ -76,12 +76,41 @@ def _no_engine():
     return None
 
 
-def _norm(grads: list[torch.Tensor], norm_type: float, foreach) -> torch.Tensor:
+def coalesced_grads(params) -> list[torch.Tensor]:
+    """Each gradient, sparse ones coalesced in place and given as their rows (what clipping
+    must see: a row id may appear several times in an uncoalesced gradient)."""
+    out = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
+            out.append(p.grad._values())
+        else:
+            out.append(p.grad)
+    return out
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float, foreach=None) -> torch.Tensor:
     """The total norm of `grads`, as torch.nn.utils.clip_grad_norm_ computes it."""
     if not grads:
         return torch.tensor(0.0)
     return torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]), norm_type)
+
+
+def clip_by_total_norm(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float,
+                       norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """Scale `grads` in place as torch.nn.utils.clip_grad_norm_ does, given their total norm."""
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                           "`parameters` is non-finite, so it cannot be clipped. To disable "
+                           "this error and scale the gradients by the non-finite norm anyway, "
+                           "set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
 
 
 def state_mismatch(expected: dict[str, tuple], given) -> str | None:
@@ -372,11 +401,11 @@ class Engine:
             return self._clip_norm(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def _clip_norm(self, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
-        dense = [p.grad for p in self.model.parameters() if p.grad is not None]
+        dense = coalesced_grads(self.model.parameters())
         server = self._server_gradients()
-        total = _norm(dense, norm_type, foreach)
+        total = total_norm(dense, norm_type, foreach)
         if self.tables or self.served:
-            mine = _norm(server, norm_type, foreach)
+            mine = total_norm(server, norm_type, foreach)
             inf = math.isinf(norm_type)
             combined = (mine if inf else mine ** norm_type).reshape(1).to(torch.float64)
             all_reduce(combined, self.groups.world, self.stats, "clip",
@@ -386,20 +415,12 @@ class Engine:
             else:
                 total = (total.double() ** norm_type + combined[0]) ** (1.0 / norm_type)
                 total = total.to(dense[0].dtype if dense else torch.float32)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
-                               "`parameters` is non-finite, so it cannot be clipped. To disable "
-                               "this error and scale the gradients by the non-finite norm anyway, "
-                               "set `error_if_nonfinite=False`")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in [*dense, *server]:
-            g.mul_(coef.to(g.dtype))
-        return total
+        return clip_by_total_norm([*dense, *server], total, max_norm, norm_type,
+                                  error_if_nonfinite)
 
     def clip_grad_value_(self, clip_value: float, foreach) -> None:
-        torch.nn.utils.clip_grad_value_(self.model.parameters(), clip_value, foreach=foreach)
         with self.guard.call("tilework.clip_grad_value_()"):
-            for g in self._server_gradients():
+            for g in [*coalesced_grads(self.model.parameters()), *self._server_gradients()]:
                 g.clamp_(-clip_value, clip_value)
 
     # -- reporting -----------------------------------------------------------------------------
