@@ -74,6 +74,26 @@ def test_models_that_differ_across_ranks_are_named():
         spawn(_mismatched, 2)
 
 
+def _seeded_per_rank(rank, world_size):
+    import warnings
+
+    model = Tiny()
+    with torch.no_grad():
+        model.head.weight.add_(rank)  # as a script that seeds each rank differently
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), log=False)
+    return [str(w.message) for w in seen], model.head.weight.detach().clone()
+
+
+def test_parameters_that_differ_across_ranks_are_warned_and_rank_0s_win():
+    (warned, head0), (quiet, head1) = spawn(_seeded_per_rank, 2)
+    assert len(warned) == 1 and "differ across ranks" in warned[0] and "head.weight" in warned[0]
+    assert "table.weight" not in warned[0] and "conv.weight" not in warned[0]
+    assert quiet == []  # said once, by rank 0
+    assert torch.equal(head0, head1)
+
+
 def _momentum(rank, world_size):
     model = Tiny()
     tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), log=False)
