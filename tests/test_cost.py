@@ -11,8 +11,8 @@ import tilework
 from tilework.analysis import analyze
 from tilework.cluster import Links, Topology
 from tilework.comm import build_groups
-from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
-                           input_check_bytes, ps_expected, ps_table_bytes)
+from tilework.cost import (CHECK_WORDS, TableTraffic, dense_served_bytes, dense_sync_bytes,
+                           expected_unique, input_check_bytes, ps_expected, ps_table_bytes)
 from tilework.planner import make_plan
 from tilework.testing import spawn
 
@@ -59,11 +59,13 @@ def predicted(mode, world_size, hosts, local_aggregation, step):
     model = TwoTables()
     plan = make_plan(analyze(model), world_size, mode, bucket_bytes=BUCKET)
     params = dict(model.named_parameters())
-    per_rank = [{"allreduce": 0, "ps": 0, "check": input_check_bytes(world_size)}
-                for _ in range(world_size)]
     dense = [p.numel() * 4 for n, p in params.items() if plan.by_name()[n].method == "allreduce"]
+    # The input check rides the last dense bucket where there is one; else it is an exchange.
+    carried = CHECK_WORDS * 4 if dense else 0
+    per_rank = [{"allreduce": 0, "ps": 0, "check": 0 if dense else input_check_bytes(world_size)}
+                for _ in range(world_size)]
     for r in range(world_size):
-        per_rank[r]["allreduce"] = dense_sync_bytes(dense, BUCKET, world_size)
+        per_rank[r]["allreduce"] = dense_sync_bytes(dense, BUCKET, world_size, carried)
     lookups = {"words.weight": 0, "tags.weight": 1}
     for pp in plan.of("ps"):
         row_bytes = params[pp.name].numel() // pp.shape[0] * 4

@@ -37,11 +37,12 @@ def ring_allreduce_bytes(nbytes: int, n: int) -> int:
 
 
 CHECK_BYTES = 16  # per rank per step: the input-check exchange (sync/checks.py), two int64
+CHECK_WORDS = 17  # or, riding the last all-reduce bucket: a flag and 8 digests with their squares
 
 
 def input_check_bytes(n: int) -> int:
-    """What each rank sends in the per-step input check: its 16 bytes to every peer (ring
-    all-gather)."""
+    """What each rank sends in the per-step input check when it travels alone (no dense bucket
+    of float32/float64 to ride): its 16 bytes to every peer (ring all-gather)."""
     return CHECK_BYTES * (n - 1)
 
 
@@ -55,11 +56,15 @@ def seconds(nbytes: float, link: Link, messages: int) -> float:
 
 # -- all-reduce --------------------------------------------------------------------------------
 
-def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int) -> int:
-    """Exact: what `sync.dense.DenseSync` counts per step for parameters in registration order."""
+def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
+                     carried_bytes: int = 0) -> int:
+    """Exact: what `sync.dense.DenseSync` counts per step for parameters in registration order;
+    `carried_bytes` ride the last bucket (the input check's words: CHECK_WORDS elements)."""
     order = list(reversed(param_nbytes))
-    return sum(ring_allreduce_bytes(sum(order[i] for i in b), n)
-               for b in assign_buckets(order, bucket_bytes))
+    buckets = assign_buckets(order, bucket_bytes)
+    return sum(ring_allreduce_bytes(sum(order[i] for i in b)
+                                    + (carried_bytes if k == len(buckets) - 1 else 0), n)
+               for k, b in enumerate(buckets))
 
 
 def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int = 1) -> Cost:

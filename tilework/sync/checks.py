@@ -10,20 +10,29 @@ unequally (it no longer equals one process's). Per rank, during the step:
   before their all-reduce leaves;
 - the leading dimension of every tensor the model is called with is recorded.
 
-At the optimizer step every rank sends the others 16 bytes (a flag and a digest of its batch
-dimensions, `cost.input_check_bytes`); if anything is off, every rank learns the same thing from
-the same exchange and raises the same `InputError` together: nobody is left waiting in a
+At the optimizer step every rank knows whether any rank had a non-finite value and whether all
+ranks' batch dimensions agree. Normally that rides the step's last all-reduce bucket (sync/dense.py):
+`cost.CHECK_WORDS` numbers, a flag and 8 small digests of the batch dimensions with their
+squares, summed over ranks (n * sum(d^2) == sum(d)^2 exactly when every rank's d is the same;
+digests stay under sqrt(2^24 / n), so float32 sums are exact). Where nothing was carried (no
+dense float bucket, or forwards since the last synchronised backward) the ranks exchange 16
+bytes instead (`cost.input_check_bytes`). If anything is off, every rank learns the same thing
+from the same numbers and raises the same `InputError` together: nobody is left waiting in a
 collective, and no parameter moves. Only then is the detail gathered, to name ranks and tensors.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
 
 from ..comm.counted import Stats, all_gather
+from ..cost import CHECK_WORDS
+
+DIGESTS = (CHECK_WORDS - 1) // 2
 from ..errors import IdOutOfRange, InputError
 
 
@@ -46,29 +55,53 @@ class InputChecks:
         self.batches: list[tuple] = []     # leading dims of each forward's inputs this step
         self.nonfinite: str | None = None  # the first tensor found with NaN/inf this step
         self.steps = 0
+        self.carried: list[float] | None = None  # the summed words of the last synced backward
+        self.dirty = False  # something was recorded since those words were taken
 
     # -- during the step (local) ---------------------------------------------------------------
     def on_forward(self, args, kwargs) -> None:
         if torch.is_grad_enabled():  # evaluation forwards may legitimately differ per rank
             self.batches.append(_batch_dims(args, kwargs))
+            self.dirty = True
 
     def on_output(self, output) -> None:
-        if (self.nonfinite is None and torch.is_tensor(output) and output.dim() == 0
+        # Under no_grad (evaluation) nothing trains on it, and only some ranks may evaluate.
+        if (self.nonfinite is None and torch.is_grad_enabled() and torch.is_tensor(output) and output.dim() == 0
                 and output.is_floating_point() and not torch.isfinite(output)):
             self.nonfinite = f"the loss the model returned ({output.item()})"
+            self.dirty = True
 
     def on_gradients(self, named: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None = None):
         """`named` gradients (or their concatenation `flat`, checked in one pass first)."""
         if self.nonfinite is not None:
             return
-        if flat is not None and bool(torch.isfinite(flat).all()):
+        # One pass, no mask: a sum is finite only if every term is (inf - inf is NaN). A finite
+        # tensor whose sum overflows falls through to the exact per-tensor check.
+        if flat is not None and bool(torch.isfinite(flat.sum())):
             return
         for name, g in named:
             if g is not None and g.is_sparse:
                 g = g.coalesce().values()
             if g is not None and not bool(torch.isfinite(g).all()):
                 self.nonfinite = f"the gradient of {name}"
+                self.dirty = True
                 return
+
+    # -- carried by the last all-reduce bucket -------------------------------------------------
+    def words(self) -> torch.Tensor:
+        """This rank's CHECK_WORDS numbers for what it recorded so far this step."""
+        limit = max(2, math.isqrt((2**24 - 1) // self.groups.world_size))
+        raw = hashlib.blake2b(repr(self.batches).encode(), digest_size=4 * DIGESTS).digest()
+        digests = [1 + int.from_bytes(raw[4 * k:4 * k + 4], "little") % (limit - 1)
+                   for k in range(DIGESTS)]
+        words = [float(self.nonfinite is not None)]
+        for d in digests:
+            words += [float(d), float(d * d)]
+        self.dirty = False
+        return torch.tensor(words, dtype=torch.float64)
+
+    def settle(self, summed: torch.Tensor) -> None:
+        self.carried = summed.tolist()
 
     # -- at the step (collective) --------------------------------------------------------------
     def agree(self) -> None:
@@ -82,13 +115,20 @@ class InputChecks:
                 raise InputError(f"step {step}: rank 0: {nonfinite} has NaN or inf values; "
                                  "nothing was updated", ranks=(0,))
             return
-        digest = int.from_bytes(hashlib.blake2b(repr(batches).encode(), digest_size=7).digest(),
-                                "little")
-        mine = torch.tensor([int(nonfinite is not None), digest], dtype=torch.int64)
-        everyone = torch.stack(all_gather(mine, self.groups.world, self.stats, "check",
-                                          self.successor_remote))
-        bad_values = bool(everyone[:, 0].any())
-        uneven = bool((everyone[:, 1] != everyone[0, 1]).any())
+        carried, dirty = self.carried, self.dirty
+        self.carried, self.dirty = None, False
+        if carried is not None and not dirty:
+            n = self.groups.world_size
+            bad_values = carried[0] > 0
+            uneven = any(n * carried[2 + 2 * k] != carried[1 + 2 * k] ** 2 for k in range(DIGESTS))
+        else:
+            digest = int.from_bytes(hashlib.blake2b(repr(batches).encode(), digest_size=7).digest(),
+                                    "little")
+            mine = torch.tensor([int(nonfinite is not None), digest], dtype=torch.int64)
+            everyone = torch.stack(all_gather(mine, self.groups.world, self.stats, "check",
+                                              self.successor_remote))
+            bad_values = bool(everyone[:, 0].any())
+            uneven = bool((everyone[:, 1] != everyone[0, 1]).any())
         if not (bad_values or uneven):
             return
         # Rare: everyone is here, so the detail can travel as objects.

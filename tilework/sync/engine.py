@@ -306,8 +306,9 @@ class Engine:
                 table.coalesce()
             self._unsynced = bool(self.tables or self.served)
             return
+        self._check_server_gradients()  # before the dense sync, which carries the verdict
         self.dense.finish_backward()
-        self._sync_servers()
+        self._push_servers()
         if self.optimizer is None:  # no step to wait for: this is where the step ends
             if self.checks is not None:
                 self._check_inputs()
@@ -315,11 +316,17 @@ class Engine:
 
     def _sync_servers(self) -> None:
         """Server gradients to their owners (collective); checked for NaN/inf before they go."""
+        self._check_server_gradients()
+        self._push_servers()
+
+    def _check_server_gradients(self) -> None:
         if self.checks is not None:
             for name, table in self.tables.items():
                 self.checks.on_gradients([(name, g) for _, g in table.pending])
             for name, served in self.served.items():
                 self.checks.on_gradients([(name, served.param.grad)])
+
+    def _push_servers(self) -> None:
         for table in self.tables.values():
             table.push()
         for served in self.served.values():
