@@ -104,7 +104,7 @@ def load_state_dict(model, optimizer, state: dict[str, Any]) -> None:
     engine = getattr(model, "_tilework_engine", None)
     if engine is not None:
         return engine.load_state_dict(state)
-    from .sync.engine import state_mismatch
+    from .sync.state import state_mismatch
 
     problem = state_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
                              state.get("model") if isinstance(state, dict) else None)
@@ -139,7 +139,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
                                               foreach)
     # torch's own refuses sparse gradients (nn.Embedding(sparse=True), under DDP too): the same
     # formula, a sparse gradient's norm being that of its coalesced rows.
-    from .sync.engine import clip_by_total_norm, coalesced_grads, total_norm
+    from .sync.clip import clip_by_total_norm, coalesced_grads, total_norm
 
     grads = coalesced_grads(params)
 
@@ -155,7 +155,7 @@ def clip_grad_value_(model, clip_value: float, foreach: bool | None = None) -> N
     params = list(model.parameters() if isinstance(model, nn.Module) else model)
     if not _sparse_grads(params):
         return torch.nn.utils.clip_grad_value_(params, clip_value, foreach=foreach)
-    from .sync.engine import coalesced_grads
+    from .sync.clip import coalesced_grads
 
     for g in coalesced_grads(params):
         g.clamp_(-clip_value, clip_value)

@@ -94,7 +94,6 @@ def _groups_from_env():
 
 def _cmd_run(a, argv) -> int:
     from . import launch
-    from .cluster import Cluster
 
     if not os.path.isfile(a.script):  # unlike Path.is_file, never raises (e.g. on a long name)
         raise UserError(f"{a.script}: script not found")

@@ -18,7 +18,6 @@ compiling) is no verdict: the asker waits and asks again later.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import sys

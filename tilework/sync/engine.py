@@ -27,12 +27,14 @@ from torch.autograd import Variable
 from ..analysis import embedding_modules
 from ..comm.counted import Stats, all_reduce, broadcast, ring_allreduce_bytes
 from ..comm.guard import CallGuard
-from ..errors import CheckpointError, InputError, PlanError, use_allreduce_hint
+from ..errors import InputError, PlanError, use_allreduce_hint
 from ..optim.rowwise import RowOptimizer, family_of
 from ..plan import Plan
 from .checks import InputChecks, check_ids
 from .dense import DenseSync
+from .clip import clip_by_total_norm, coalesced_grads, total_norm
 from .hooks import PicklesAsNoop, plain_no_sync
+from .state import load_state
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 
 
@@ -73,59 +75,6 @@ def _fingerprint(p: torch.Tensor) -> tuple[float, float]:
 
 
 def _no_engine():
-    return None
-
-
-def coalesced_grads(params) -> list[torch.Tensor]:
-    """Each gradient, sparse ones coalesced in place and given as their rows (what clipping
-    must see: a row id may appear several times in an uncoalesced gradient)."""
-    out = []
-    for p in params:
-        if p.grad is None:
-            continue
-        if p.grad.is_sparse:
-            p.grad = p.grad.coalesce()
-            out.append(p.grad._values())
-        else:
-            out.append(p.grad)
-    return out
-
-
-def total_norm(grads: list[torch.Tensor], norm_type: float, foreach=None) -> torch.Tensor:
-    """The total norm of `grads`, as torch.nn.utils.clip_grad_norm_ computes it."""
-    if not grads:
-        return torch.tensor(0.0)
-    return torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]), norm_type)
-
-
-def clip_by_total_norm(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float,
-                       norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
-    """Scale `grads` in place as torch.nn.utils.clip_grad_norm_ does, given their total norm."""
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
-                           "`parameters` is non-finite, so it cannot be clipped. To disable "
-                           "this error and scale the gradients by the non-finite norm anyway, "
-                           "set `error_if_nonfinite=False`")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return total
-
-
-def state_mismatch(expected: dict[str, tuple], given) -> str | None:
-    """What differs between the shapes a model expects and a saved model state, or None."""
-    if not isinstance(given, dict):
-        return "no model state"
-    for key in sorted(set(expected) | set(given)):
-        if key not in given:
-            return f"{key} is missing"
-        if key not in expected:
-            return f"{key} is unexpected"
-        value = given[key]
-        if not torch.is_tensor(value) or tuple(value.shape) != expected[key]:
-            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-            return f"{key} has shape {shape} in the checkpoint, {expected[key]} in the model"
     return None
 
 
@@ -212,7 +161,7 @@ class Engine:
             user_zero_grad = optimizer.zero_grad
 
             def zero_grad(set_to_none: bool = True):
-                self._discard_server_gradients()
+                self.discard_server_gradients()
                 user_zero_grad(set_to_none=set_to_none)
 
             optimizer.zero_grad = zero_grad
@@ -334,7 +283,7 @@ class Engine:
         self._unsynced = False
         self._unapplied = bool(self.tables or self.served)
 
-    def _discard_server_gradients(self) -> None:
+    def discard_server_gradients(self) -> None:
         for part in [*self.tables.values(), *self.served.values()]:
             part.discard()
         self._unsynced = self._unapplied = False
@@ -375,7 +324,7 @@ class Engine:
         except InputError:
             # Every rank is here: drop the step together, so a caller that catches this can go
             # on with the next batch.
-            self._discard_server_gradients()
+            self.discard_server_gradients()
             for p in self.model.parameters():
                 p.grad = None
             self.stats.end_step()
@@ -439,7 +388,7 @@ class Engine:
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _model_state(self, gather_to) -> dict:
+    def model_state(self, gather_to) -> dict:
         """model.state_dict() with the tables gathered to rank `gather_to` ("meta": shapes only,
         no communication)."""
         for module in self.table_modules.values():
@@ -459,7 +408,7 @@ class Engine:
             return self._gathered_state(dst)
 
     def _gathered_state(self, dst: int) -> dict:
-        model_state = self._model_state(gather_to=dst)
+        model_state = self.model_state(gather_to=dst)
         rows: dict[str, dict] = {}
         for name, part in [*self.tables.items(), *self.served.items()]:
             state = {k: part.gather(v, dst) for k, v in part.optimizer.state_tensors().items()}
@@ -472,56 +421,5 @@ class Engine:
         return {"model": model_state,
                 "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
 
-    def _check_state(self, state: dict) -> None:
-        """Everything a load would touch, checked before anything is: a mismatch never
-        half-loads."""
-        expected = {k: tuple(v.shape) for k, v in self._model_state(gather_to="meta").items()}
-        opt = state.get("optimizer") if isinstance(state, dict) else None
-        if not isinstance(opt, dict) or not {"dense", "groups", "rows"} <= set(opt):
-            raise CheckpointError("checkpoint does not match the model: no optimizer state in "
-                                  "tilework's layout")
-        problem = state_mismatch(expected, state.get("model"))
-        params = dict(self.model.named_parameters())
-        for name, saved in opt["dense"].items():
-            if problem:
-                break
-            if name not in params:
-                problem = f"optimizer state for {name}, which the model does not train here"
-            for key, value in saved.items():
-                if torch.is_tensor(value) and value.dim() and value.shape != params[name].shape:
-                    problem = (f"optimizer {key} of {name} has shape {tuple(value.shape)}, "
-                               f"the parameter {tuple(params[name].shape)}")
-        for name, part in [*self.tables.items(), *self.served.items()]:
-            if problem:
-                break
-            saved = opt["rows"].get(name)
-            if saved is None or "step" not in saved:
-                problem = f"no row-wise optimizer state for {name}"
-                continue
-            for key, value in saved.items():
-                if key != "step" and tuple(value.shape)[:1] != (part.layout.rows,):
-                    problem = (f"optimizer {key} of {name} has {tuple(value.shape)[:1]} rows, "
-                               f"the table {part.layout.rows}")
-        here = self.optimizer.param_groups if self.optimizer is not None else []
-        if not problem and len(opt["groups"]) != len(here):
-            problem = (f"{len(opt['groups'])} optimizer parameter groups in the checkpoint, "
-                       f"{len(here)} here")
-        if problem:
-            raise CheckpointError(f"checkpoint does not match the model: {problem}")
-
     def load_state_dict(self, state: dict) -> None:
-        self._check_state(state)
-        self.model.load_state_dict(state["model"])  # tables and served rows take their shards
-        self._discard_server_gradients()
-        opt_state = state["optimizer"]
-        by_name = {n: p for n, p in self.model.named_parameters()}
-        if self.optimizer is not None:
-            for name, s in opt_state["dense"].items():
-                self.optimizer.state[by_name[name]] = {k: (v.clone() if torch.is_tensor(v) else v)
-                                                       for k, v in s.items()}
-            for group, saved in zip(self.optimizer.param_groups, opt_state["groups"]):
-                group.update(saved)
-        for name, part in [*self.tables.items(), *self.served.items()]:
-            saved = dict(opt_state["rows"][name])
-            step = saved.pop("step")
-            part.optimizer.load(step, {k: part.take_shard(v) for k, v in saved.items()})
+        load_state(self, state)
