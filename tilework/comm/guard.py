@@ -18,18 +18,22 @@ compiling) is no verdict: the asker waits and asks again later.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
 import threading
 import time
+import weakref
 
 STUCK_S = 2.0
 POLL_S = 0.5
 ANSWER_S = 3.0
 EXIT_CODE = 2
-_PREFIX = "tilework/guard/"
 STOPPING = threading.Event()  # set once this process is being ended with a verdict
+# Guards are numbered in the order they are made, the same on every rank (each rank runs the same
+# program), so that each engine's questions and answers have keys of their own.
+_numbers = itertools.count()
 
 
 class CallGuard:
@@ -41,7 +45,10 @@ class CallGuard:
         self.main = threading.get_ident()
         self.stopped = threading.Event()
         if store is not None and world_size > 1:
-            threading.Thread(target=self._watch, name="tilework-guard", daemon=True).start()
+            self.prefix = f"tilework/guard/{next(_numbers)}/"
+            # The thread holds the guard weakly: it ends when the engine (and its model) is gone.
+            threading.Thread(target=_watch, args=(weakref.ref(self),), name="tilework-guard",
+                             daemon=True).start()
 
     @contextlib.contextmanager
     def call(self, name: str):
@@ -58,30 +65,26 @@ class CallGuard:
     def stop(self) -> None:
         self.stopped.set()
 
-    # -- the watcher thread ---------------------------------------------------------------------
-    def _watch(self) -> None:
-        answered, next_ask = 0, 0.0
-        question = None  # (number, the call it is about, when to give up on the answers)
-        while not self.stopped.wait(POLL_S if question is None else POLL_S / 5):
-            try:
-                if self.store.check([_PREFIX + "verdict"]):
-                    self._stop_here(self.store.get(_PREFIX + "verdict").decode())
-                asked = self.store.add(_PREFIX + "asked", 0)
-                for number in range(answered + 1, asked + 1):
-                    self._answer(number)
-                answered = asked
-                current, now = self.current, time.monotonic()
-                if question is not None:
-                    question = self._judge(*question)
-                elif current is not None and now - current[2] > self.stuck_s and now >= next_ask:
-                    next_ask = now + self.stuck_s
-                    question = (self.store.add(_PREFIX + "asked", 1), current, now + ANSWER_S)
-            except Exception:  # noqa: BLE001 - the store went away: the run is ending anyway
-                return
+    # -- the watcher thread (see _watch) --------------------------------------------------------
+    def _look(self, state: dict) -> None:
+        """One look: the verdict, questions to answer, and whether to ask one."""
+        store, prefix = self.store, self.prefix
+        if store.check([prefix + "verdict"]):
+            self._stop_here(store.get(prefix + "verdict").decode())
+        asked = store.add(prefix + "asked", 0)
+        for number in range(state["answered"] + 1, asked + 1):
+            self._answer(number)
+        state["answered"] = asked
+        current, now = self.current, time.monotonic()
+        if state["question"] is not None:
+            state["question"] = self._judge(*state["question"])
+        elif current is not None and now - current[2] > self.stuck_s and now >= state["next_ask"]:
+            state["next_ask"] = now + self.stuck_s
+            state["question"] = (store.add(prefix + "asked", 1), current, now + ANSWER_S)
 
     def _judge(self, number: int, current, give_up: float):
         """The question still open, or None once judged (a verdict ends the process)."""
-        keys = [f"{_PREFIX}{number}/{r}" for r in range(self.world_size)]
+        keys = [f"{self.prefix}{number}/{r}" for r in range(self.world_size)]
         if not self.store.check(keys):
             # A rank that does not answer is no evidence either way.
             return (number, current, give_up) if time.monotonic() < give_up else None
@@ -89,7 +92,7 @@ class CallGuard:
             return None
         verdict = mismatch([json.loads(self.store.get(k)) for k in keys], self.rank)
         if verdict:
-            self.store.set(_PREFIX + "verdict", verdict)
+            self.store.set(self.prefix + "verdict", verdict)
             self._stop_here(verdict)
         return None
 
@@ -104,7 +107,7 @@ class CallGuard:
         return where
 
     def _answer(self, question: int) -> None:
-        self.store.set(f"{_PREFIX}{question}/{self.rank}", json.dumps(self._position()))
+        self.store.set(f"{self.prefix}{question}/{self.rank}", json.dumps(self._position()))
 
     def _stop_here(self, verdict: str) -> None:
         from ..faults import record_for_launcher
@@ -117,13 +120,28 @@ class CallGuard:
         sys.stdout.flush()
         # Leave once every rank has read the verdict (or after ANSWER_S): a rank leaving first
         # would show the others only a lost peer.
-        seen, deadline = self.store.add(_PREFIX + "seen", 1), time.monotonic() + ANSWER_S
+        seen, deadline = self.store.add(self.prefix + "seen", 1), time.monotonic() + ANSWER_S
         while seen < self.world_size and time.monotonic() < deadline:
             time.sleep(POLL_S / 5)
-            seen = self.store.add(_PREFIX + "seen", 0)
+            seen = self.store.add(self.prefix + "seen", 0)
         # The main thread is blocked in a collective that will never complete: nothing else can
         # end this process.
         os._exit(EXIT_CODE)
+
+
+def _watch(ref) -> None:
+    """The watcher thread: a look every POLL_S seconds (more often while a question is open)."""
+    state = {"answered": 0, "next_ask": 0.0, "question": None}
+    while True:
+        guard = ref()
+        if guard is None or guard.stopped.is_set():
+            return
+        try:
+            guard._look(state)
+        except Exception:  # noqa: BLE001 - the store went away: the run is ending anyway
+            return
+        del guard
+        time.sleep(POLL_S if state["question"] is None else POLL_S / 5)
 
 
 FIX = ("every rank must call the model, backward(), optimizer.step() and model.state_dict() "
