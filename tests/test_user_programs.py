@@ -201,12 +201,6 @@ def test_dlrm(dlrm, monkeypatch):
     assert_close(ckpt["test_loss"], loss, SGD_TOL, "the loaded model's test loss")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "tilework bug: after parallelize, optimizer.state_dict() has the server tables removed from "
-    "its param groups (the tables' group saves 'params': []), so a DLRM checkpoint's "
-    "opt_state_dict does not load into the plain optimizer it came from (DLRM's --load-model; "
-    "under DDP it does): ValueError: loaded state dict contains a parameter group that doesn't "
-    "match the size of optimizer's group"))
 def test_dlrm_optimizer_state_loads_into_plain_optimizer(dlrm, monkeypatch):
     """DLRM saves "opt_state_dict": optimizer.state_dict() next to the model and, with
     --load-model, loads it back into an optimizer built as before (plain, before any wrapping).

@@ -77,7 +77,7 @@ def _adam_family(optimizer, group: dict, unsupported) -> Family:
 
 class RowOptimizer:
     def __init__(self, family: Family, group: dict, shard: torch.Tensor, lazy: bool = True):
-        self.family, self.group, self.shard, self.lazy = family, group, shard, lazy
+        self.family, self._group, self.shard, self.lazy = family, group, shard, lazy
         self.step_count = 0
         self.state: dict[str, torch.Tensor] = {}
         if family == "adagrad":
@@ -85,6 +85,12 @@ class RowOptimizer:
         elif family in ("adam", "adamw"):
             self.state["exp_avg"] = torch.zeros_like(shard)
             self.state["exp_avg_sq"] = torch.zeros_like(shard)
+
+    @property
+    def group(self) -> dict:
+        """The user's param group, looked up at every step: `optimizer.load_state_dict` replaces
+        the group dicts, and LR schedulers write into whichever are current."""
+        return self._group() if callable(self._group) else self._group
 
     @torch.no_grad()
     def apply(self, rows: torch.Tensor, grads: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ from .checks import InputChecks, check_ids
 from .dense import DenseSync
 from .clip import clip_by_total_norm, coalesced_grads, total_norm
 from .hooks import PicklesAsNoop, plain_no_sync
-from .state import load_state
+from .state import load_state, parallel_optimizer_state, plain_optimizer_state
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 
 
@@ -135,6 +135,9 @@ class Engine:
                                                    self._row_optimizer(pp.name, p, lazy=False))
                 p.register_post_accumulate_grad_hook(PicklesAsNoop(self._served_grad))
         if optimizer is not None:
+            # Names only: the full tables must not stay alive through this list.
+            self.original_groups = [[self.param_names[id(p)] for p in g["params"]]
+                                    for g in optimizer.param_groups]
             self._forget(set(self.tables) | set(self.served))
         topo = groups.topology
         successor_remote = topo.host_of((groups.rank + 1) % topo.world_size) != groups.host
@@ -165,6 +168,11 @@ class Engine:
                 user_zero_grad(set_to_none=set_to_none)
 
             optimizer.zero_grad = zero_grad
+            # optimizer.state_dict() / load_state_dict() in the plain optimizer's layout.
+            optimizer.register_state_dict_post_hook(
+                lambda opt, state: plain_optimizer_state(self, state))
+            optimizer.register_load_state_dict_pre_hook(
+                lambda opt, state: parallel_optimizer_state(self, state))
         model._tilework_engine = self
 
     def __reduce__(self):  # torch.save(model): the saved model is a plain one
@@ -187,13 +195,13 @@ class Engine:
                             "table cannot move to the parameter server yet; to all-reduce it "
                             f"instead: {use_allreduce_hint(name)}")
 
-    def _group_of(self, p):
-        return next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
-
     def _row_optimizer(self, name, p, lazy):
-        group = self._group_of(p)
-        family = family_of(self.optimizer, group, name)
-        return lambda shard: RowOptimizer(family, group, shard, lazy=lazy)
+        optimizer = self.optimizer
+        index = next(i for i, g in enumerate(optimizer.param_groups)
+                     if any(q is p for q in g["params"]))
+        family = family_of(optimizer, optimizer.param_groups[index], name)
+        return lambda shard: RowOptimizer(family, lambda: optimizer.param_groups[index], shard,
+                                          lazy=lazy)
 
     def _replace_module(self, param_name: str, replacement: nn.Module) -> None:
         path = param_name.rsplit(".", 1)[0]

@@ -79,3 +79,87 @@ def load_state(engine, state: dict) -> None:
         saved = dict(opt_state["rows"][name])
         step = saved.pop("step")
         part.optimizer.load(step, {k: part.take_shard(v) for k, v in saved.items()})
+
+
+# -- the user's own optimizer.state_dict() / load_state_dict(): the plain optimizer's layout ------
+
+def plain_optimizer_state(engine, state: dict) -> dict:
+    """torch's state_dict of the parallelized optimizer (the server parameters removed from its
+    groups) turned into the plain optimizer's: every parameter back at its index, the servers'
+    row-wise state gathered (a collective: every rank calls optimizer.state_dict())."""
+    optimizer = engine.optimizer
+    now = [engine.param_names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    by_name = {now[i]: s for i, s in state["state"].items()}
+    with engine.guard.call("optimizer.state_dict(), which gathers the servers' rows"):
+        for name, part in [*engine.tables.items(), *engine.served.items()]:
+            by_name[name] = _torch_row_state(optimizer, part)
+    plain, groups, index = {}, [], 0
+    for saved, names in zip(state["param_groups"], engine.original_groups):
+        ids = []
+        for name in names:
+            if by_name.get(name) is not None:
+                plain[index] = by_name[name]
+            ids.append(index)
+            index += 1
+        groups.append({**saved, "params": ids})
+    return {"state": plain, "param_groups": groups}
+
+
+def _torch_row_state(optimizer, part) -> dict | None:
+    """A server parameter's state as its torch optimizer keeps it (SGD without momentum: none)."""
+    tensors = part.optimizer.state_tensors()
+    if not tensors:
+        return None
+    step = part.optimizer.step_count
+    state = {k: part.gather(v, None) for k, v in tensors.items()}
+    # SparseAdam counts in a Python int; Adam, AdamW and Adagrad in a float32 tensor.
+    state["step"] = step if isinstance(optimizer, torch.optim.SparseAdam) else \
+        torch.tensor(float(step))
+    return state
+
+
+def parallel_optimizer_state(engine, state: dict) -> dict | None:
+    """The inverse, for optimizer.load_state_dict(): a plain optimizer's state dict (from one
+    process, DDP, or this optimizer's state_dict()) split into the servers' rows, loaded here,
+    and the rest, renumbered for torch's own load. Anything else goes to torch unchanged (its
+    own checks name what does not match)."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    original = engine.original_groups
+    if not isinstance(groups, list) or len(groups) != len(original) or \
+            [len(g.get("params", ())) for g in groups] != [len(names) for names in original]:
+        return None
+    name_of = {i: name for saved, names in zip(groups, original)
+               for i, name in zip(saved["params"], names)}
+    server = {**engine.tables, **engine.served}
+    rows = {name: _checked_rows(name, part, state["state"], name_of)
+            for name, part in server.items()}  # every check before anything is loaded
+    for name, (step, tensors) in rows.items():
+        server[name].optimizer.load(step, {k: server[name].take_shard(v)
+                                           for k, v in tensors.items()})
+    now = [engine.param_names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
+    index_now = {name: i for i, name in enumerate(now)}
+    return {"state": {index_now[name_of[i]]: s for i, s in state["state"].items()
+                      if name_of.get(i) in index_now},
+            "param_groups": [{**saved, "params": [index_now[n] for n in names if n in index_now]}
+                             for saved, names in zip(groups, original)]}
+
+
+def _checked_rows(name: str, part, saved_state: dict, name_of: dict):
+    """(step, full tensors) for one server parameter from a plain optimizer state; a fresh
+    state where it has none yet (torch creates Adam's at the first step)."""
+    expected = part.optimizer.state_tensors()
+    entry = next((s for i, s in saved_state.items() if name_of.get(i) == name), None)
+    shape = (part.layout.rows, *part.shard.shape[1:])
+    if entry is None:
+        return 0, {k: torch.zeros(shape, dtype=v.dtype) for k, v in expected.items()}
+    tensors = {k: v for k, v in entry.items() if k != "step" and v is not None}
+    if set(tensors) != set(expected):
+        raise CheckpointError(f"optimizer state for {name} holds {sorted(tensors)}, the "
+                              f"optimizer here keeps {sorted(expected)}")
+    for key, value in tensors.items():
+        if not torch.is_tensor(value) or value.numel() != part.layout.rows * part.shard.shape[1]:
+            raise CheckpointError(f"optimizer {key} of {name} does not have the table's "
+                                  f"{part.layout.rows} rows of width {part.shard.shape[1]}")
+    step = entry.get("step", 0)
+    return int(step.item() if torch.is_tensor(step) else step), \
+        {k: v.reshape(part.layout.rows, -1) for k, v in tensors.items()}
