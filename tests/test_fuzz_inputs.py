@@ -31,7 +31,8 @@ from tilework.cli import main
 from tilework.cluster import Cluster, Host
 from tilework.errors import ConfigError, PlanError
 from tilework.report import report
-from tilework.train.job import Job, LMJob, ParallelJob
+from tilework.parallel_config import ParallelConfig
+from tilework.train.job import Job, LMJob
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "docs" / "examples"
@@ -428,5 +429,5 @@ def test_plan_refuses_a_model_it_cannot_build(lm, expected):
 
 @pytest.mark.parametrize("mb", [5e-324, 1e-9, 1.7e308])
 def test_any_positive_bucket_size_plans(mb):
-    out = report(Job(parallel=ParallelJob(bucket_mb=mb)), Cluster(hosts=[Host("a", 2)]))
+    out = report(Job(parallel=ParallelConfig(bucket_mb=mb)), Cluster(hosts=[Host("a", 2)]))
     assert out["step_comm_seconds"]["allreduce"] > 0

@@ -1,13 +1,19 @@
 """tilework: train a single-device PyTorch program across processes and machines.
 
     model, opt = tilework.parallelize(model, opt)   # inside a `tilework run` / torchrun process
+    plan = tilework.plan(model, tilework.ParallelConfig(), cluster)   # pure: what it would do
 """
 
 from .api import (clip_grad_norm_, clip_grad_value_, load, load_state_dict, parallelize, save,
                   state_dict, stats)
 from .cluster import Cluster, Host, Link, Topology
 from .errors import UserError
+from .parallel_config import ParallelConfig
+# Last: the function `plan` takes the name that importing the submodule `tilework.plan` (the
+# plan's data types, `from tilework.plan import Plan`) gave the package.
+from .planner import plan  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["parallelize", "clip_grad_norm_", "clip_grad_value_", "stats", "save", "load", "state_dict", "load_state_dict", "Cluster", "Host", "Link", "Topology",
-           "UserError"]
+__all__ = ["parallelize", "plan", "ParallelConfig", "clip_grad_norm_", "clip_grad_value_",
+           "stats", "save", "load", "state_dict", "load_state_dict", "Cluster", "Host", "Link",
+           "Topology", "UserError"]

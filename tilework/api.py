@@ -4,37 +4,38 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from .analysis import analyze
+from . import planner
+from .cluster import Cluster
 from .comm.groups import Groups, build_groups, init_from_env
 from .errors import CheckpointError, PlanError
-from .plan import Method, Plan, RowMap, bucket_bytes
-from .planner import make_plan
+from .parallel_config import ParallelConfig
+from .plan import Plan
 
 
-def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, groups: Groups | None = None,
-                mode: Literal["hybrid", "allreduce", "ps"] = "hybrid",
-                sparse_reduce: Literal["mean", "sum"] = "mean", local_aggregation: bool = True,
-                bucket_mb: float = 25.0, overrides: dict[str, Method] | None = None,
-                partitions: int | dict[str, int] | None = None, row_map: RowMap = "contiguous",
-                density: dict[str, float] | None = None, plan: Plan | None = None,
-                check_inputs: bool = True, log: bool = True):
+def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                config: ParallelConfig | None = None, *, groups: Groups | None = None,
+                cluster: Cluster | None = None, density: dict[str, float] | None = None,
+                traffic: dict | None = None, plan: Plan | None = None, log: bool = True,
+                **options):
     """Make `model` and `optimizer` train data-parallel; returns the same two objects.
 
     Gradients follow DistributedDataParallel's rules: when `backward()` returns every dense
     `.grad` is the average over ranks; `model.no_sync()` / `model.require_backward_grad_sync`
     keep a backward local. `optimizer=None` (a hand-written update) all-reduces everything.
-    Dense parameters are all-reduced; sparse tables go to the parameter server (hybrid, the
-    default). `groups` defaults to the world torchrun describes (one process: no group at all).
-    `overrides` forces a method per parameter name; `partitions` sets server partitions (one per
-    rank by default); `density` gives measured touched-row fractions of dense-layout tables.
-    `check_inputs` has every step agree that no rank fed out-of-range ids, NaN/inf or a batch
-    of another size before anything is applied (16 bytes per rank per step; sync/checks.py).
+
+    How: `config` (a `tilework.ParallelConfig`), or its fields as keywords (`mode="ps"`,
+    `overrides={...}`, ...). The plan is `tilework.plan(model, config, cluster, density,
+    traffic)` on the world's discovered topology: `cluster` adds the links of a cluster file,
+    `density` measured touched-row fractions of dense-layout tables, `traffic` expected rows per
+    step (hybrid mode then chooses each table by cost). `groups` defaults to the world torchrun
+    describes (one process: no group at all); `plan` skips planning.
     """
+    config = _config(config, options)
     if groups is None:
         import os
 
@@ -43,25 +44,39 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, gr
     if getattr(model, "_tilework_engine", None) is not None:
         raise PlanError("this model is already parallelized")
     if optimizer is None and plan is None:
-        if mode == "ps" or "ps" in (overrides or {}).values():
+        if config.mode == "ps" or "ps" in (config.overrides or {}).values():
             raise PlanError("the parameter server applies the optimizer's update: pass the "
                             "optimizer (parallelize(model, opt)), or use mode='allreduce'")
-        plan = make_plan(analyze(model, density), groups.world_size, "allreduce", None, None,
-                         row_map, sparse_reduce, local_aggregation, bucket_bytes(bucket_mb))
+        everything = dataclasses.replace(config, mode="allreduce", overrides=None)
+        plan = planner.plan(model, everything, cluster, density, topology=groups.topology)
         plan = dataclasses.replace(plan, params=tuple(
             dataclasses.replace(p, reason="no optimizer: the servers could not apply updates")
             for p in plan.params))
     if plan is None:
-        plan = make_plan(analyze(model, density), groups.world_size, mode, overrides, partitions,
-                         row_map, sparse_reduce, local_aggregation, bucket_bytes(bucket_mb))
+        plan = planner.plan(model, config, cluster, density, traffic, topology=groups.topology)
     if plan.world_size != groups.world_size:
         raise PlanError(f"plan is for {plan.world_size} ranks, the world has {groups.world_size}")
     from .sync.engine import Engine
 
-    Engine(model, optimizer, groups, plan, check_inputs)
+    Engine(model, optimizer, groups, plan, config.check_inputs)
     if log and groups.rank == 0:
         print_plan(plan)
     return model, optimizer
+
+
+def _config(config: ParallelConfig | None, options: dict) -> ParallelConfig:
+    """`config`, or one built from keyword shortcuts (never both)."""
+    if not options:
+        return config if config is not None else ParallelConfig()
+    if config is not None:
+        raise PlanError(f"pass either config=ParallelConfig(...) or its fields as keywords, not "
+                        f"both (got {', '.join(sorted(options))} too)")
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise PlanError(f"parallelize: unknown option {unknown[0]!r} (expected one of: "
+                        f"{', '.join(sorted(fields))})")
+    return ParallelConfig(**options)
 
 
 def print_plan(plan: Plan, console=None) -> None:

@@ -130,6 +130,7 @@ def _relaunch(a, argv: list[str]) -> int | None:
 
 
 def _cmd_train(a, argv) -> int:
+    from .cluster import Cluster
     from .train.job import Job
     from .train.trainer import train
 
@@ -140,7 +141,8 @@ def _cmd_train(a, argv) -> int:
     groups = _groups_from_env()
     # After a restart (`--max-restarts`) the workers pick up from the last checkpoint.
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    train(job, groups=groups, resume=a.resume or restarted)
+    cluster = Cluster.load(a.hosts) if a.hosts is not None else None  # its links plan the job
+    train(job, groups=groups, resume=a.resume or restarted, cluster=cluster)
     return _worker_done(groups)
 
 

@@ -11,7 +11,6 @@ No process group is needed: everything here runs at world size 1,000 on a laptop
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,17 +70,6 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
     n = topology.world_size
     sent = ring_allreduce_bytes(nbytes, n)
     return Cost(sent, seconds(sent, link_for(topology, links), 2 * (n - 1) * buckets) if n > 1 else 0.0)
-
-
-def hierarchical_allreduce(nbytes: int, topology: Topology, links: Links) -> Cost:
-    """Reduce-scatter inside hosts, ring all-reduce of each shard across hosts, all-gather inside.
-    (A cost only: the runtime's dense path is the flat ring.)"""
-    local, hosts = len(topology.hosts[0]), topology.num_hosts
-    intra = 2 * (local - 1) * nbytes // local if local > 1 else 0
-    inter = ring_allreduce_bytes(nbytes // local, hosts)
-    t = (seconds(intra, links.intra, 2 * (local - 1)) if local > 1 else 0.0) + \
-        (seconds(inter, links.inter, 2 * (hosts - 1)) if hosts > 1 else 0.0)
-    return Cost(intra + inter, t)
 
 
 # -- parameter server: exact replay of sync/sparse.py --------------------------------------------
@@ -242,7 +230,3 @@ def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
         return Cost(0, 0.0)
     mine = traffic.per_rank * (ID_BYTES + row_bytes)
     return Cost((n - 1) * mine, seconds((n - 1) * mine, link_for(topology, links), 2 * (n - 1)))
-
-
-def compute_seconds(flops: float, flops_per_s: float) -> float:
-    return flops / flops_per_s if flops_per_s > 0 else math.inf

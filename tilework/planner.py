@@ -12,13 +12,37 @@ from __future__ import annotations
 
 from typing import Literal
 
-from .analysis import ParamInfo
-from .cluster import Links, Topology
+from .analysis import ParamInfo, analyze
+from .cluster import Cluster, Links, Topology
 from .cost import TableTraffic, ps_expected, ring_allreduce
 from .errors import PlanError
-from .plan import Method, ParamPlan, Plan, RowMap
+from .parallel_config import ParallelConfig
+from .plan import Method, ParamPlan, Plan, RowMap, bucket_bytes
 
 Mode = Literal["hybrid", "allreduce", "ps"]
+
+
+def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = None,
+         density: dict[str, float] | None = None,
+         traffic: dict[str, TableTraffic] | None = None, *,
+         topology: Topology | None = None) -> Plan:
+    """The plan for `model`: which parameter goes where. Pure, and the one planning path:
+    `parallelize` calls it with the discovered topology, `tilework plan` with the cluster file.
+
+    `model` may live on the meta device. `cluster` gives the topology and the links (its
+    `[links]`); `topology` (default: the cluster's, else one rank) overrides the ranks'
+    placement, as `parallelize` passes the one it discovered. `density` is a measured
+    touched-row fraction per dense-layout table; `traffic` the expected rows per step per table
+    (a job's model of its ids), with which hybrid mode chooses each table by cost.
+    """
+    config = config or ParallelConfig()
+    if topology is None:
+        topology = cluster.topology() if cluster is not None else Topology.from_sizes([1])
+    links = cluster.links if cluster is not None else Links()
+    return make_plan(analyze(model, density), topology.world_size, config.mode, config.overrides,
+                     config.partitions, config.row_map, config.sparse_reduce,
+                     config.local_aggregation, bucket_bytes(config.bucket_mb),
+                     config.density_threshold, topology, links, traffic)
 
 
 def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
@@ -48,7 +72,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
     for info in infos:
         method, reason = _rule(info, mode, density_threshold)
         searched = None
-        if mode == "hybrid" and info.is_table and info.name in traffic:
+        # One rank sends nothing either way: the rule decides (a sparse gradient stays sparse).
+        if mode == "hybrid" and info.is_table and info.name in traffic and world_size > 1:
             searched = search(info, traffic[info.name], topology, links, local_aggregation,
                               row_map)
             method, reason = searched.method, searched.reason

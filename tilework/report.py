@@ -6,18 +6,19 @@ milliseconds), the ids are modelled (Zipf over a frequency-sorted vocabulary), n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
 from .analysis import ParamInfo, analyze
-from .cluster import Cluster
+from .cluster import Cluster, Host, Links, Topology
 from .cost import TableTraffic, dense_served, ps_expected, ring_allreduce, sparse_allgather
 from .errors import PlanError
 from .models import DLRM, SmallResNet, WordLM
-from .plan import Plan, bucket_bytes
-from .planner import make_plan
+from .plan import Plan
+from .planner import plan
 from .train.job import Job
 
 
@@ -108,17 +109,27 @@ def step_seconds(plan: Plan, infos: list[ParamInfo], traffic, cluster: Cluster) 
                        if r.method == "ps")
 
 
-def report(job: Job, cluster: Cluster) -> dict:
+def job_cluster(topology: Topology, cluster: Cluster | None) -> Cluster:
+    """The cluster a job runs on, as the planner sees it: the ranks as discovered, the links of
+    the cluster file when there is one."""
+    hosts = [Host(f"host{i}", len(ranks)) for i, ranks in enumerate(topology.hosts)]
+    return Cluster(hosts=hosts, links=cluster.links if cluster is not None else Links())
+
+
+def job_plan(job: Job, cluster: Cluster, mode: str | None = None) -> Plan:
+    """The plan `tilework train` runs for `job` on `cluster` (another `mode` for comparisons)."""
     model = meta_model(job)
-    infos = analyze(model)
+    config = job.parallel if mode is None else dataclasses.replace(job.parallel, mode=mode)
+    return plan(model, config, cluster, traffic=table_traffic(job, analyze(model), cluster))
+
+
+def report(job: Job, cluster: Cluster) -> dict:
+    infos = analyze(meta_model(job))
     traffic = table_traffic(job, infos, cluster)
     topo, n = cluster.topology(), cluster.world_size
-    common = dict(sparse_reduce=job.parallel.sparse_reduce,
-                  local_aggregation=job.parallel.local_aggregation,
-                  bucket_bytes=bucket_bytes(job.parallel.bucket_mb), topology=topo,
-                  links=cluster.links, traffic=traffic)
-    plans = {mode: make_plan(infos, n, mode, **common) for mode in ("hybrid", "allreduce", "ps")}
-    rows = param_costs(plans["hybrid"], infos, traffic, cluster)
+    plans = {mode: job_plan(job, cluster, mode) for mode in ("hybrid", "allreduce", "ps")}
+    chosen = job_plan(job, cluster)
+    rows = param_costs(chosen, infos, traffic, cluster)
     times = {mode: step_seconds(p, infos, traffic, cluster) for mode, p in plans.items()}
     # DDP with sparse gradients: dense parameters all-reduced, tables all-gathered.
     dense_plan = plans["allreduce"]
@@ -129,8 +140,10 @@ def report(job: Job, cluster: Cluster) -> dict:
         + sum(sparse_allgather(traffic[i.name], topo, cluster.links, i.row_bytes).seconds
               for i in infos if i.name in traffic))
     return {"world_size": n, "hosts": topo.num_hosts,
+            "mode": chosen.mode,
+            "plan": chosen.as_dict(),
             "params": [vars(r) | {"shape": list(r.shape),
-                                  "why": plans["hybrid"].by_name()[r.name].reason} for r in rows],
+                                  "why": chosen.by_name()[r.name].reason} for r in rows],
             "step_comm_seconds": times,
             "hybrid_speedup_over_allreduce": times["allreduce"] / times["hybrid"]
             if times["hybrid"] else None}

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from .. import config
+from ..parallel_config import ParallelConfig
 from ..config import check
 
 MAX_LAYERS = 256
@@ -114,18 +115,6 @@ class TrainJob:
 
 
 @dataclass
-class ParallelJob:
-    mode: Literal["hybrid", "allreduce", "ps"] = "hybrid"
-    sparse_reduce: Literal["mean", "sum"] = "mean"
-    local_aggregation: bool = True
-    bucket_mb: float = 25.0
-    check_inputs: bool = True     # every step: ranks agree on finite values and equal batches
-
-    def __post_init__(self):
-        check(self.bucket_mb > 0, "bucket_mb", f"a positive size in MB, got {self.bucket_mb}")
-
-
-@dataclass
 class Job:
     workload: Literal["lm", "cnn", "recommender"] = "lm"
     lm: LMJob = field(default_factory=LMJob)
@@ -133,7 +122,7 @@ class Job:
     recommender: RecommenderJob = field(default_factory=RecommenderJob)
     data: DataJob = field(default_factory=DataJob)
     train: TrainJob = field(default_factory=TrainJob)
-    parallel: ParallelJob = field(default_factory=ParallelJob)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache_dir: str | None = None  # where the corpus cache lives; default ~/.cache/tilework
 
     @classmethod

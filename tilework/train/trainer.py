@@ -50,24 +50,21 @@ class _Session:
         return (t / self.world_size).tolist()
 
 
-def _prepare(job: Job, work: Workload, session: _Session, sampler: ShardedBatches):
-    """The user's path exactly: a plain torch optimizer, then tilework.parallelize."""
-    from ..analysis import analyze, measure_density
+def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
+    """The user's path exactly: a plain torch optimizer, then tilework.parallelize, planned as
+    `tilework plan` plans the job: the job's model of its ids gives each table's traffic, the
+    cluster file (when given) the links."""
     from ..api import parallelize
+    from ..report import job_cluster, table_traffic
 
     model = work.model
     opt = optim.make(job.train.optimizer, model.parameters(), job.train.lr)
-    density = None
-    if job.parallel.mode == "hybrid" and any(i.kind == "embedding" for i in analyze(model)):
-        # Tables with dense-layout gradients: measure their touched-row fraction on the first
-        # steps' batches (gradients discarded) so the planner can send sparse ones to the servers.
-        batches = [work.train_set.collate(sampler.indices(s)) for s in range(3)]
-        density = measure_density(model, lambda m, b: work.loss(m, b, 0), batches)
-    parallelize(model, opt, groups=session.groups, mode=job.parallel.mode,
-                sparse_reduce=job.parallel.sparse_reduce,
-                local_aggregation=job.parallel.local_aggregation,
-                bucket_mb=job.parallel.bucket_mb, density=density,
-                check_inputs=job.parallel.check_inputs, log=session.rank == 0)
+    cluster = job_cluster(session.groups.topology, cluster)
+    from ..analysis import analyze
+
+    traffic = table_traffic(job, analyze(model), cluster)
+    parallelize(model, opt, job.parallel, groups=session.groups, cluster=cluster,
+                traffic=traffic, log=session.rank == 0)
     return model, opt
 
 
@@ -77,7 +74,10 @@ def _state(model, opt, step: int) -> dict:
     return {"step": step, **state_dict(model, opt)}
 
 
-def train(job: Job, groups=None, resume: bool = False, console: Console | None = None) -> TrainResult:
+def train(job: Job, groups=None, resume: bool = False, console: Console | None = None,
+          cluster=None) -> TrainResult:
+    """Train `job` on `groups` (one process by default); `cluster` (a cluster file's) gives
+    the planner its links."""
     from ..comm.groups import solo
 
     session = _Session(groups or solo())
@@ -86,7 +86,7 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
     sampler = ShardedBatches(len(work.train_set), job.data.batch_size, session.rank,
                              session.world_size, seed=job.data.seed, scaling=job.data.scaling,
                              shuffle=job.data.shuffle)
-    model, opt = _prepare(job, work, session, sampler)
+    model, opt = _prepare(job, work, session, cluster)
     out = Path(job.train.out_dir)
     ckpt_dir = out / "checkpoints"
     start = 0
@@ -105,6 +105,8 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
     metrics = out / "metrics.jsonl"
     if session.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        # The plan this run executes, as `tilework plan --json` prints it under "plan".
+        (out / "plan.json").write_text(json.dumps(model._tilework_engine.plan.as_dict(), indent=1))
 
     def evaluate(step: int):
         values = work.evaluate(model)
