@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .cluster import Link, Links, Topology
-from .layout import TableLayout
+from .layout import TableLayout, routes
 from .plan import ParamPlan, assign_buckets
 
 COUNT_BYTES = 8   # the int64 length each variable-size all-to-all sends every peer first
@@ -74,16 +74,6 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
 
 # -- parameter server: exact replay of sync/sparse.py --------------------------------------------
 
-def _hops(layout: TableLayout, topology: Topology, local_aggregation: bool):
-    """[(groups as lists of global ranks, ids -> index in the group)] as `sparse.hops_for`."""
-    if not (local_aggregation and topology.can_aggregate_locally):
-        return [([list(range(topology.world_size))], layout.owner_of)]
-    per_host = len(topology.hosts[0])
-    return [([list(h) for h in topology.hosts], lambda ids: layout.owner_of(ids) % per_host),
-            ([list(g) for g in topology.inter_host_groups()],
-             lambda ids: layout.owner_of(ids) // per_host)]
-
-
 def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: Topology,
                    local_aggregation: bool, row_bytes: int) -> list[int]:
     """Exact bytes each rank sends for one table in one step: one pull of its ids, one push."""
@@ -91,7 +81,8 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
     layout = TableLayout(plan, n)
     sent = [0] * n
     current = {r: torch.unique(ids_per_rank[r]) for r in range(n)}
-    for groups, dest in _hops(layout, topology, local_aggregation):
+    for route in routes(layout, topology, local_aggregation):
+        groups, dest = route.groups, route.dest
         arriving: dict[int, list[torch.Tensor]] = {r: [] for r in range(n)}
         for members in groups:
             g = len(members)

@@ -1,6 +1,11 @@
-"""Where each row of a parameter-server table lives: pure arithmetic shared by runtime and tests."""
+"""Where each row of a parameter-server table lives, and the way a request takes to it: pure
+arithmetic shared by the runtime (sync/sparse.py binds routes to process groups) and the cost
+model (cost.py replays them exactly)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
 
 import torch
 
@@ -46,3 +51,29 @@ class TableLayout:
         ranges = [partition_rows(self.rows, self.partitions, self.row_map, p) for p in parts]
         rows = [torch.arange(r.start, r.stop, r.step) for r in ranges]
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One hop of a request: an all-to-all inside each of `groups` (global ranks, in group rank
+    order), sending each id to group rank `dest(ids)`. `axis` names the process group the runtime
+    uses for it: the world, a host's ranks, or one local index across hosts."""
+
+    axis: Literal["world", "intra", "inter"]
+    groups: list[list[int]]
+    dest: Callable[[torch.Tensor], torch.Tensor]
+
+
+def routes(layout: TableLayout, topology, local_aggregation: bool) -> list[Route]:
+    """Direct: one hop over the world to the owner. With local aggregation (hosts of equal
+    size): first to the rank of this host that shares the owner's local index, which merges
+    its host's duplicate ids, then across hosts to the owner: a row crosses hosts at most once
+    per host per step."""
+    if not (local_aggregation and topology.can_aggregate_locally):
+        return [Route("world", [list(range(topology.world_size))], layout.owner_of)]
+    per_host = len(topology.hosts[0])
+    # Ranks are numbered host by host, so owner o sits on host o // L at local index o % L.
+    return [Route("intra", [list(h) for h in topology.hosts],
+                  lambda ids: layout.owner_of(ids) % per_host),
+            Route("inter", [list(g) for g in topology.inter_host_groups()],
+                  lambda ids: layout.owner_of(ids) // per_host)]

@@ -29,7 +29,7 @@ from ..errors import PlanError, use_allreduce_hint
 from ..optim.rowwise import RowOptimizer
 from .checks import check_ids
 from ..plan import ParamPlan
-from ..layout import TableLayout
+from ..layout import TableLayout, routes
 
 
 UNGUARDED = CallGuard(None, 0, 1)
@@ -43,15 +43,14 @@ class Hop:
 
 
 def hops_for(layout: TableLayout, groups, local_aggregation: bool) -> list[Hop]:
+    """layout.routes bound to this rank's process groups."""
     topo, me = groups.topology, groups.rank
-    if not (local_aggregation and topo.can_aggregate_locally):
-        remote = [topo.host_of(r) != topo.host_of(me) for r in range(topo.world_size)]
-        return [Hop(groups.world, layout.owner_of, remote)]
-    per_host = len(topo.hosts[0])
-    # Ranks are numbered host by host, so owner o sits on host o // L at local index o % L.
-    return [Hop(groups.intra, lambda ids: layout.owner_of(ids) % per_host, [False] * per_host),
-            Hop(groups.inter, lambda ids: layout.owner_of(ids) // per_host,
-                [h != topo.host_of(me) for h in range(topo.num_hosts)])]
+    hops = []
+    for route in routes(layout, topo, local_aggregation):
+        members = next(g for g in route.groups if me in g)
+        hops.append(Hop(getattr(groups, route.axis), route.dest,
+                        [topo.host_of(r) != topo.host_of(me) for r in members]))
+    return hops
 
 
 def _by_destination(dest: torch.Tensor, n: int):
