@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -34,86 +33,63 @@ from .checks import InputChecks, check_ids
 from .dense import DenseSync
 from .clip import clip_by_total_norm, coalesced_grads, total_norm
 from .hooks import PicklesAsNoop, plain_no_sync
+from .preflight import check_same_model_everywhere, refuse_wrapped
 from .state import load_state, parallel_optimizer_state, plain_optimizer_state
 from .sparse import DenseServed, PSTable, ShardedEmbedding
-
-
-def check_same_model_everywhere(model: nn.Module, groups) -> None:
-    """Parameter names, shapes and dtypes must agree on every rank, else collectives deadlock.
-    Values that differ are copied from rank 0 (as DDP does), with a warning naming them: a
-    script that seeds each rank differently, or builds rank-dependent tables, learns of it."""
-    if groups.world_size == 1:
-        return
-    with torch.no_grad():
-        mine = [(n, tuple(p.shape), str(p.dtype), _fingerprint(p)) for n, p in model.named_parameters()]
-    everyone: list = [None] * groups.world_size
-    dist.all_gather_object(everyone, mine, group=groups.world)
-    reference = dict((n, (s, d)) for n, s, d, _ in everyone[0])
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        theirs_map = dict((n, (s, d)) for n, s, d, _ in theirs)
-        for name in sorted(set(reference) | set(theirs_map)):
-            a, b = reference.get(name), theirs_map.get(name)
-            if a != b:
-                def show(x):
-                    return "absent" if x is None else f"shape {x[0]} {x[1]}"
-                raise PlanError(f"the model differs across ranks: parameter {name} is "
-                                f"{show(a)} on rank 0 but {show(b)} on rank {rank}")
-    differ = [n for i, (n, *_rest) in enumerate(everyone[0])
-              if any(theirs[i][3] != everyone[0][i][3] for theirs in everyone[1:])]
-    if differ and groups.rank == 0:
-        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
-        warnings.warn(f"tilework: parameters differ across ranks before training: {shown}; every "
-                      "rank starts from rank 0's values (as with DDP). Seed the model the same "
-                      "way on every rank (torch.manual_seed before building it) to silence this",
-                      stacklevel=4)
-
-
-def _fingerprint(p: torch.Tensor) -> tuple[float, float]:
-    # Two float64 sums: different random initialisations never agree on both.
-    flat = p.detach().reshape(-1).double()
-    return float(flat.sum()), float((flat * flat).sum())
 
 
 def _no_engine():
     return None
 
 
-def refuse_wrapped(model: nn.Module) -> None:
-    """A module already wrapped for data parallelism would be synchronised twice (or by ranks
-    that disagree on what it holds): refused."""
-    for name, m in model.named_modules():
-        kinds = {c.__name__ for c in type(m).__mro__}
-        wrapper = kinds & {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}
-        if wrapper:
-            where = f"submodule {name}" if name else "the model"
-            raise PlanError(f"{where} is wrapped in {wrapper.pop()}: tilework synchronises the "
-                            "model itself; pass the plain module (turn the script's own "
-                            "distributed mode off)")
-
-
 class Engine:
+    """A plan applied to a model and its optimizer. `__init__` lists the changes in the order
+    they are made; each step is one method below with one concern."""
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, groups,
                  plan: Plan, check_inputs: bool = True):
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise PlanError(f"optimizer: expected a torch.optim.Optimizer or None, got "
-                            f"{type(optimizer).__name__}")
         self.model, self.optimizer, self.groups, self.plan = model, optimizer, groups, plan
         self.stats = Stats()
         self.guard = CallGuard(groups.store, groups.rank, groups.world_size)
+        self._refuse_what_cannot_work()
+        self._start_from_rank_0()
+        dense = self._serve_parameters()
+        self._bucket_dense(dense, check_inputs)
+        self._hook_model()
+        if optimizer is not None:
+            self._hook_optimizer()
+        model._tilework_engine = self
+
+    # -- the changes, in order -------------------------------------------------------------------
+    def _refuse_what_cannot_work(self) -> None:
+        """Wrapped modules, models that differ across ranks, optimizers that miss parameters."""
+        model, optimizer, plan = self.model, self.optimizer, self.plan
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise PlanError(f"optimizer: expected a torch.optim.Optimizer or None, got "
+                            f"{type(optimizer).__name__}")
         refuse_wrapped(model)
-        check_same_model_everywhere(model, groups)
+        check_same_model_everywhere(model, self.groups)
         if optimizer is not None:
             self._check_optimizer_covers(model, optimizer)
         elif any(pp.method == "ps" for pp in plan.params):
             raise PlanError("the parameter server applies the optimizer's update: pass the "
                             "optimizer (parallelize(model, opt)), or use mode='allreduce'")
-        with torch.no_grad():  # every replica starts from rank 0's values, as DDP does
-            for t in [*model.parameters(), *model.buffers()]:
-                broadcast(t.data, 0, groups.world, self.stats, "setup")
+
+    def _start_from_rank_0(self) -> None:
+        """Every replica starts from rank 0's parameters and buffers, as under DDP."""
+        with torch.no_grad():
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                broadcast(t.data, 0, self.groups.world, self.stats, "setup")
         self.stats.discard_step()
+
+    def _serve_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Tables to the servers (their modules replaced), mode="ps" dense parameters served
+        as replicas; both leave the optimizer. Returns the all-reduced parameters."""
+        model, plan, groups = self.model, self.plan, self.groups
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         named = dict(model.named_parameters())
-        modules = embedding_modules(model)
+        self.all_param_bytes = sum(p.numel() * p.element_size() for p in named.values())
+        self.embeddings = embedding_modules(model)
         self.tables: dict[str, PSTable] = {}
         self.table_modules: dict[str, ShardedEmbedding] = {}
         self.served: dict[str, DenseServed] = {}
@@ -122,58 +98,67 @@ class Engine:
             p = named[pp.name]
             if pp.method == "allreduce":
                 dense.append((pp.name, p))
-            elif pp.name in modules:
+            elif pp.name in self.embeddings:
                 self._check_not_tied(model, pp.name, p)
                 table = PSTable(pp, p.data, groups, self.stats, plan.local_aggregation,
                                 plan.sparse_reduce, self._row_optimizer(pp.name, p, lazy=True))
                 table.on_grad, table.guard = self._touched, self.guard
-                module = ShardedEmbedding(table, modules[pp.name])
+                module = ShardedEmbedding(table, self.embeddings[pp.name])
                 self._replace_module(pp.name, module)
                 self.tables[pp.name], self.table_modules[pp.name] = table, module
             else:
                 self.served[pp.name] = DenseServed(pp, p, groups, self.stats,
                                                    self._row_optimizer(pp.name, p, lazy=False))
                 p.register_post_accumulate_grad_hook(PicklesAsNoop(self._served_grad))
-        if optimizer is not None:
+        if self.optimizer is not None:
             # Names only: the full tables must not stay alive through this list.
             self.original_groups = [[self.param_names[id(p)] for p in g["params"]]
-                                    for g in optimizer.param_groups]
+                                    for g in self.optimizer.param_groups]
             self._forget(set(self.tables) | set(self.served))
-        topo = groups.topology
+        return dense
+
+    def _bucket_dense(self, dense: list[tuple[str, nn.Parameter]], check_inputs: bool) -> None:
+        """All-reduce buckets for the dense gradients, and the input checks they carry."""
+        groups, topo = self.groups, self.groups.topology
         successor_remote = topo.host_of((groups.rank + 1) % topo.world_size) != groups.host
         self.checks = InputChecks(groups, self.stats, successor_remote) if check_inputs else None
         self.dense_params = dense
         self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
-                               plan.bucket_bytes, successor_remote, self.checks,
+                               self.plan.bucket_bytes, successor_remote, self.checks,
                                on_grad=self._touched)
         if self.checks is not None:
-            self._install_checks(modules)
-        self.all_param_bytes = sum(p.numel() * p.element_size() for p in named.values())
+            self._install_checks(self.embeddings)
         # Per backward: whether it synchronises, and whether its end callback is queued.
         self._callback_queued, self._sync_this_backward = False, True
         self._unsynced = False    # server gradients left local by a backward without sync
         self._unapplied = False   # server gradients pushed and waiting for optimizer.step()
+
+    def _hook_model(self) -> None:
+        """DDP's no_sync and flag, the zeroed-without-a-step check, served rows after a load."""
+        model = self.model
         if not hasattr(model, "require_backward_grad_sync"):
             model.require_backward_grad_sync = True  # DDP's flag, for programs written for DDP
         model.no_sync = plain_no_sync(self.no_sync)
         model.register_forward_pre_hook(PicklesAsNoop(self._on_forward))
         model.register_load_state_dict_post_hook(PicklesAsNoop(self._after_load))
-        if optimizer is not None:
-            optimizer.register_step_pre_hook(lambda *_: self._before_step())
-            optimizer.register_step_post_hook(lambda *_: self._after_step())
-            user_zero_grad = optimizer.zero_grad
 
-            def zero_grad(set_to_none: bool = True):
-                self.discard_server_gradients()
-                user_zero_grad(set_to_none=set_to_none)
+    def _hook_optimizer(self) -> None:
+        """The step applies the servers' rows; zero_grad drops them; state dicts in the plain
+        optimizer's layout."""
+        optimizer = self.optimizer
+        optimizer.register_step_pre_hook(lambda *_: self._before_step())
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
+        user_zero_grad = optimizer.zero_grad
 
-            optimizer.zero_grad = zero_grad
-            # optimizer.state_dict() / load_state_dict() in the plain optimizer's layout.
-            optimizer.register_state_dict_post_hook(
-                lambda opt, state: plain_optimizer_state(self, state))
-            optimizer.register_load_state_dict_pre_hook(
-                lambda opt, state: parallel_optimizer_state(self, state))
-        model._tilework_engine = self
+        def zero_grad(set_to_none: bool = True):
+            self.discard_server_gradients()
+            user_zero_grad(set_to_none=set_to_none)
+
+        optimizer.zero_grad = zero_grad
+        optimizer.register_state_dict_post_hook(
+            lambda opt, state: plain_optimizer_state(self, state))
+        optimizer.register_load_state_dict_pre_hook(
+            lambda opt, state: parallel_optimizer_state(self, state))
 
     def __reduce__(self):  # torch.save(model): the saved model is a plain one
         return (_no_engine, ())

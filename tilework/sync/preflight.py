@@ -1,0 +1,62 @@
+"""What parallelize checks before it changes anything: modules already wrapped for data
+parallelism are refused, models that differ across ranks are refused, parameter values that
+differ are warned about (rank 0's win, as in DDP)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import PlanError
+
+
+def refuse_wrapped(model: nn.Module) -> None:
+    """A module already wrapped for data parallelism would be synchronised twice (or by ranks
+    that disagree on what it holds): refused."""
+    for name, m in model.named_modules():
+        kinds = {c.__name__ for c in type(m).__mro__}
+        wrapper = kinds & {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}
+        if wrapper:
+            where = f"submodule {name}" if name else "the model"
+            raise PlanError(f"{where} is wrapped in {wrapper.pop()}: tilework synchronises the "
+                            "model itself; pass the plain module (turn the script's own "
+                            "distributed mode off)")
+
+
+def check_same_model_everywhere(model: nn.Module, groups) -> None:
+    """Parameter names, shapes and dtypes must agree on every rank, else collectives deadlock.
+    Values that differ are copied from rank 0 (as DDP does), with a warning naming them: a
+    script that seeds each rank differently, or builds rank-dependent tables, learns of it."""
+    if groups.world_size == 1:
+        return
+    with torch.no_grad():
+        mine = [(n, tuple(p.shape), str(p.dtype), _fingerprint(p)) for n, p in model.named_parameters()]
+    everyone: list = [None] * groups.world_size
+    dist.all_gather_object(everyone, mine, group=groups.world)
+    reference = dict((n, (s, d)) for n, s, d, _ in everyone[0])
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        theirs_map = dict((n, (s, d)) for n, s, d, _ in theirs)
+        for name in sorted(set(reference) | set(theirs_map)):
+            a, b = reference.get(name), theirs_map.get(name)
+            if a != b:
+                def show(x):
+                    return "absent" if x is None else f"shape {x[0]} {x[1]}"
+                raise PlanError(f"the model differs across ranks: parameter {name} is "
+                                f"{show(a)} on rank 0 but {show(b)} on rank {rank}")
+    differ = [n for i, (n, *_rest) in enumerate(everyone[0])
+              if any(theirs[i][3] != everyone[0][i][3] for theirs in everyone[1:])]
+    if differ and groups.rank == 0:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        warnings.warn(f"tilework: parameters differ across ranks before training: {shown}; every "
+                      "rank starts from rank 0's values (as with DDP). Seed the model the same "
+                      "way on every rank (torch.manual_seed before building it) to silence this",
+                      stacklevel=4)
+
+
+def _fingerprint(p: torch.Tensor) -> tuple[float, float]:
+    # Two float64 sums: different random initialisations never agree on both.
+    flat = p.detach().reshape(-1).double()
+    return float(flat.sum()), float((flat * flat).sum())
