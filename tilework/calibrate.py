@@ -29,7 +29,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import cost
+from .atomic import write_atomic
 from .cluster import Cluster, Link
 from .config import from_dict, read_toml
 from .errors import UserError
@@ -245,34 +245,6 @@ def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and os.replace, so a
-    reader sees the old file or the new one, never half of one. Keeps the old file's mode."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
-        else:
-            os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 _BARE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
@@ -370,13 +342,13 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     n = results["all_reduce"].world_size
     header.append(f"# tilework calibrate: links.{kind} from {n}-rank all_reduce on {when} "
                   f"(all fits in {calibration_path(path).name})")
-    _atomic_write(path, "\n".join(header) + "\n" + _toml_text(data))
+    write_atomic(path, "\n".join(header) + "\n" + _toml_text(data))
 
     report = {"cluster": path.name, "when": when, "world_size": n,
               "spans_hosts": spans_hosts, "updated": f"links.{kind}", "link": values,
               "calibration": {name: m.as_dict() for name, m in results.items()}}
     json_path = calibration_path(path)
-    _atomic_write(json_path, json.dumps(report, indent=2) + "\n")
+    write_atomic(json_path, json.dumps(report, indent=2) + "\n")
     return f"links.{kind}", json_path
 
 
@@ -428,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                "fit": {name: m.as_dict() for name, m in fit.items()},
                "judge": {name: [{"buffer_bytes": b, "wire_bytes": w, "seconds": s}
                                 for b, w, s in pts] for name, pts in judged.items()}}
-        _atomic_write(Path(a.out), json.dumps(out, indent=2) + "\n")
+        write_atomic(Path(a.out), json.dumps(out, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -9,16 +9,17 @@ of the sampled softmax assumes.
 from __future__ import annotations
 
 import collections
+import io
 import json
-import os
 import re
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..atomic import write_atomic
 
 _TOKEN = re.compile(r"[A-Za-z_]+|\d+|[^\sA-Za-z_\d]")
 UNK = "<unk>"
@@ -51,17 +52,6 @@ def _build(root: Path, max_vocab: int) -> Corpus:
     return Corpus(tokens=ids, words=vocab)
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def stdlib_corpus(cache_dir: str | Path, max_vocab: int = 10_000) -> Corpus:
     """The standard-library corpus, built once per interpreter version and vocabulary size."""
     if max_vocab < 2:
@@ -77,6 +67,8 @@ def stdlib_corpus(cache_dir: str | Path, max_vocab: int = 10_000) -> Corpus:
             pass  # a damaged cache is rebuilt below
     corpus = _build(root, max_vocab)
     cache.mkdir(parents=True, exist_ok=True)
-    _atomic_write(words_path, lambda f: f.write(json.dumps(corpus.words).encode()))
-    _atomic_write(ids_path, lambda f: np.save(f, corpus.tokens))
+    write_atomic(words_path, json.dumps(corpus.words))
+    buffer = io.BytesIO()
+    np.save(buffer, corpus.tokens)
+    write_atomic(ids_path, buffer.getvalue())
     return corpus

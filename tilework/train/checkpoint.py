@@ -14,38 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..atomic import write_atomic
 from ..errors import CheckpointError
 
 FORMAT = "tilework-checkpoint"
 VERSION = 2
 MAGIC = b"TILEWORK-CHECKPOINT"
 _TEMP_GLOB = ".*.tmp"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def write(path: str | Path, state: dict[str, Any], step: int | None = None,
@@ -60,7 +40,7 @@ def write(path: str | Path, state: dict[str, Any], step: int | None = None,
     payload = buffer.getvalue()
     header = b"%s %d %d %s\n" % (MAGIC, VERSION, len(payload),
                                   hashlib.sha256(payload).hexdigest().encode())
-    atomic_write_bytes(path, header + payload)
+    write_atomic(path, header + payload)
     return path
 
 
@@ -69,7 +49,7 @@ def save(directory: str | Path, step: int, state: dict[str, Any], fingerprint: d
     """A training run's checkpoint `step-XXXXXXXX.pt`, then `latest`, then pruning."""
     directory = Path(directory)
     path = write(directory / f"step-{step:08d}.pt", state, step, fingerprint)
-    atomic_write_bytes(directory / "latest", path.name.encode())
+    write_atomic(directory / "latest", path.name.encode())
     for old in sorted(directory.glob("step-*.pt"))[:-keep] if keep > 0 else []:
         if old != path:
             old.unlink(missing_ok=True)
