@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tilework import cost
 from tilework.calibrate import (Measurement, calibration_path, dump_toml, fit_alpha_beta,
-                                measure, write_calibration)
+                                time_points, write_calibration)
 from tilework.cluster import Cluster, Link, Links, Topology
 from tilework.testing import spawn
 
@@ -111,19 +111,20 @@ def test_cli_refuses_one_process_and_a_missing_file(tmp_path):
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1
 
 
-def _measure_tiny(rank, world_size):
-    results = measure(dist.group.WORLD, world_size, sizes=[4 << 10, 4 << 20], repeats=2)
-    return {name: (m.alpha_s, m.bytes_per_s, m.points) for name, m in results.items()}
+def _points_tiny(rank, world_size):
+    return time_points(dist.group.WORLD, world_size, sizes=[4 << 10, 4 << 20], repeats=2)
 
 
-def test_measure_on_two_real_ranks_gives_a_positive_finite_fit():
-    out = spawn(_measure_tiny, world_size=2, timeout=60)
+def test_time_points_on_two_real_ranks_gives_every_rank_the_same_counted_points():
+    # Whether the times grow with the size on a loaded 2-core machine is timing, which unit
+    # tests do not assert (a CI run once timed 2 KB slower than 2 MB); the fit of the points is
+    # tested above on exact data, and `tilework calibrate` reports a fit that gives no bandwidth.
+    out = spawn(_points_tiny, world_size=2, timeout=60)
     assert out[0] == out[1]   # every rank returns the same figures
     assert set(out[0]) == {"all_reduce", "all_to_all", "send_recv"}
-    for name, (alpha, beta, points) in out[0].items():
-        assert math.isfinite(alpha) and alpha >= 0, name
-        assert math.isfinite(beta) and beta > 0, name
-        assert [w for w, _ in points] == {"all_reduce": [4 << 10, 4 << 20],
-                                          "all_to_all": [2 << 10, 2 << 20],
-                                          "send_recv": [4 << 10, 4 << 20]}[name]
-        assert all(s > 0 for _, s in points)
+    for name, points in out[0].items():
+        assert [(b, w) for b, w, _ in points] == {
+            "all_reduce": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)],
+            "all_to_all": [(4 << 10, 2 << 10), (4 << 20, 2 << 20)],
+            "send_recv": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)]}[name]
+        assert all(math.isfinite(s) and s > 0 for _, _, s in points), name
