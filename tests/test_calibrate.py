@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tilework import cost
 from tilework.calibrate import (Measurement, calibration_path, dump_toml, fit_alpha_beta,
                                 time_points, write_calibration)
+from tilework.wire import ring_allreduce_bytes
 from tilework.cluster import Cluster, Link, Links, Topology
 from tilework.testing import spawn
 
@@ -42,12 +43,12 @@ def test_fit_clamps_a_negative_alpha_and_rejects_what_gives_no_bandwidth():
 def test_link_of_a_fit_reproduces_it_in_the_cost_model():
     n, alpha, beta = 4, 600e-6, 1e9
     buffers = (1 << 20, 4 << 20)
-    wire = tuple(cost.ring_allreduce_bytes(b, n) for b in buffers)
+    wire = tuple(ring_allreduce_bytes(b, n) for b in buffers)
     m = Measurement("all_reduce", n, buffers, wire, tuple(alpha + w / beta for w in wire),
                     alpha, beta)
     assert m.messages == 2 * (n - 1)
     planned = cost.ring_allreduce(8 << 20, Topology.from_sizes([n]), Links(intra=m.link()))
-    assert planned.seconds == pytest.approx(alpha + cost.ring_allreduce_bytes(8 << 20, n) / beta)
+    assert planned.seconds == pytest.approx(alpha + ring_allreduce_bytes(8 << 20, n) / beta)
     assert m.predict(8 << 20) == pytest.approx(planned.seconds)
 
 

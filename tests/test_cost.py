@@ -11,8 +11,9 @@ import tilework
 from tilework.analysis import analyze
 from tilework.cluster import Links, Topology
 from tilework.comm import build_groups
-from tilework.cost import (CHECK_WORDS, TableTraffic, dense_served_bytes, dense_sync_bytes,
-                           expected_unique, input_check_bytes, ps_expected, ps_table_bytes)
+from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
+                           ps_expected, ps_table_bytes)
+from tilework.wire import CHECK_WORDS, input_check_bytes
 from tilework.planner import make_plan
 from tilework.testing import spawn
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import tilework
-from tilework.cost import CHECK_WORDS
+from tilework.wire import CHECK_WORDS
 from tilework.errors import CheckpointError, PlanError
 from tilework.train import checkpoint
 from tilework.testing import RankFailed, spawn

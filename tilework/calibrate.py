@@ -32,7 +32,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from .atomic import write_atomic
 from .cluster import Cluster, Link
 from .config import from_dict, read_toml
 from .errors import UserError
+from .wire import COLLECTIVES as ON_WIRE
 
 KB, MB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
@@ -50,18 +51,9 @@ QUICK_REPEATS = 3
 COLLECTIVES = ("all_reduce", "all_to_all", "send_recv")
 
 
-def _all_to_all_bytes(nbytes: int, n: int) -> int:
-    return (n - 1) * nbytes // n
-
-
-# collective -> (bytes one rank sends for a buffer of `nbytes` on n ranks, messages per call):
-# the cost model's definitions (cost.ring_allreduce: 2(n-1) messages; one per peer for an
-# all-to-all; a send/recv between two ranks is one message, timed as half a round trip).
-WIRE: dict[str, tuple[Callable[[int, int], int], Callable[[int], int]]] = {
-    "all_reduce": (cost.ring_allreduce_bytes, lambda n: 2 * (n - 1)),
-    "all_to_all": (_all_to_all_bytes, lambda n: n - 1),
-    "send_recv": (lambda nbytes, n: nbytes, lambda n: 1),
-}
+# The collectives calibration times, by the wire table's definitions of bytes and messages (a
+# send/recv between two ranks is one message, timed as half a round trip).
+WIRE = {name: ON_WIRE[name] for name in COLLECTIVES}
 
 
 class CalibrationError(UserError):
@@ -109,7 +101,7 @@ class Measurement:
 
     @property
     def messages(self) -> int:
-        return WIRE[self.collective][1](self.world_size)
+        return WIRE[self.collective].messages(self.world_size)
 
     @property
     def alpha_us(self) -> float:
@@ -127,7 +119,7 @@ class Measurement:
     def predict(self, buffer_bytes: int, link: Link | None = None) -> float:
         """Seconds the cost model gives one call on a buffer of `buffer_bytes` (on `link`, by
         default this fit's own)."""
-        wire = WIRE[self.collective][0](buffer_bytes, self.world_size)
+        wire = WIRE[self.collective].sent(buffer_bytes, self.world_size)
         return cost.seconds(wire, link or self.link(), self.messages)
 
     @classmethod
@@ -215,7 +207,7 @@ def time_points(group, world_size: int, sizes, repeats: int = DEFAULT_REPEATS,
             for s, (send, recv) in enumerate(buffers):
                 times[c, s, r] = call(name, send, recv)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return {name: [(b, WIRE[name][0](b, world_size), statistics.median(times[c, s].tolist()))
+    return {name: [(b, WIRE[name].sent(b, world_size), statistics.median(times[c, s].tolist()))
                    for s, b in enumerate(sizes)]
             for c, name in enumerate(collectives)}
 

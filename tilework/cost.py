@@ -19,30 +19,14 @@ import torch
 from .cluster import Link, Links, Topology
 from .layout import TableLayout, routes
 from .plan import ParamPlan, assign_buckets
-
-COUNT_BYTES = 8   # the int64 length each variable-size all-to-all sends every peer first
-ID_BYTES = 8      # ids travel as int64
+from .wire import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, all_gather_bytes,
+                   count_exchange_bytes, ring_allreduce_bytes)
 
 
 @dataclass(frozen=True)
 class Cost:
     bytes_sent: float   # per rank per step (the busiest rank where ranks differ)
     seconds: float
-
-
-def ring_allreduce_bytes(nbytes: int, n: int) -> int:
-    """What each rank sends (and receives) in a ring all-reduce of `nbytes`."""
-    return 0 if n <= 1 else 2 * (n - 1) * nbytes // n
-
-
-CHECK_BYTES = 16  # per rank per step: the input-check exchange (sync/checks.py), two int64
-CHECK_WORDS = 17  # or, riding the last all-reduce bucket: a flag and 8 digests with their squares
-
-
-def input_check_bytes(n: int) -> int:
-    """What each rank sends in the per-step input check when it travels alone (no dense bucket
-    of float32/float64 to ride): its 16 bytes to every peer (ring all-gather)."""
-    return CHECK_BYTES * (n - 1)
 
 
 def link_for(topology: Topology, links: Links) -> Link:
@@ -69,7 +53,8 @@ def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
 def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int = 1) -> Cost:
     n = topology.world_size
     sent = ring_allreduce_bytes(nbytes, n)
-    return Cost(sent, seconds(sent, link_for(topology, links), 2 * (n - 1) * buckets) if n > 1 else 0.0)
+    return Cost(sent, seconds(sent, link_for(topology, links), ALL_REDUCE.messages(n) * buckets)
+                if n > 1 else 0.0)
 
 
 # -- parameter server: exact replay of sync/sparse.py --------------------------------------------
@@ -95,7 +80,7 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
                 to_others = int((to != me).sum())
                 # pull: counts, ids out, then rows for what others asked (lengths known);
                 # push: counts, then each id packed with its gradient row
-                sent[rank] += 2 * COUNT_BYTES * (g - 1) + 2 * ID_BYTES * to_others \
+                sent[rank] += 2 * count_exchange_bytes(g) + 2 * ID_BYTES * to_others \
                     + row_bytes * to_others
                 for j, peer in enumerate(members):
                     arriving[peer].append(ids[to == j])
@@ -121,7 +106,8 @@ def dense_served(plan: ParamPlan, topology: Topology, links: Links, row_bytes: i
     """A dense parameter on the servers: the busiest rank's bytes, and its two all-to-alls."""
     n = topology.world_size
     sent = max(dense_served_bytes(plan, n, row_bytes))
-    return Cost(sent, seconds(sent, link_for(topology, links), 2 * (n - 1)) if n > 1 else 0.0)
+    return Cost(sent, seconds(sent, link_for(topology, links), 2 * ALL_TO_ALL.messages(n))
+                if n > 1 else 0.0)
 
 
 # -- parameter server: expected, for planning ---------------------------------------------------
@@ -219,5 +205,5 @@ def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
     n = topology.world_size
     if n == 1:
         return Cost(0, 0.0)
-    mine = traffic.per_rank * (ID_BYTES + row_bytes)
-    return Cost((n - 1) * mine, seconds((n - 1) * mine, link_for(topology, links), 2 * (n - 1)))
+    sent = all_gather_bytes(traffic.per_rank * (ID_BYTES + row_bytes), n)
+    return Cost(sent, seconds(sent, link_for(topology, links), 2 * ALL_GATHER.messages(n)))

@@ -39,7 +39,7 @@ def _setup(workload, system: str, world_size: int):
 def _ddp_bytes(model, world_size: int) -> int:
     """What DDP sent this step: ring all-reduce of dense grads; sparse grads are all-gathered
     (every rank sends its indices and values to the n - 1 others)."""
-    from ..cost import ring_allreduce_bytes
+    from ..wire import all_gather_bytes, ring_allreduce_bytes
 
     dense = sparse = 0
     for p in model.parameters():
@@ -50,7 +50,7 @@ def _ddp_bytes(model, world_size: int) -> int:
             sparse += g.indices().numel() * 8 + g.values().numel() * g.values().element_size()
         else:
             dense += p.numel() * p.element_size()
-    return ring_allreduce_bytes(dense, world_size) + (world_size - 1) * sparse
+    return ring_allreduce_bytes(dense, world_size) + all_gather_bytes(sparse, world_size)
 
 
 def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:

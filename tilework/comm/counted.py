@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..cost import ring_allreduce_bytes
+from ..wire import all_gather_bytes, count_exchange_bytes, ring_allreduce_bytes
 
 
 @dataclass
@@ -97,7 +97,7 @@ def all_gather(tensor: torch.Tensor, group, stats: Stats, method: str,
     n = group_size(group)
     if n == 1:
         return [tensor]
-    wire = tensor.numel() * tensor.element_size() * (n - 1)
+    wire = all_gather_bytes(tensor.numel() * tensor.element_size(), n)
     stats.record(method, wire, wire, wire if successor_remote else 0)
     parts = [torch.empty_like(tensor) for _ in range(n)]
     dist.all_gather(parts, tensor, group=group)
@@ -136,8 +136,8 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
         send_counts = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64, device=device)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)
-        count_bytes = 8 * (n - 1)
-        stats.record(method, count_bytes, count_bytes, 8 * sum(remote))
+        count_bytes = count_exchange_bytes(n)
+        stats.record(method, count_bytes, count_bytes, count_exchange_bytes(2) * sum(remote))
         recv_lengths = recv_counts.tolist()
     send = torch.cat([c.reshape(-1) for c in chunks])
     recv_sizes = [int(c) * row for c in recv_lengths]

@@ -12,11 +12,11 @@ unequally (it no longer equals one process's). Per rank, during the step:
 
 At the optimizer step every rank knows whether any rank had a non-finite value and whether all
 ranks' batch dimensions agree. Normally that rides the step's last all-reduce bucket (sync/dense.py):
-`cost.CHECK_WORDS` numbers, a flag and 8 small digests of the batch dimensions with their
+`wire.CHECK_WORDS` numbers, a flag and 8 small digests of the batch dimensions with their
 squares, summed over ranks (n * sum(d^2) == sum(d)^2 exactly when every rank's d is the same;
 digests stay under sqrt(2^24 / n), so float32 sums are exact). Where nothing was carried (no
 dense float bucket, or forwards since the last synchronised backward) the ranks exchange 16
-bytes instead (`cost.input_check_bytes`). If anything is off, every rank learns the same thing
+bytes instead (`wire.input_check_bytes`). If anything is off, every rank learns the same thing
 from the same numbers and raises the same `InputError` together: nobody is left waiting in a
 collective, and no parameter moves. Only then is the detail gathered, to name ranks and tensors.
 """
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.counted import Stats, all_gather
-from ..cost import CHECK_WORDS
+from ..wire import CHECK_WORDS
 
 DIGESTS = (CHECK_WORDS - 1) // 2
 from ..errors import IdOutOfRange, InputError

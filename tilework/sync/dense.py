@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..comm.counted import Stats, all_reduce_async
-from ..cost import CHECK_WORDS
+from ..wire import CHECK_WORDS
 from ..plan import assign_buckets
 from .hooks import PicklesAsNoop
 

@@ -24,7 +24,8 @@ from torch import nn
 from torch.autograd import Variable
 
 from ..analysis import embedding_modules
-from ..comm.counted import Stats, all_reduce, broadcast, ring_allreduce_bytes
+from ..comm.counted import Stats, all_reduce, broadcast
+from ..wire import ring_allreduce_bytes
 from ..comm.guard import CallGuard
 from ..errors import InputError, PlanError, use_allreduce_hint
 from ..optim.rowwise import RowOptimizer, family_of

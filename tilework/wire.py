@@ -1,0 +1,59 @@
+"""What each collective puts on the wire: one table, read by the counters (comm/counted.py),
+the cost model (cost.py) and calibration (calibrate.py), so the three cannot disagree.
+
+For a call on a group of n ranks, `sent(nbytes, n)` is what one rank sends and `messages(n)` how
+many messages the alpha-beta model charges it. `nbytes` is the buffer as the caller passes it:
+the whole buffer for all-reduce and all-to-all, one rank's part for all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+COUNT_BYTES = 8   # the int64 length each variable-size all-to-all sends every peer first
+ID_BYTES = 8      # ids travel as int64
+CHECK_BYTES = 16  # per rank per step: the input-check exchange (sync/checks.py), two int64
+CHECK_WORDS = 17  # or, riding the last all-reduce bucket: a flag and 8 digests with their squares
+
+
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    sent: Callable[[int, int], int]
+    messages: Callable[[int], int]
+
+
+def ring_allreduce_bytes(nbytes: int, n: int) -> int:
+    """A ring all-reduce: reduce-scatter then all-gather, each sending n-1 chunks of nbytes/n."""
+    return 0 if n <= 1 else 2 * (n - 1) * nbytes // n
+
+
+def all_to_all_bytes(nbytes: int, n: int) -> int:
+    """An evenly split all-to-all: every part but this rank's own leaves."""
+    return 0 if n <= 1 else (n - 1) * nbytes // n
+
+
+def all_gather_bytes(nbytes: int, n: int) -> int:
+    """gloo's ring all-gather: this rank's part and n-2 forwarded ones, each `nbytes`."""
+    return 0 if n <= 1 else (n - 1) * nbytes
+
+
+def count_exchange_bytes(n: int) -> int:
+    """The int64 lengths a variable-size all-to-all sends every peer before the payload."""
+    return COUNT_BYTES * (n - 1) if n > 1 else 0
+
+
+ALL_REDUCE = Collective("all_reduce", ring_allreduce_bytes, lambda n: 2 * (n - 1))
+ALL_TO_ALL = Collective("all_to_all", all_to_all_bytes, lambda n: n - 1)
+ALL_GATHER = Collective("all_gather", all_gather_bytes, lambda n: n - 1)
+SEND_RECV = Collective("send_recv", lambda nbytes, n: nbytes, lambda n: 1)
+
+COLLECTIVES: dict[str, Collective] = {c.name: c for c in (ALL_REDUCE, ALL_TO_ALL, ALL_GATHER,
+                                                          SEND_RECV)}
+
+
+def input_check_bytes(n: int) -> int:
+    """The per-step input check when it travels alone (no float bucket to ride): its 16 bytes
+    all-gathered."""
+    return all_gather_bytes(CHECK_BYTES, n)
