@@ -69,12 +69,12 @@ def predicted(mode, world_size, hosts, local_aggregation, step):
         per_rank[r]["allreduce"] = dense_sync_bytes(dense, BUCKET, world_size, carried)
     lookups = {"words.weight": 0, "tags.weight": 1}
     for pp in plan.of("ps"):
-        row_bytes = params[pp.name].numel() // pp.shape[0] * 4
+        assert pp.row_bytes == params[pp.name].numel() // pp.shape[0] * 4   # float32 rows
         if pp.name in lookups:
             ids = [ids_for(step, r)[lookups[pp.name]].reshape(-1) for r in range(world_size)]
-            sent = ps_table_bytes(pp, ids, topo, local_aggregation, row_bytes)
+            sent = ps_table_bytes(pp, ids, topo, local_aggregation)
         else:
-            sent = dense_served_bytes(pp, world_size, row_bytes)
+            sent = dense_served_bytes(pp, world_size)
         for r in range(world_size):
             per_rank[r]["ps"] += sent[r]
     return [{m: b for m, b in d.items() if b} for d in per_rank]
@@ -106,8 +106,8 @@ def test_local_aggregation_lowers_expected_inter_host_time():
     model = TwoTables()
     pp = make_plan(analyze(model), 48).by_name()["words.weight"]
     traffic = TableTraffic.zipf(800_000, 20_000, topo)
-    with_la = ps_expected(pp, traffic, topo, links, True, 2048)
-    without = ps_expected(pp, traffic, topo, links, False, 2048)
+    with_la = ps_expected(pp, traffic, topo, links, True)
+    without = ps_expected(pp, traffic, topo, links, False)
     assert with_la.seconds < without.seconds
 
 

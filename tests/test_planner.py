@@ -78,8 +78,8 @@ def test_too_few_partitions_cost_more():
 
     topo = Topology.uniform(8, 6)
     traffic = TableTraffic.zipf(800_000, 2560, topo)
-    times = [ps_expected(ParamPlan("t", (800_000, 512), "ps", p), traffic, topo, Links(), la,
-                         2048).seconds for la in (True, False) for p in (1, 8, 48)]
+    times = [ps_expected(ParamPlan("t", (800_000, 512), "ps", p, kind="sparse"), traffic, topo,
+                         Links(), la).seconds for la in (True, False) for p in (1, 8, 48)]
     assert times[0] > times[1] > times[2] and times[3] > times[4] > times[5]
 
 

@@ -9,13 +9,10 @@ measured (`measure_density`) and given to the planner.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import nn
 
-Kind = Literal["sparse", "embedding", "dense"]
-
+from .plan import Kind, dtype_bytes
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -34,7 +31,7 @@ class ParamInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.numel * dtype_bytes(self.dtype)
 
     @property
     def row_bytes(self) -> int:

@@ -84,12 +84,12 @@ def print_plan(plan: Plan, console=None) -> None:
 
     from .tables import add_name_column, name_cell, print_table
 
-    table = Table(title=f"tilework plan: mode={plan.mode}, {plan.world_size} ranks, "
+    table = Table(title=f"tilework plan: mode={plan.mode}, mesh {plan.mesh}, "
                         f"sparse_reduce={plan.sparse_reduce}, "
                         f"local_aggregation={plan.local_aggregation}")
     add_name_column(table)
-    for col in ("shape", "method", "partitions", "why"):
-        table.add_column(col)
+    for col in ("shape", "dtype", "placement", "sends/step", "ms/step", "why"):
+        table.add_column(col, overflow="fold")   # wrap long words too, never cut them
     for name, *rest in plan.table():
         table.add_row(name_cell(name), *rest)
     print_table(table, console)

@@ -18,15 +18,9 @@ import torch
 
 from .cluster import Link, Links, Topology
 from .layout import TableLayout, routes
-from .plan import ParamPlan, assign_buckets
+from .plan import Cost, ParamPlan, assign_buckets
 from .wire import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, all_gather_bytes,
                    count_exchange_bytes, ring_allreduce_bytes)
-
-
-@dataclass(frozen=True)
-class Cost:
-    bytes_sent: float   # per rank per step (the busiest rank where ranks differ)
-    seconds: float
 
 
 def link_for(topology: Topology, links: Links) -> Link:
@@ -60,9 +54,9 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
 # -- parameter server: exact replay of sync/sparse.py --------------------------------------------
 
 def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: Topology,
-                   local_aggregation: bool, row_bytes: int) -> list[int]:
+                   local_aggregation: bool) -> list[int]:
     """Exact bytes each rank sends for one table in one step: one pull of its ids, one push."""
-    n = topology.world_size
+    n, row_bytes = topology.world_size, plan.row_bytes
     layout = TableLayout(plan, n)
     sent = [0] * n
     current = {r: torch.unique(ids_per_rank[r]) for r in range(n)}
@@ -92,20 +86,20 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
     return sent
 
 
-def dense_served_bytes(plan: ParamPlan, n: int, row_bytes: int) -> list[int]:
+def dense_served_bytes(plan: ParamPlan, n: int) -> list[int]:
     """Exact bytes of a dense parameter on the servers (mode="ps"): push rows, pull shards
     (lengths are static, so no counts travel)."""
     if n == 1:
         return [0]
     sizes = TableLayout(plan, n).shard_sizes
-    rows = plan.shape[0]
+    rows, row_bytes = plan.shape[0], plan.row_bytes
     return [row_bytes * (rows - sizes[r]) + row_bytes * sizes[r] * (n - 1) for r in range(n)]
 
 
-def dense_served(plan: ParamPlan, topology: Topology, links: Links, row_bytes: int) -> Cost:
+def dense_served(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
     """A dense parameter on the servers: the busiest rank's bytes, and its two all-to-alls."""
     n = topology.world_size
-    sent = max(dense_served_bytes(plan, n, row_bytes))
+    sent = max(dense_served_bytes(plan, n))
     return Cost(sent, seconds(sent, link_for(topology, links), 2 * ALL_TO_ALL.messages(n))
                 if n > 1 else 0.0)
 
@@ -173,14 +167,14 @@ def _exchange(requests: float, requesters: int, servers: int, row_bytes: int):
 
 
 def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, links: Links,
-                local_aggregation: bool, row_bytes: int) -> Cost:
+                local_aggregation: bool) -> Cost:
     """Expected bytes and seconds of one pull and one push of a table, at its busiest server.
 
     Too few partitions and a few servers carry everyone's rows; at one partition per rank the
     load is even. (Our exchange sends one message per pair of ranks however many partitions a
     rank serves, so partitions beyond the world size add no per-message cost here.)
     """
-    n = topology.world_size
+    n, row_bytes = topology.world_size, plan.row_bytes
     if n == 1:
         return Cost(0, 0.0)
     servers = min(plan.partitions, n)
@@ -207,3 +201,16 @@ def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
         return Cost(0, 0.0)
     sent = all_gather_bytes(traffic.per_rank * (ID_BYTES + row_bytes), n)
     return Cost(sent, seconds(sent, link_for(topology, links), 2 * ALL_GATHER.messages(n)))
+
+
+def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, links: Links,
+            local_aggregation: bool) -> Cost | None:
+    """One entry's expected step on its own (dense parameters unbucketed): what the planner
+    writes into the plan and the report prints. None for a served table with no traffic model."""
+    if plan.method == "allreduce":
+        return ring_allreduce(plan.nbytes, topology, links)
+    if not plan.is_table:   # a dense parameter on the servers (mode="ps"): every row, every step
+        return dense_served(plan, topology, links)
+    if traffic is None:
+        return None
+    return ps_expected(plan, traffic, topology, links, local_aggregation)

@@ -9,6 +9,7 @@ from typing import Callable, Literal
 
 import torch
 
+from .mesh import Mesh
 from .plan import ParamPlan, partition_bounds, partition_rows, partitions_of, server_of
 
 
@@ -71,9 +72,10 @@ def routes(layout: TableLayout, topology, local_aggregation: bool) -> list[Route
     per host per step."""
     if not (local_aggregation and topology.can_aggregate_locally):
         return [Route("world", [list(range(topology.world_size))], layout.owner_of)]
-    per_host = len(topology.hosts[0])
+    mesh = Mesh.from_topology(topology)   # host x local: hosts of equal size
+    per_host = mesh.size_of("local")
     # Ranks are numbered host by host, so owner o sits on host o // L at local index o % L.
-    return [Route("intra", [list(h) for h in topology.hosts],
+    return [Route("intra", [list(g) for g in mesh.groups("local")],
                   lambda ids: layout.owner_of(ids) % per_host),
-            Route("inter", [list(g) for g in topology.inter_host_groups()],
+            Route("inter", [list(g) for g in mesh.groups("host")],
                   lambda ids: layout.owner_of(ids) // per_host)]

@@ -1,18 +1,47 @@
-"""The plan: plain data saying how every parameter is synchronised. Printable, serialisable.
+"""The plan: plain data saying where every parameter lives and how it is synchronised, on a
+named device mesh. Printable, serialisable (`as_dict` / `from_dict`), diffable (`diff`).
 
-Produced by the planner, executed by `sync.engine`, costed by the cost model. A table on the
-parameter server is split into `partitions` row ranges (or hash classes), partition p is served
-by rank p % world_size, and row r belongs to partition `partition_of(r)`.
+Produced by the planner, executed by `sync.engine`, costed by the cost model. Each entry is
+self-contained: its shape, dtype and kind give its bytes, its placement says where its values
+and gradients go, and `predicted` what the cost model expects one step of it to send.
+
+Placements today: "allreduce" (replicated on every rank, gradients all-reduced over the whole
+mesh) and "ps" (rows on the parameter servers: the table is split into `partitions` row ranges
+or hash classes, partition p is served by rank p % world_size, and row r belongs to partition
+`partition_of(r)`). docs/architecture.md says where ZeRO's sharded state, tensor-parallel
+styles and pipeline stages will go: more placements over more mesh axes.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
+
+from .mesh import Mesh
 
 Method = Literal["allreduce", "ps"]
 RowMap = Literal["contiguous", "hashed"]
+Kind = Literal["sparse", "embedding", "dense"]
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
+                "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+                "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype named as torch names it without the "torch." prefix."""
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(_DTYPE_BYTES)})")
+    return _DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the cost model expects: bytes one rank sends (the busiest where ranks differ) and
+    seconds, for one step."""
+
+    bytes_sent: float
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -23,11 +52,40 @@ class ParamPlan:
     partitions: int = 1
     row_map: RowMap = "contiguous"
     reason: str = ""
+    dtype: str = "float32"
+    kind: Kind = "dense"     # sparse gradient / embedding with a dense-layout gradient / dense
+    predicted: Cost | None = None   # None: a table whose traffic nobody modelled
 
     def __post_init__(self):
+        dtype_bytes(self.dtype)
         if self.method == "ps" and not 1 <= self.partitions <= self.shape[0]:
             raise ValueError(f"{self.name}: partitions must be in 1..{self.shape[0]} (rows), "
                              f"got {self.partitions}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // max(1, self.shape[0]) if self.shape else self.nbytes
+
+    @property
+    def is_table(self) -> bool:
+        return self.kind in ("sparse", "embedding")
+
+    @property
+    def placement(self) -> str:
+        if self.method == "allreduce":
+            return "allreduce (replicated)"
+        return f"ps (rows in {self.partitions} {self.row_map} partitions)"
 
 
 @dataclass(frozen=True)
@@ -38,6 +96,14 @@ class Plan:
     sparse_reduce: Literal["mean", "sum"] = "mean"
     local_aggregation: bool = True
     bucket_bytes: int = 25 * 2**20
+    mesh: Mesh | None = None   # default: one "world" axis
+
+    def __post_init__(self):
+        if self.mesh is None:
+            object.__setattr__(self, "mesh", Mesh((("world", self.world_size),)))
+        if self.mesh.size != self.world_size:
+            raise ValueError(f"mesh {self.mesh} has {self.mesh.size} ranks, the plan "
+                             f"{self.world_size}")
 
     def by_name(self) -> dict[str, ParamPlan]:
         return {p.name: p for p in self.params}
@@ -46,12 +112,60 @@ class Plan:
         return [p for p in self.params if p.method == method]
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain JSON-able data; `from_dict` reads it back to an equal plan."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in
+               ("params", "mesh")}
+        out["mesh"] = self.mesh.as_dict()
+        out["params"] = [_entry_dict(p) for p in self.params]
+        return out
 
-    def table(self) -> list[tuple[str, str, str, str, str]]:
-        """Rows for printing: name, shape, method, partitions, reason."""
-        return [(p.name, "x".join(map(str, p.shape)), p.method,
-                 str(p.partitions) if p.method == "ps" else "-", p.reason) for p in self.params]
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        params = tuple(_entry_from_dict(p) for p in d["params"])
+        rest = {k: v for k, v in d.items() if k not in ("params", "mesh")}
+        return cls(params=params, mesh=Mesh.from_dict(d["mesh"]), **rest)
+
+    def diff(self, other: "Plan") -> list[str]:
+        """One line per difference, this plan's value first: settings, then entries by name."""
+        lines = [f"{k}: {a!r} -> {b!r}" for k, a, b in _pairs(self, other, ("params",))]
+        mine, theirs = self.by_name(), other.by_name()
+        for name in sorted(mine.keys() | theirs.keys()):
+            if name not in theirs or name not in mine:
+                lines.append(f"{name}: {'only in this plan' if name in mine else 'only in the other'}")
+                continue
+            lines += [f"{name}.{k}: {a!r} -> {b!r}"
+                      for k, a, b in _pairs(mine[name], theirs[name], ("name", "reason"))]
+        return lines
+
+    def table(self) -> list[tuple[str, ...]]:
+        """Rows for printing: name, shape, dtype, placement, predicted bytes and ms, reason."""
+        def cost(p):
+            if p.predicted is None:
+                return ("?", "?")
+            return (f"{p.predicted.bytes_sent / 2**20:.3g} MiB",
+                    f"{p.predicted.seconds * 1e3:.3g}")
+
+        return [(p.name, "x".join(map(str, p.shape)), p.dtype, p.placement, *cost(p), p.reason)
+                for p in self.params]
+
+
+def _pairs(a, b, skip):
+    return [(f.name, getattr(a, f.name), getattr(b, f.name)) for f in fields(a)
+            if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)]
+
+
+def _entry_dict(p: ParamPlan) -> dict:
+    d = {f.name: getattr(p, f.name) for f in fields(p)}
+    d["shape"] = list(p.shape)
+    d["predicted"] = None if p.predicted is None else vars(p.predicted).copy()
+    d["placement"] = p.placement   # for readers; derived, so from_dict drops it
+    return d
+
+
+def _entry_from_dict(d: dict) -> ParamPlan:
+    d = {k: v for k, v in d.items() if k != "placement"}
+    predicted = None if d.get("predicted") is None else Cost(**d["predicted"])
+    return ParamPlan(**(d | {"shape": tuple(d["shape"]), "predicted": predicted}))
 
 
 # -- the row map: pure functions shared by the runtime and the cost model ---------------------

@@ -10,13 +10,15 @@ sparse gradient (or measured touched-row fraction under `density_threshold`) -> 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from .analysis import ParamInfo, analyze
 from .cluster import Cluster, Links, Topology
-from .cost import TableTraffic, ps_expected, ring_allreduce
+from .cost import TableTraffic, predict, ps_expected, ring_allreduce
 from .errors import PlanError
 from .parallel_config import ParallelConfig
+from .mesh import Mesh
 from .plan import Method, ParamPlan, Plan, RowMap, bucket_bytes
 
 Mode = Literal["hybrid", "allreduce", "ps"]
@@ -90,8 +92,12 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
             if wanted is None and searched is not None and searched.method == "ps":
                 wanted = searched.partitions
             parts = min(wanted or world_size, info.shape[0])
-        params.append(ParamPlan(info.name, info.shape, method, parts, row_map, reason))
-    return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes)
+        entry = ParamPlan(info.name, info.shape, method, parts, row_map, reason, info.dtype,
+                          info.kind)
+        params.append(dataclasses.replace(entry, predicted=predict(
+            entry, traffic.get(info.name), topology, links, local_aggregation)))
+    return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes,
+                Mesh.from_topology(topology))
 
 
 def _rule(info: ParamInfo, mode: Mode, threshold: float) -> tuple[Method, str]:
@@ -125,8 +131,8 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
     dense = ring_allreduce(info.nbytes, topology, links)
     best_ps = None
     for p in partition_candidates(topology.world_size, info.shape[0]):
-        candidate = ParamPlan(info.name, info.shape, "ps", p, row_map, "")
-        cost = ps_expected(candidate, traffic, topology, links, local_aggregation, info.row_bytes)
+        candidate = ParamPlan(info.name, info.shape, "ps", p, row_map, "", info.dtype, info.kind)
+        cost = ps_expected(candidate, traffic, topology, links, local_aggregation)
         if best_ps is None or cost.seconds < best_ps[1].seconds:
             best_ps = (candidate, cost)
     fraction = traffic.per_rank / info.shape[0]
@@ -134,8 +140,8 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
         plan, cost = best_ps
         why = (f"{fraction:.1%} rows/step: servers {cost.seconds * 1e3:.3g} ms < all-reduce "
                f"{dense.seconds * 1e3:.3g} ms")
-        return ParamPlan(info.name, info.shape, "ps", plan.partitions, row_map, why)
+        return dataclasses.replace(plan, reason=why)
     ps_s = best_ps[1].seconds if best_ps else float("inf")
     why = (f"{fraction:.1%} rows/step: all-reduce {dense.seconds * 1e3:.3g} ms <= servers "
            f"{ps_s * 1e3:.3g} ms")
-    return ParamPlan(info.name, info.shape, "allreduce", 1, row_map, why)
+    return ParamPlan(info.name, info.shape, "allreduce", 1, row_map, why, info.dtype, info.kind)

@@ -14,7 +14,7 @@ import torch
 
 from .analysis import ParamInfo, analyze
 from .cluster import Cluster, Host, Links, Topology
-from .cost import TableTraffic, dense_served, ps_expected, ring_allreduce, sparse_allgather
+from .cost import TableTraffic, dense_served, predict, ring_allreduce, sparse_allgather
 from .errors import PlanError
 from .models import DLRM, SmallResNet, WordLM
 from .plan import Plan
@@ -81,31 +81,26 @@ class Row:
     seconds: float
 
 
-def param_costs(plan: Plan, infos: list[ParamInfo], traffic, cluster: Cluster) -> list[Row]:
+def param_costs(plan: Plan, traffic, cluster: Cluster) -> list[Row]:
+    """Each entry's predicted step on `cluster` (a served table without traffic: every row)."""
     topo, links = cluster.topology(), cluster.links
     rows = []
-    for pp, info in zip(plan.params, infos):
+    for pp in plan.params:
         t = traffic.get(pp.name)
-        density = t.per_rank / pp.shape[0] if t else None
-        if pp.method == "allreduce":
-            c = ring_allreduce(info.nbytes, topo, links)
-        elif t is not None:
-            c = ps_expected(pp, t, topo, links, plan.local_aggregation, info.row_bytes)
-        else:  # a dense parameter on the servers (mode="ps"): every row, every step
-            c = dense_served(pp, topo, links, info.row_bytes)
-        rows.append(Row(pp.name, pp.shape, density, pp.method, pp.partitions, c.bytes_sent,
-                        c.seconds))
+        c = predict(pp, t, topo, links, plan.local_aggregation) or dense_served(pp, topo, links)
+        rows.append(Row(pp.name, pp.shape, t.per_rank / pp.shape[0] if t else None, pp.method,
+                        pp.partitions, c.bytes_sent, c.seconds))
     return rows
 
 
-def step_seconds(plan: Plan, infos: list[ParamInfo], traffic, cluster: Cluster) -> float:
+def step_seconds(plan: Plan, traffic, cluster: Cluster) -> float:
     """Communication seconds per step: dense parameters bucketed together, tables one by one."""
     topo, links = cluster.topology(), cluster.links
-    dense = sum(i.nbytes for pp, i in zip(plan.params, infos) if pp.method == "allreduce")
+    dense = sum(pp.nbytes for pp in plan.of("allreduce"))
     total = 0.0
     if dense:
         total += ring_allreduce(dense, topo, links, math.ceil(dense / plan.bucket_bytes)).seconds
-    return total + sum(r.seconds for r in param_costs(plan, infos, traffic, cluster)
+    return total + sum(r.seconds for r in param_costs(plan, traffic, cluster)
                        if r.method == "ps")
 
 
@@ -129,8 +124,8 @@ def report(job: Job, cluster: Cluster) -> dict:
     topo, n = cluster.topology(), cluster.world_size
     plans = {mode: job_plan(job, cluster, mode) for mode in ("hybrid", "allreduce", "ps")}
     chosen = job_plan(job, cluster)
-    rows = param_costs(chosen, infos, traffic, cluster)
-    times = {mode: step_seconds(p, infos, traffic, cluster) for mode, p in plans.items()}
+    rows = param_costs(chosen, traffic, cluster)
+    times = {mode: step_seconds(p, traffic, cluster) for mode, p in plans.items()}
     # DDP with sparse gradients: dense parameters all-reduced, tables all-gathered.
     dense_plan = plans["allreduce"]
     dense_bytes = sum(i.nbytes for i in infos if i.name not in traffic)

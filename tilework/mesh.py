@@ -1,0 +1,95 @@
+"""The device mesh: ranks as a grid of named axes, and which ranks form a group along an axis.
+
+Pure (like Megatron's RankGenerator): ranks are numbered row-major, the last axis fastest, so
+today's mesh ("host", H) x ("local", L) numbers ranks host by host, as torchrun does. A group
+along an axis is the ranks that differ only in that axis: along "local", one host's ranks;
+along "host", the ranks sharing a local index on every host. Axes a later plan adds (data,
+tensor, pipeline, context parallel) are more names in the same tuple.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axes: tuple[tuple[str, int], ...]
+
+    def __post_init__(self):
+        names = [name for name, _ in self.axes]
+        if not self.axes:
+            raise ValueError("a mesh needs at least one axis")
+        for name, size in self.axes:
+            if not (isinstance(name, str) and name.isidentifier()):
+                raise ValueError(f"mesh axis name must be an identifier, got {name!r}")
+            if not (isinstance(size, int) and size >= 1):
+                raise ValueError(f"mesh axis {name!r}: size must be an integer >= 1, got {size!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh axis names must be distinct, got {names}")
+
+    @classmethod
+    def from_topology(cls, topology) -> "Mesh":
+        """host x local where every host runs as many ranks; one "world" axis otherwise (hosts
+        of different sizes are not a grid: the topology still says which ranks share one)."""
+        sizes = {len(h) for h in topology.hosts}
+        if len(sizes) == 1:
+            return cls((("host", topology.num_hosts), ("local", sizes.pop())))
+        return cls((("world", topology.world_size),))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.axes)
+
+    @property
+    def size(self) -> int:
+        return prod(self.shape)
+
+    def size_of(self, axis: str) -> int:
+        return self.shape[self._index(axis)]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is not in a mesh of {self.size} ranks")
+        out = {}
+        for name, size in reversed(self.axes):
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name in self.names}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        if set(coords) != set(self.names):
+            raise ValueError(f"coordinates must name every axis {list(self.names)}, "
+                             f"got {sorted(coords)}")
+        rank = 0
+        for name, size in self.axes:
+            if not 0 <= coords[name] < size:
+                raise ValueError(f"coordinate {name}={coords[name]} outside 0..{size - 1}")
+            rank = rank * size + coords[name]
+        return rank
+
+    def groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group along `axis`, each in increasing coordinate, ordered by their first rank."""
+        self._index(axis)
+        firsts = [r for r in range(self.size) if self.coords(r)[axis] == 0]
+        return [tuple(self.rank_of(self.coords(r) | {axis: i})
+                      for i in range(self.size_of(axis))) for r in firsts]
+
+    def as_dict(self) -> dict:
+        return {"axes": [{"name": n, "size": s} for n, s in self.axes]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Mesh":
+        return cls(tuple((a["name"], a["size"]) for a in d["axes"]))
+
+    def __str__(self) -> str:
+        return " x ".join(f"{n}={s}" for n, s in self.axes)
+
+    def _index(self, axis: str) -> int:
+        if axis not in self.names:
+            raise ValueError(f"no mesh axis {axis!r} (axes: {', '.join(self.names)})")
+        return self.names.index(axis)
