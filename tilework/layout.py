@@ -14,23 +14,30 @@ from .plan import ParamPlan, partition_bounds, partition_rows, partitions_of, se
 
 
 class TableLayout:
-    """Rows of one table over `world_size` ranks, from a plan's partitions and row map."""
+    """Rows of one table over `world_size` ranks, from a plan's partitions and row map.
 
-    def __init__(self, plan: ParamPlan, world_size: int):
+    `device`: where the lookup tensors live, the table's own (ids index them there); the cost
+    model's replay stays on the CPU default.
+    """
+
+    def __init__(self, plan: ParamPlan, world_size: int, device: torch.device | str = "cpu"):
         self.rows = plan.shape[0]
         self.partitions = plan.partitions
         self.row_map = plan.row_map
         self.world_size = world_size
-        self.starts = torch.tensor([b[0] for b in partition_bounds(self.rows, self.partitions)])
+        self.device = torch.device(device)
+        self.starts = torch.tensor([b[0] for b in partition_bounds(self.rows, self.partitions)],
+                                   device=self.device)
         # Offset of each partition inside its server's local shard (partitions in ascending order).
         offsets, filled = [0] * self.partitions, [0] * world_size
         for p in range(self.partitions):
             r = server_of(p, world_size)
             offsets[p] = filled[r]
             filled[r] += len(partition_rows(self.rows, self.partitions, self.row_map, p))
-        self.offsets = torch.tensor(offsets)
+        self.offsets = torch.tensor(offsets, device=self.device)
         self.shard_sizes = filled
-        self.servers = torch.tensor([server_of(p, world_size) for p in range(self.partitions)])
+        self.servers = torch.tensor([server_of(p, world_size) for p in range(self.partitions)],
+                                    device=self.device)
 
     def partition_of(self, ids: torch.Tensor) -> torch.Tensor:
         if self.row_map == "hashed":
@@ -50,8 +57,8 @@ class TableLayout:
         """The global rows rank `rank` serves, in the order of its local shard."""
         parts = partitions_of(rank, self.partitions, self.world_size)
         ranges = [partition_rows(self.rows, self.partitions, self.row_map, p) for p in parts]
-        rows = [torch.arange(r.start, r.stop, r.step) for r in ranges]
-        return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+        rows = [torch.arange(r.start, r.stop, r.step, device=self.device) for r in ranges]
+        return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=self.device)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Each function short-circuits on a one-rank group.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -129,7 +130,7 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
         return [chunks[0]]
     me = dist.get_rank(group)
     trailing = chunks[0].shape[1:]
-    row = int(torch.tensor(trailing).prod().item()) if len(trailing) else 1
+    row = math.prod(trailing)
     device = chunks[0].device
     remote = remote or [False] * n
     if recv_lengths is None:

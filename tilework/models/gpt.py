@@ -18,8 +18,10 @@ class TinyGPT(nn.Module):
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
-        self.register_buffer("causal", torch.triu(torch.full((seq_len, seq_len), float("-inf")), 1),
-                             persistent=False)
+        # Beside the parameters: built under `with torch.device(...)` (meta for planning), it
+        # is there too.
+        mask = torch.full((seq_len, seq_len), float("-inf"), device=self.head.weight.device)
+        self.register_buffer("causal", torch.triu(mask, 1), persistent=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]

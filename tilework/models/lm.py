@@ -87,6 +87,6 @@ def log_uniform_log_prob(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def sample_negatives(num: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
     """`num` ids from the log-uniform distribution (TensorFlow's log_uniform_candidate_sampler)."""
-    u = torch.rand(num, generator=generator, dtype=torch.float64)
+    u = torch.rand(num, generator=generator, dtype=torch.float64, device=generator.device)
     ids = torch.floor(torch.exp(u * math.log(vocab + 1))) - 1
     return ids.clamp_(0, vocab - 1).to(torch.long)

@@ -88,8 +88,9 @@ class InputChecks:
                 return
 
     # -- carried by the last all-reduce bucket -------------------------------------------------
-    def words(self) -> torch.Tensor:
-        """This rank's CHECK_WORDS numbers for what it recorded so far this step."""
+    def words(self, device: torch.device) -> torch.Tensor:
+        """This rank's CHECK_WORDS numbers for what it recorded so far this step, on `device`
+        (the bucket's that carries them)."""
         limit = max(2, math.isqrt((2**24 - 1) // self.groups.world_size))
         raw = hashlib.blake2b(repr(self.batches).encode(), digest_size=4 * DIGESTS).digest()
         digests = [1 + int.from_bytes(raw[4 * k:4 * k + 4], "little") % (limit - 1)
@@ -98,7 +99,7 @@ class InputChecks:
         for d in digests:
             words += [float(d), float(d * d)]
         self.dirty = False
-        return torch.tensor(words, dtype=torch.float64)
+        return torch.tensor(words, dtype=torch.float64, device=device)
 
     def settle(self, summed: torch.Tensor) -> None:
         self.carried = summed.tolist()
@@ -124,7 +125,8 @@ class InputChecks:
         else:
             digest = int.from_bytes(hashlib.blake2b(repr(batches).encode(), digest_size=7).digest(),
                                     "little")
-            mine = torch.tensor([int(nonfinite is not None), digest], dtype=torch.int64)
+            mine = torch.tensor([int(nonfinite is not None), digest], dtype=torch.int64,
+                                device=self.groups.device)
             everyone = torch.stack(all_gather(mine, self.groups.world, self.stats, "check",
                                               self.successor_remote))
             bad_values = bool(everyone[:, 0].any())

@@ -22,10 +22,12 @@ def coalesced_grads(params) -> list[torch.Tensor]:
     return out
 
 
-def total_norm(grads: list[torch.Tensor], norm_type: float, foreach=None) -> torch.Tensor:
-    """The total norm of `grads`, as torch.nn.utils.clip_grad_norm_ computes it."""
+def total_norm(grads: list[torch.Tensor], norm_type: float, foreach=None,
+               device: torch.device | None = None) -> torch.Tensor:
+    """The total norm of `grads`, as torch.nn.utils.clip_grad_norm_ computes it. With no
+    gradients it is 0 on `device` (torch's own: the CPU), where the caller combines it."""
     if not grads:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, device=device)
     return torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]), norm_type)
 

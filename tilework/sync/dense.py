@@ -114,7 +114,8 @@ class DenseSync:
         self.active = False
         while self.next_bucket < len(self.buckets):
             last = self.carry and self.next_bucket == len(self.buckets) - 1
-            self._launch(self.buckets[self.next_bucket], self.checks.words() if last else None)
+            words = self.checks.words(self.buckets[-1].params[0][1].device) if last else None
+            self._launch(self.buckets[self.next_bucket], words)
             self.next_bucket += 1
         for k, bucket in enumerate(self.buckets):
             if bucket.work is not None:

@@ -34,7 +34,7 @@ from .checks import InputChecks, check_ids
 from .dense import DenseSync
 from .clip import clip_by_total_norm, coalesced_grads, total_norm
 from .hooks import PicklesAsNoop, plain_no_sync
-from .preflight import check_same_model_everywhere, refuse_wrapped
+from .preflight import check_device, check_same_model_everywhere, refuse_wrapped
 from .state import load_state, parallel_optimizer_state, plain_optimizer_state
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 
@@ -69,6 +69,7 @@ class Engine:
             raise PlanError(f"optimizer: expected a torch.optim.Optimizer or None, got "
                             f"{type(optimizer).__name__}")
         refuse_wrapped(model)
+        check_device(model, self.groups)
         check_same_model_everywhere(model, self.groups)
         if optimizer is not None:
             self._check_optimizer_covers(model, optimizer)
@@ -353,11 +354,12 @@ class Engine:
     def _clip_norm(self, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
         dense = coalesced_grads(self.model.parameters())
         server = self._server_gradients()
-        total = total_norm(dense, norm_type, foreach)
+        device = self.groups.device  # where the backend carries the combined norm
+        total = total_norm(dense, norm_type, foreach, device=device)
         if self.tables or self.served:
-            mine = total_norm(server, norm_type, foreach)
+            mine = total_norm(server, norm_type, foreach, device=device)
             inf = math.isinf(norm_type)
-            combined = (mine if inf else mine ** norm_type).reshape(1).to(torch.float64)
+            combined = (mine if inf else mine ** norm_type).reshape(1).to(device, torch.float64)
             all_reduce(combined, self.groups.world, self.stats, "clip",
                        op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
             if inf:

@@ -1,6 +1,7 @@
 """What parallelize checks before it changes anything: modules already wrapped for data
-parallelism are refused, models that differ across ranks are refused, parameter values that
-differ are warned about (rank 0's win, as in DDP)."""
+parallelism are refused, models that differ across ranks are refused, models on a device the
+world's backend cannot carry are refused, parameter values that differ are warned about (rank
+0's win, as in DDP)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,36 @@ def refuse_wrapped(model: nn.Module) -> None:
             raise PlanError(f"{where} is wrapped in {wrapper.pop()}: tilework synchronises the "
                             "model itself; pass the plain module (turn the script's own "
                             "distributed mode off)")
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    """The one device of the model's parameters and buffers (None for a model without any)."""
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if len(devices) > 1:
+        shown = ", ".join(sorted(str(d) for d in devices))
+        raise PlanError(f"the model's parameters and buffers are on several devices ({shown}): "
+                        "data parallelism keeps one replica per rank on one device; move the "
+                        "model with model.to(device) before parallelize")
+    return next(iter(devices), None)
+
+
+def check_device(model: nn.Module, groups) -> None:
+    """Every tensor tilework creates follows the model's device, so the world's backend must
+    carry that device: NCCL only CUDA tensors, on this rank's own GPU (gloo carries both)."""
+    if groups.world_size == 1:
+        return  # no collective runs
+    device = model_device(model)
+    if device is None or dist.get_backend(groups.world) != "nccl":
+        return
+    if device.type != "cuda":
+        raise PlanError(f"the world's backend is nccl, which carries CUDA tensors only, but the "
+                        f"model is on {device}: move it with model.to({str(groups.device)!r}) "
+                        "before parallelize, or start the world with dist.init_process_group("
+                        "\"gloo\") to train on the CPU")
+    if device != groups.device:
+        raise PlanError(f"the model is on {device} but this rank's NCCL device is "
+                        f"{groups.device}: call torch.cuda.set_device(local_rank) before "
+                        "building the model, or move it with model.to(torch.cuda.current_device())")
 
 
 def check_same_model_everywhere(model: nn.Module, groups) -> None:

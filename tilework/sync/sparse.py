@@ -65,7 +65,7 @@ class PSTable:
     def __init__(self, plan: ParamPlan, full: torch.Tensor, groups, stats: Stats,
                  local_aggregation: bool, reduce: str, make_optimizer):
         self.name, self.plan, self.groups, self.stats = plan.name, plan, groups, stats
-        self.layout = TableLayout(plan, groups.world_size)
+        self.layout = TableLayout(plan, groups.world_size, device=full.device)
         self.hops = hops_for(self.layout, groups, local_aggregation)
         self.scale = 1.0 / groups.world_size if reduce == "mean" else 1.0
         rows = self.layout.shard_rows(groups.rank)
@@ -96,7 +96,8 @@ class PSTable:
         rows = self._fetch(merged, hops[1:])[inverse]
         back = all_to_all_v(list(torch.split(rows, [len(r) for r in received])), hop.group,
                             self.stats, "ps", hop.remote, recv_lengths=counts)
-        out = torch.empty(len(ids), self.shard.shape[1], dtype=self.shard.dtype)
+        out = torch.empty(len(ids), self.shard.shape[1], dtype=self.shard.dtype,
+                          device=self.shard.device)
         out[order] = torch.cat(back)
         return out
 
@@ -119,8 +120,8 @@ class PSTable:
             ids, grads = _merge_rows(self.pending, self.shard.shape[1], self.shard.dtype)
             grads.mul_(self.scale)
         else:
-            ids = torch.empty(0, dtype=torch.long)
-            grads = torch.empty(0, self.shard.shape[1], dtype=self.shard.dtype)
+            ids = torch.empty(0, dtype=torch.long, device=self.shard.device)
+            grads = self.shard.new_empty(0, self.shard.shape[1])
         self.pending = []
         ids, grads = self._deliver(ids, grads, self.hops)
         rows = self.layout.local_index(ids)
@@ -131,7 +132,8 @@ class PSTable:
     def apply(self) -> None:
         """The optimizer step on this rank's rows: local, counts one step even with no rows."""
         rows, grads = self.received if self.received is not None else (
-            torch.empty(0, dtype=torch.long), self.shard.new_empty(0, self.shard.shape[1]))
+            torch.empty(0, dtype=torch.long, device=self.shard.device),
+            self.shard.new_empty(0, self.shard.shape[1]))
         self.received = None
         self.optimizer.apply(rows, grads)
 
@@ -157,7 +159,7 @@ class PSTable:
         # stride, and the dtype view would then fail for odd row widths.
         got_ids = got[:, :width].reshape(-1).view(torch.int64)
         merged, inverse = torch.unique(got_ids, return_inverse=True)
-        summed = torch.zeros(len(merged), grads.shape[1], dtype=grads.dtype)
+        summed = grads.new_zeros(len(merged), grads.shape[1])
         summed.index_add_(0, inverse, got[:, width:])
         return self._deliver(merged, summed, hops[1:])
 
@@ -167,7 +169,8 @@ class PSTable:
         return None if full is None else full.reshape(self.layout.rows, *self.row_shape)
 
     def take_shard(self, full: torch.Tensor) -> torch.Tensor:
-        return full.reshape(full.shape[0], -1)[self.global_rows]
+        # A checkpoint may be loaded onto another device than the table's.
+        return full.reshape(full.shape[0], -1)[self.global_rows.to(full.device)]
 
     def shard_bytes(self) -> int:
         tensors = [self.shard, *self.optimizer.state_tensors().values()]
@@ -177,7 +180,7 @@ class PSTable:
 def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, dtype):
     """(ids, rows) pairs -> unique ids and their summed rows."""
     ids, inverse = torch.unique(torch.cat([i for i, _ in parts]), return_inverse=True)
-    rows = torch.zeros(len(ids), width, dtype=dtype)
+    rows = torch.zeros(len(ids), width, dtype=dtype, device=ids.device)
     rows.index_add_(0, inverse, torch.cat([g for _, g in parts]))
     return ids, rows
 
@@ -186,12 +189,12 @@ def gather_rows(local: torch.Tensor, layout: TableLayout, groups, dst: int | Non
     """The full (rows x width) table assembled from every rank's shard `local`: on rank `dst`
     only (None elsewhere), or on every rank when dst is None. A collective."""
     n = groups.world_size
-    full = torch.empty(layout.rows, local.shape[1], dtype=local.dtype)
+    full = local.new_empty(layout.rows, local.shape[1])
     if n == 1:
         full[layout.shard_rows(0)] = local
         return full
     width = max(layout.shard_sizes)
-    padded = torch.zeros(width, local.shape[1], dtype=local.dtype)
+    padded = local.new_zeros(width, local.shape[1])
     padded[: len(local)] = local
     parts = [torch.empty_like(padded) for _ in range(n)]
     if dst is None:
@@ -302,7 +305,7 @@ class DenseServed:
 
     def __init__(self, plan: ParamPlan, param: nn.Parameter, groups, stats: Stats, make_optimizer):
         self.name, self.param, self.groups, self.stats = plan.name, param, groups, stats
-        self.layout = TableLayout(plan, groups.world_size)
+        self.layout = TableLayout(plan, groups.world_size, device=param.device)
         self.rows_of = [self.layout.shard_rows(r) for r in range(groups.world_size)]
         self.global_rows = self.rows_of[groups.rank]
         self.shard = self._view(param.detach())[self.global_rows].clone()
@@ -332,7 +335,7 @@ class DenseServed:
     def apply(self) -> None:
         grads = self.received if self.received is not None else torch.zeros_like(self.shard)
         self.received = None
-        self.optimizer.apply(torch.arange(len(self.shard)), grads)
+        self.optimizer.apply(torch.arange(len(self.shard), device=self.shard.device), grads)
 
     def discard(self) -> None:
         self.received = None
@@ -351,7 +354,7 @@ class DenseServed:
                 view[rows] = part
 
     def take_shard(self, full: torch.Tensor) -> torch.Tensor:
-        return self._view(full)[self.global_rows]
+        return self._view(full)[self.global_rows.to(full.device)]
 
     def gather(self, local: torch.Tensor, dst: int | None) -> torch.Tensor | None:
         full = gather_rows(local, self.layout, self.groups, dst)

@@ -113,8 +113,9 @@ def _torch_row_state(optimizer, part) -> dict | None:
     step = part.optimizer.step_count
     state = {k: part.gather(v, None) for k, v in tensors.items()}
     # SparseAdam counts in a Python int; Adam, AdamW and Adagrad in a float32 tensor.
+    # On the CPU, as torch keeps a step that is neither capturable nor fused.
     state["step"] = step if isinstance(optimizer, torch.optim.SparseAdam) else \
-        torch.tensor(float(step))
+        torch.tensor(float(step), device="cpu")
     return state
 
 
@@ -151,7 +152,8 @@ def _checked_rows(name: str, part, saved_state: dict, name_of: dict):
     entry = next((s for i, s in saved_state.items() if name_of.get(i) == name), None)
     shape = (part.layout.rows, *part.shard.shape[1:])
     if entry is None:
-        return 0, {k: torch.zeros(shape, dtype=v.dtype) for k, v in expected.items()}
+        return 0, {k: torch.zeros(shape, dtype=v.dtype, device=v.device)
+                   for k, v in expected.items()}
     tensors = {k: v for k, v in entry.items() if k != "step" and v is not None}
     if set(tensors) != set(expected):
         raise CheckpointError(f"optimizer state for {name} holds {sorted(tensors)}, the "

@@ -45,7 +45,7 @@ class _Session:
     def mean_over_ranks(self, values: list[float]) -> list[float]:
         if self.world_size == 1 or not values:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.groups.device)
         dist.all_reduce(t, group=self.groups.world)
         return (t / self.world_size).tolist()
 
