@@ -15,6 +15,7 @@ from .comm.groups import Groups, build_groups, init_from_env
 from .errors import CheckpointError, PlanError
 from .parallel_config import ParallelConfig
 from .plan import Plan
+from .worker_env import WorkerEnv
 
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -37,10 +38,10 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     """
     config = _config(config, options)
     if groups is None:
-        import os
-
-        groups = build_groups(init_from_env()) if int(os.environ.get("WORLD_SIZE", "1")) > 1 \
-            else build_groups()
+        # Called from a user's script, this is its entry point into tilework: read the
+        # environment here, once, as tilework's own entry points do.
+        env = WorkerEnv.from_environ()
+        groups = build_groups(init_from_env(env=env) if env.world_size > 1 else None, env=env)
     if getattr(model, "_tilework_engine", None) is not None:
         raise PlanError("this model is already parallelized")
     if optimizer is None and plan is None:

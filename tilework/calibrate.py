@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -367,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from .worker_env import WorkerEnv
+
     p = argparse.ArgumentParser(prog="python -m tilework.calibrate")
     p.add_argument("--sizes", type=_sizes_arg, required=True, help="bytes, comma-separated")
     p.add_argument("--judge", type=_sizes_arg, default=[], help="bytes, comma-separated")
@@ -375,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ["MASTER_PORT"]
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+    env = WorkerEnv.from_environ()  # this bare worker's entry point: the one read
+    rank, world, addr = env.rank, env.world_size, env.master_addr or "127.0.0.1"
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{env.master_port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     collectives = tuple(c for c in a.collectives.split(",") if c)
     # All sizes in one go, interleaved round by round, so that fitted and judged points see the

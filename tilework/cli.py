@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import UserError
+from .worker_env import WorkerEnv
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,16 +84,7 @@ def _fault_flags(p: argparse.ArgumentParser) -> None:
                    help="fail a collective whose peers stay silent this long (default 300)")
 
 
-def _groups_from_env():
-    """Inside a torchrun/`tilework run` worker with more than one rank: join the world."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    from .comm import build_groups, init_from_env
-
-    return build_groups(init_from_env())
-
-
-def _cmd_run(a, argv) -> int:
+def _cmd_run(a, argv, env) -> int:
     from . import launch
 
     if not os.path.isfile(a.script):  # unlike Path.is_file, never raises (e.g. on a long name)
@@ -112,41 +104,28 @@ def _spec(a):
     return launch.local_spec(a.nproc, restarts, timeout)
 
 
-def _in_worker() -> bool:
-    return "RANK" in os.environ
+def _start(a, env: WorkerEnv, task: str, spec: dict) -> int:
+    """Start the workers (-n, --hosts) on `task` (tilework.worker), or do it in this process:
+    one process with nothing to restart, or a worker already (e.g. of torchrun)."""
+    from . import launch, worker
+
+    where = _spec(a)  # checks -n, --hosts, --max-restarts, --timeout before anything starts
+    alone = where.nnodes == 1 and where.nproc_per_node == 1 and not where.max_restarts
+    if env.launched or alone:
+        return worker.run_task(task, spec, env)
+    return launch.run(where, worker.argv(task, spec))
 
 
-def _relaunch(a, argv: list[str]) -> int | None:
-    """Outside a worker: start the workers (-n, --hosts) running this same command; None where
-    this process is to do the work itself (one process, nothing to restart, or a worker)."""
-    spec = _spec(a)  # checks -n, --hosts, --max-restarts, --timeout before anything starts
-    if _in_worker():
-        return None
-    if spec.nnodes == 1 and spec.nproc_per_node == 1 and not spec.max_restarts:
-        return None
-    from . import launch
-
-    return launch.run(spec, ["-m", "tilework", *argv])
-
-
-def _cmd_train(a, argv) -> int:
-    from .cluster import Cluster
+def _cmd_train(a, argv, env) -> int:
     from .train.job import Job
-    from .train.trainer import train
+    from .worker import job_spec
 
     job = Job.load(a.job)  # checked here, before any worker starts
-    launched = _relaunch(a, argv)
-    if launched is not None:
-        return launched
-    groups = _groups_from_env()
-    # After a restart (`--max-restarts`) the workers pick up from the last checkpoint.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    cluster = Cluster.load(a.hosts) if a.hosts is not None else None  # its links plan the job
-    train(job, groups=groups, resume=a.resume or restarted, cluster=cluster)
-    return _worker_done(groups)
+    # The cluster file's links plan the job (its path: each worker reads it, as `_spec` does).
+    return _start(a, env, "train", {"job": job_spec(job), "resume": a.resume, "cluster": a.hosts})
 
 
-def _cmd_plan(a, argv) -> int:
+def _cmd_plan(a, argv, env) -> int:
     import json
 
     from .cluster import Cluster
@@ -190,29 +169,16 @@ def _print_report(out: dict, title: str, console) -> None:
                      f"; hybrid speed-up over all-AllReduce {speedup:.2f}x"))
 
 
-def _cmd_calibrate(a, argv) -> int:
-    from . import calibrate
+def _cmd_calibrate(a, argv, env) -> int:
     from .cluster import Cluster
 
     Cluster.load(a.cluster)  # checked here, before any worker starts
-    if a.nproc < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if a.nproc < 2 and env.world_size < 2:
         raise UserError(f"-n/--nproc: calibration needs at least 2 processes, got {a.nproc}")
-    launched = _relaunch(a, argv)
-    if launched is not None:
-        return launched
-    groups = _groups_from_env()
-    sizes, repeats = ((calibrate.QUICK_SIZES, calibrate.QUICK_REPEATS) if a.quick
-                      else (calibrate.DEFAULT_SIZES, calibrate.DEFAULT_REPEATS))
-    results = calibrate.measure(groups.world, groups.world_size, sizes, repeats)
-    if groups.rank == 0:
-        key, json_path = calibrate.write_calibration(a.cluster, results,
-                                                     spans_hosts=groups.topology.num_hosts > 1)
-        print(calibrate.summary(results))
-        print(f"{a.cluster}: {key} set from the all_reduce fit; every fit in {json_path}")
-    return _worker_done(groups)
+    return _start(a, env, "calibrate", {"cluster": a.cluster, "quick": a.quick})
 
 
-def _cmd_bench(a, argv) -> int:
+def _cmd_bench(a, argv, env) -> int:
     from .bench.suite import run_suite, write_report
 
     workloads = a.workloads or (["lm100k", "cnn"] if a.quick else
@@ -234,12 +200,12 @@ def _cmd_bench(a, argv) -> int:
     return 0
 
 
-def _cmd_demo(a, argv) -> int:
+def _cmd_demo(a, argv, env) -> int:
     import dataclasses
 
     from . import config
     from .train.job import Job
-    from .train.trainer import train
+    from .worker import job_spec
 
     text = resources.files("tilework").joinpath("demo.toml").read_text()
     job = config.from_dict(Job, config.tomllib.loads(text), source="demo.toml")
@@ -250,36 +216,18 @@ def _cmd_demo(a, argv) -> int:
                                         eval_every=min(job.train.eval_every, a.steps))
     if a.out_dir:
         job.train = dataclasses.replace(job.train, out_dir=a.out_dir)
-    launched = _relaunch(a, argv)
-    if launched is not None:
-        return launched
-    groups = _groups_from_env()
-    result = train(job, groups=groups)
-    if result.rank != 0:
-        return _worker_done(groups)
-    first, last = result.evals[0]["ppl"], result.evals[-1]["ppl"]
-    print(f"perplexity: {first:,.1f} at step {result.evals[0]['step']} -> {last:,.1f} at step "
-          f"{result.evals[-1]['step']}")
-    return _worker_done(groups)
+    return _start(a, env, "demo", {"job": job_spec(job)})
 
 
-def _worker_done(groups) -> int:
-    if groups is not None:
-        from .comm import exit_worker
-
-        exit_worker(0)
-    return 0
-
-
-def _run_worker(command, args, argv) -> int:
-    """One rank of a launched group: a failure is one line, and the exit code tells the launcher
-    whether this rank caused it (see faults.py); peers that lost it do not print tracebacks."""
+def _run_worker(command, args, argv, env: WorkerEnv) -> int:
+    """One rank of a group someone else launched (`torchrun ... -m tilework train`): a failure
+    is one line, and the exit code tells the launcher whether this rank caused it (faults.py)."""
     from .faults import stop_worker
 
     try:
-        return command(args, argv)
+        return command(args, argv, env)
     except Exception as e:  # noqa: BLE001 - every failure of a worker is reported
-        stop_worker(e)
+        stop_worker(e, env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"run": _cmd_run, "train": _cmd_train, "plan": _cmd_plan, "bench": _cmd_bench,
                     "demo": _cmd_demo,
                     "calibrate": _cmd_calibrate}
-        if _in_worker():
-            return _run_worker(commands[args.command], args, argv)
-        return commands[args.command](args, argv)
+        env = WorkerEnv.from_environ()  # the one read; everything below is passed it
+        if env.launched:
+            return _run_worker(commands[args.command], args, argv, env)
+        return commands[args.command](args, argv, env)
     except UserError as e:
         print(f"tilework: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -24,7 +24,10 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from .worker_env import WorkerEnv
 
 USER_ERROR_EXIT = 2
 LOST_PEER_EXIT = 75
@@ -78,9 +81,10 @@ def worker_failure(exc: BaseException, rank: int, timeout_s: float | None = None
                          traceback=True)
 
 
-def stop_worker(exc: BaseException) -> NoReturn:
+def stop_worker(exc: BaseException, env: WorkerEnv) -> NoReturn:
     """End this rank of a launched group on `exc`: its line on stderr and for the launcher, the
     traceback only for a bug, and the exit code that says whether this rank caused the failure.
+    `env`: this rank, its collective timeout and where the launcher reads its failure.
 
     The one place a worker's exception becomes its report (`tilework train`'s workers and the
     scripts under `tilework run` alike).
@@ -88,27 +92,26 @@ def stop_worker(exc: BaseException) -> NoReturn:
     import traceback
 
     from .comm import guard
-    from .comm.groups import collective_timeout_s
 
     if guard.STOPPING.is_set():
         # The call guard found why the ranks diverged and ends this process itself with that
         # reason; this exception (a peer that left) is only its consequence.
         guard.STOPPING.wait()
         time.sleep(2 * guard.ANSWER_S)
-    failure = worker_failure(exc, int(os.environ.get("RANK", "0")), collective_timeout_s())
+    failure = worker_failure(exc, env.rank, env.collective_timeout_s)
     if failure.traceback:
         traceback.print_exception(exc)
     sys.stderr.write(f"tilework: error: {failure.line}\n")  # one write: ranks share stderr
     sys.stderr.flush()
-    record_for_launcher(failure.line)
+    record_for_launcher(failure.line, env.error_file)
     sys.stdout.flush()
     # No teardown: a process group whose peer vanished can block in its destructors.
     os._exit(failure.exit_code)
 
 
-def record_for_launcher(line: str) -> None:
-    """Leave `line` where the elastic agent looks for a worker's reason to fail."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+def record_for_launcher(line: str, path: str | None) -> None:
+    """Leave `line` where the elastic agent looks for a worker's reason to fail
+    (TORCHELASTIC_ERROR_FILE: `WorkerEnv.error_file`), if it gave a place."""
     if not path:
         return
     try:

@@ -74,9 +74,11 @@ def run(spec: LaunchSpec, python_args: list[str], verbose: bool = False) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .comm.groups import TIMEOUT_ENV
     from .faults import LauncherLog, summarize
+    from .worker_env import TIMEOUT_ENV
 
+    # The elastic agent gives its workers a copy of this process's environment plus their own
+    # RANK, WORLD_SIZE, ...: what they are to inherit is set here, in the launcher's own.
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does, so N workers do not each start a thread per core.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node))
@@ -84,7 +86,7 @@ def run(spec: LaunchSpec, python_args: list[str], verbose: bool = False) -> int:
     # would read its stale gloo/NCCL addresses and fail to connect (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if spec.timeout_s is not None:
-        os.environ[TIMEOUT_ENV] = str(spec.timeout_s)  # workers inherit it; init_from_env reads it
+        os.environ[TIMEOUT_ENV] = str(spec.timeout_s)  # each worker's WorkerEnv.timeout_s
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
         run_id=spec.run_id, rdzv_backend=_register_rendezvous(), rdzv_endpoint=spec.rdzv_endpoint,

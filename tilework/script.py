@@ -17,7 +17,10 @@ from types import TracebackType
 
 
 def main() -> None:
+    from .worker_env import WorkerEnv
+
     script, args = sys.argv[1], sys.argv[2:]
+    env = WorkerEnv.from_environ()  # this worker's entry point: read once, before the script runs
     _as_python_runs(script, args)
     try:
         runpy.run_path(script, run_name="__main__")
@@ -28,7 +31,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - the user's failure, reported in one line
         from .faults import stop_worker
 
-        stop_worker(e.with_traceback(_from_script(e.__traceback__, script)))
+        stop_worker(e.with_traceback(_from_script(e.__traceback__, script)), env)
     if _group_open():
         _leave_group(0)
 

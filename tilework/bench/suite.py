@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..worker_env import WorkerEnv
 from .netns import LinkShape, available, emulated_cluster
 from .worker import SYSTEMS
 
@@ -79,15 +80,17 @@ def run_one(workload: str, system: str, setting: Setting, steps: int, warmup: in
         argv = [sys.executable, "-m", "tilework.bench.worker", "--workload", workload,
                 "--system", system, "--steps", str(steps), "--warmup", str(warmup),
                 "--out", str(out)]
-        port = _free_port()
-        base = {**os.environ, "WORLD_SIZE": str(setting.hosts), "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1"}
+        port, n = _free_port(), setting.hosts
+        # Each rank inherits this process's environment (PATH, ...) and is told who it is; all
+        # run on this one machine (emulated hosts too), hence local ranks 0 to n - 1.
+        base = {**os.environ, "OMP_NUM_THREADS": "1"}
+        ranks = [WorkerEnv(launched=True, rank=r, world_size=n, local_rank=r, local_world_size=n,
+                           master_addr="127.0.0.1", master_port=port).to_environ() for r in range(n)]
         if cluster is None:
-            envs = [{**base, "RANK": str(r), "MASTER_ADDR": "127.0.0.1"} for r in range(setting.hosts)]
-            commands = [argv] * setting.hosts
+            envs, commands = [{**base, **ranks[r]} for r in range(n)], [argv] * n
         else:
-            envs = [{**base, **cluster.gloo_env(r, port), "RANK": str(r)} for r in range(setting.hosts)]
-            commands = [cluster.command(r, argv) for r in range(setting.hosts)]
+            envs = [{**base, **ranks[r], **cluster.gloo_env(r, port)} for r in range(n)]
+            commands = [cluster.command(r, argv) for r in range(n)]
         _launch(commands, envs, timeout)
         result = json.loads(out.read_text())
     return {**result, "setting": setting.name, "hosts": setting.hosts}

@@ -101,8 +101,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    from ..worker_env import WorkerEnv
+
+    env = WorkerEnv.from_environ()  # this worker's entry point: the one read
     result = run(a.workload, a.system, a.steps, a.warmup)
-    if result and int(__import__("os").environ.get("RANK", "0")) == 0:
+    if result and env.rank == 0:
         with open(a.out, "w") as f:
             json.dump(result, f)
     from ..comm import exit_worker

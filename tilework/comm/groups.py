@@ -2,6 +2,7 @@
 
 Built once, then passed explicitly to whatever communicates; nothing below reads a global group.
 Every rank must call `build_groups` with the same topology, because `new_group` is collective.
+What the launcher said about this rank arrives as a `WorkerEnv`, read by the entry point.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..cluster import Topology
+from ..worker_env import WorkerEnv
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Groups:
     inter: dist.ProcessGroup | None
     device: torch.device
     store: object = None  # the world's key-value store: a side channel for the call guard
+    env: WorkerEnv = WorkerEnv()  # what the launcher said: the timeout, where failures go
 
     @property
     def world_size(self) -> int:
@@ -45,42 +48,36 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-TIMEOUT_ENV = "TILEWORK_TIMEOUT_S"   # set by `tilework run --timeout` for its workers
-DEFAULT_TIMEOUT_S = 300.0
-
-
-def collective_timeout_s() -> float:
-    """How long a collective waits for a silent peer before it fails (`--timeout`)."""
-    return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
-
-
-def init_from_env(timeout_s: float | None = None) -> dist.ProcessGroup:
+def init_from_env(timeout_s: float | None = None, env: WorkerEnv | None = None) -> dist.ProcessGroup:
     """Join the world that torchrun (or `tilework run`) described in the environment.
 
-    This is the one place the environment is read; everything else receives groups.
+    tilework's entry points pass the `env` they read; a user's script calls this bare, as its
+    own entry point into tilework, and the environment is read here. Either way torch's
+    init_method env:// reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT once more itself.
     """
+    env = env if env is not None else WorkerEnv.from_environ()
     if not dist.is_initialized():
-        device = local_device()
+        device = local_device(env.local_rank)
         dist.init_process_group(
             backend=default_backend(device),
-            timeout=datetime.timedelta(seconds=timeout_s or collective_timeout_s()),
+            timeout=datetime.timedelta(seconds=timeout_s or env.collective_timeout_s),
         )
     return dist.group.WORLD
 
 
-def local_device() -> torch.device:
+def local_device(local_rank: int = 0) -> torch.device:
     if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
 
 
-def discover_topology(world: dist.ProcessGroup) -> Topology:
+def discover_topology(world: dist.ProcessGroup, group_rank: int | None = None) -> Topology:
     """Ask every rank which host it is on (torchrun's GROUP_RANK, else the hostname)."""
     import socket
 
-    me = os.environ.get("GROUP_RANK") or socket.gethostname()
+    me = str(group_rank) if group_rank is not None else socket.gethostname()
     hosts: list[object] = [None] * dist.get_world_size(world)
     dist.all_gather_object(hosts, me, group=world)
     return Topology.from_host_ids(hosts)
@@ -94,12 +91,17 @@ def solo() -> Groups:
                   device=device)
 
 
-def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | None = None) -> Groups:
-    """Create the intra- and inter-host groups for `topology` (discovered when not given)."""
+def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | None = None,
+                 env: WorkerEnv | None = None) -> Groups:
+    """Create the intra- and inter-host groups for `topology` (discovered when not given).
+
+    `env` as for `init_from_env`: tilework's entry points pass theirs, a user's script none.
+    """
     if world is None and not dist.is_initialized():
         return solo()
+    env = env if env is not None else WorkerEnv.from_environ()
     world = world or dist.group.WORLD
-    topology = topology or discover_topology(world)
+    topology = topology or discover_topology(world, env.group_rank)
     rank = dist.get_rank(world)
     if topology.world_size != dist.get_world_size(world):
         raise ValueError(
@@ -108,7 +110,7 @@ def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | No
     backend = dist.get_backend(world)
     # new_group's own default is 30 minutes, whatever the world was given: without this a rank
     # whose peer host went silent would wait half an hour in a host or cross-host group.
-    timeout = _timeout_of(world, backend)
+    timeout = _timeout_of(world, backend, env)
     intra = inter = None
     if topology.num_hosts == 1:
         intra = world if topology.world_size > 1 else None
@@ -128,7 +130,7 @@ def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | No
                 inter = g
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return Groups(world=world, topology=topology, rank=rank, intra=intra, inter=inter, device=device,
-                  store=_store_of(world))
+                  store=_store_of(world), env=env)
 
 
 def _store_of(world: dist.ProcessGroup):
@@ -141,13 +143,13 @@ def _store_of(world: dist.ProcessGroup):
         return None
 
 
-def _timeout_of(world: dist.ProcessGroup, backend: str) -> datetime.timedelta:
+def _timeout_of(world: dist.ProcessGroup, backend: str, env: WorkerEnv) -> datetime.timedelta:
     """The collective timeout `world` was created with (else `--timeout`'s)."""
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     try:
         return world._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):  # private API: fall back to what init_from_env uses
-        return datetime.timedelta(seconds=collective_timeout_s())
+        return datetime.timedelta(seconds=env.collective_timeout_s)
 
 
 def exit_worker(code: int = 0) -> None:

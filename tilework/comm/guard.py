@@ -37,8 +37,10 @@ _numbers = itertools.count()
 
 
 class CallGuard:
-    def __init__(self, store, rank: int, world_size: int, stuck_s: float = STUCK_S):
+    def __init__(self, store, rank: int, world_size: int, error_file: str | None = None,
+                 stuck_s: float = STUCK_S):
         self.store, self.rank, self.world_size, self.stuck_s = store, rank, world_size, stuck_s
+        self.error_file = error_file  # where the launcher reads why this rank stopped
         self.seq = 0
         self.current: tuple[int, str, float] | None = None  # (number, name, since) while inside
         self.last = "parallelize"
@@ -116,7 +118,7 @@ class CallGuard:
         line = f"rank {self.rank}: {verdict}"
         sys.stderr.write(f"tilework: error: {line}\n")
         sys.stderr.flush()
-        record_for_launcher(line)
+        record_for_launcher(line, self.error_file)
         sys.stdout.flush()
         # Leave once every rank has read the verdict (or after ANSWER_S): a rank leaving first
         # would show the others only a lost peer.

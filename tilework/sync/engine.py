@@ -51,7 +51,7 @@ class Engine:
                  plan: Plan, check_inputs: bool = True):
         self.model, self.optimizer, self.groups, self.plan = model, optimizer, groups, plan
         self.stats = Stats()
-        self.guard = CallGuard(groups.store, groups.rank, groups.world_size)
+        self.guard = CallGuard(groups.store, groups.rank, groups.world_size, groups.env.error_file)
         self._refuse_what_cannot_work()
         self._start_from_rank_0()
         dense = self._serve_parameters()

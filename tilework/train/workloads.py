@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -13,6 +12,7 @@ from torch import nn
 from ..data import ClickLogs, SyntheticImages, TokenSequences, stdlib_corpus, zipf_tokens
 from ..models import DLRM, SmallResNet, WordLM
 from ..models.lm import sample_negatives
+from ..worker_env import WorkerEnv
 from .job import Job
 
 
@@ -27,8 +27,9 @@ class Workload:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tilework"
+    """Where a job without `cache_dir` caches its corpus; the entry points set `cache_dir` from
+    XDG_CACHE_HOME (`WorkerEnv.cache_dir`), so this is what a direct call gets."""
+    return WorkerEnv().cache_dir
 
 
 def build(job: Job) -> Workload:
