@@ -30,13 +30,15 @@ class RankFailed(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{detail}")
 
 
-def _child(fn, rank, world_size, port, args, results, timeout):
+def _child(fn, rank, world_size, port, args, results, timeout, backend):
     try:
         torch.set_num_threads(1)
+        if backend == "nccl":  # one GPU per rank, as torchrun's LOCAL_RANK would give
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         out = fn(rank, world_size, *args)
         dist.destroy_process_group()
@@ -50,8 +52,9 @@ def _child(fn, rank, world_size, port, args, results, timeout):
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 60.0,
-          start_method: str = "forkserver") -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
+          start_method: str = "forkserver", backend: str = "gloo") -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks of a `backend` world (gloo; nccl
+    on CUDA, rank r on GPU r); return results by rank."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context(start_method)
@@ -63,8 +66,8 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: fl
                            wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, master.port, args, results, timeout),
-                    daemon=True)
+        ctx.Process(target=_child, daemon=True,
+                    args=(fn, r, world_size, master.port, args, results, timeout, backend))
         for r in range(world_size)
     ]
     for p in procs:
