@@ -354,21 +354,25 @@ class Engine:
     def _clip_norm(self, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
         dense = coalesced_grads(self.model.parameters())
         server = self._server_gradients()
-        device = self.groups.device  # where the backend carries the combined norm
-        total = total_norm(dense, norm_type, foreach, device=device)
+        # The norm lives with the gradients; only its combination travels, on the backend's
+        # device (gloo's is the CPU, whatever the model's).
+        grads = [*dense, *server]
+        home = grads[0].device if grads else self.groups.device
+        total = total_norm(dense, norm_type, foreach, device=home)
         if self.tables or self.served:
-            mine = total_norm(server, norm_type, foreach, device=device)
+            mine = total_norm(server, norm_type, foreach, device=home)
             inf = math.isinf(norm_type)
-            combined = (mine if inf else mine ** norm_type).reshape(1).to(device, torch.float64)
+            combined = (mine if inf else mine ** norm_type).reshape(1).to(self.groups.device,
+                                                                          torch.float64)
             all_reduce(combined, self.groups.world, self.stats, "clip",
                        op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            combined = combined.to(home)
             if inf:
                 total = torch.maximum(total, combined[0].to(total.dtype))
             else:
                 total = (total.double() ** norm_type + combined[0]) ** (1.0 / norm_type)
                 total = total.to(dense[0].dtype if dense else torch.float32)
-        return clip_by_total_norm([*dense, *server], total, max_norm, norm_type,
-                                  error_if_nonfinite)
+        return clip_by_total_norm(grads, total, max_norm, norm_type, error_if_nonfinite)
 
     def clip_grad_value_(self, clip_value: float, foreach) -> None:
         with self.guard.call("tilework.clip_grad_value_()"):
