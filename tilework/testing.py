@@ -35,6 +35,8 @@ def _child(fn, rank, world_size, port, args, results, timeout, backend):
         torch.set_num_threads(1)
         if backend == "nccl":  # one GPU per rank, as torchrun's LOCAL_RANK would give
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        # This child is a worker's entry point: code under test that joins the world on its own
+        # (parallelize without groups) reads its WorkerEnv from here, as under a launcher.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
