@@ -36,6 +36,7 @@ from .clip import clip_by_total_norm, coalesced_grads, total_norm
 from .hooks import PicklesAsNoop, plain_no_sync
 from .preflight import check_device, check_same_model_everywhere, refuse_wrapped
 from .state import load_state, parallel_optimizer_state, plain_optimizer_state
+from .exchange import push_tables
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 
 
@@ -271,8 +272,7 @@ class Engine:
                 self.checks.on_gradients([(name, served.param.grad)])
 
     def _push_servers(self) -> None:
-        for table in self.tables.values():
-            table.push()
+        push_tables(list(self.tables.values()))
         for served in self.served.values():
             served.push()
         self._unsynced = False

@@ -4,8 +4,9 @@ A table's rows are partitioned over ranks (see layout.py); a rank holds only its
 row-wise optimizer state for it. Per step:
 
 - pull (forward): a rank de-duplicates its ids and fetches those rows from their owners;
-- push (optimizer step): it sends unique ids and summed gradient rows to the owners, which sum
-  what arrives and apply the row-wise optimizer.
+- push (end of backward): it sends unique ids and summed gradient rows to the owners, every
+  table in one exchange (sync/exchange.py); the owners sum what arrives, and the optimizer step
+  applies the row-wise optimizer.
 
 Both travel a list of hops, each an all-to-all inside one process group. Direct: one hop over the
 world. With local aggregation: first to the rank of this host that shares the owner's local index
@@ -113,9 +114,9 @@ class PSTable:
         if len(self.pending) > 1:
             self.pending = [_merge_rows(self.pending, self.shard.shape[1], self.shard.dtype)]
 
-    def push(self) -> None:
-        """Send pending gradient rows to their owners (collective), which sum them into
-        `received` until the step applies them."""
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's gradient rows, merged by id and scaled (mean or sum over ranks), for the
+        push (sync/exchange.py); nothing is pending afterwards."""
         if self.pending:
             ids, grads = _merge_rows(self.pending, self.shard.shape[1], self.shard.dtype)
             grads.mul_(self.scale)
@@ -123,7 +124,10 @@ class PSTable:
             ids = torch.empty(0, dtype=torch.long, device=self.shard.device)
             grads = self.shard.new_empty(0, self.shard.shape[1])
         self.pending = []
-        ids, grads = self._deliver(ids, grads, self.hops)
+        return ids, grads
+
+    def receive(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Rows the push brought to this owner (global ids), summed into `received`."""
         rows = self.layout.local_index(ids)
         if self.received is not None:
             rows, grads = _merge_rows([self.received, (rows, grads)], grads.shape[1], grads.dtype)
@@ -143,25 +147,6 @@ class PSTable:
     def received_grads(self) -> torch.Tensor | None:
         """This rank's rows of the summed gradient (for clipping), or None."""
         return None if self.received is None else self.received[1]
-
-    def _deliver(self, ids, grads, hops):
-        if not hops:
-            return ids, grads
-        hop, n = hops[0], group_size(hops[0].group)
-        order, counts = _by_destination(hop.dest(ids), n)
-        # One message per peer: each id rides with its gradient row, its 8 bytes viewed as two
-        # float32 (a bit-exact round trip), instead of a second all-to-all.
-        width = 8 // grads.element_size()
-        packed = torch.cat([ids[order].view(grads.dtype).reshape(len(ids), width), grads[order]], 1)
-        got = torch.cat(all_to_all_v(list(torch.split(packed, counts)), hop.group, self.stats,
-                                     "ps", hop.remote))
-        # reshape, not contiguous(): a single received row counts as contiguous whatever its
-        # stride, and the dtype view would then fail for odd row widths.
-        got_ids = got[:, :width].reshape(-1).view(torch.int64)
-        merged, inverse = torch.unique(got_ids, return_inverse=True)
-        summed = grads.new_zeros(len(merged), grads.shape[1])
-        summed.index_add_(0, inverse, got[:, width:])
-        return self._deliver(merged, summed, hops[1:])
 
     # -- whole-table views (checkpoints, evaluation) --------------------------------------------
     def gather(self, local: torch.Tensor, dst: int | None) -> torch.Tensor | None:
