@@ -5,7 +5,7 @@
 """
 
 from .api import (clip_grad_norm_, clip_grad_value_, load, load_state_dict, parallelize, save,
-                  state_dict, stats)
+                  state_dict, stats, unparallelize)
 from .cluster import Cluster, Host, Link, Topology
 from .errors import UserError
 from .parallel_config import ParallelConfig
@@ -14,6 +14,6 @@ from .parallel_config import ParallelConfig
 from .planner import plan  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["parallelize", "plan", "ParallelConfig", "clip_grad_norm_", "clip_grad_value_",
+__all__ = ["parallelize", "unparallelize", "plan", "ParallelConfig", "clip_grad_norm_", "clip_grad_value_",
            "stats", "save", "load", "state_dict", "load_state_dict", "Cluster", "Host", "Link",
            "Topology", "UserError"]

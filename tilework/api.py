@@ -103,6 +103,18 @@ def _engine(model):
     return engine
 
 
+def unparallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    """Undo `parallelize`: the model and optimizer as one process would hold them after the
+    same steps (server tables gathered back into their own modules, their row-wise state into
+    the optimizer, every hook and attribute tilework added removed). A collective: every rank
+    calls it, between steps. Returns (model, optimizer)."""
+    engine = _engine(model)
+    if optimizer is not None and optimizer is not engine.optimizer:
+        raise PlanError("unparallelize: this optimizer is not the one parallelize was given")
+    engine.undo()
+    return model, engine.optimizer
+
+
 def stats(model: nn.Module) -> dict[str, Any]:
     """Bytes this rank sent and received, per method: in total and in the last step."""
     return _engine(model).stats_dict()

@@ -36,6 +36,7 @@ from .clip import clip_by_total_norm, coalesced_grads, total_norm
 from .hooks import PicklesAsNoop, plain_no_sync
 from .preflight import check_device, check_same_model_everywhere, refuse_wrapped
 from .state import load_state, parallel_optimizer_state, plain_optimizer_state
+from .changes import Changes
 from .exchange import push_tables
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 
@@ -52,6 +53,7 @@ class Engine:
                  plan: Plan, check_inputs: bool = True):
         self.model, self.optimizer, self.groups, self.plan = model, optimizer, groups, plan
         self.stats = Stats()
+        self.changes = Changes()   # every change to the user's objects, with its undo
         self.guard = CallGuard(groups.store, groups.rank, groups.world_size, groups.env.error_file)
         self._refuse_what_cannot_work()
         self._start_from_rank_0()
@@ -60,7 +62,7 @@ class Engine:
         self._hook_model()
         if optimizer is not None:
             self._hook_optimizer()
-        model._tilework_engine = self
+        self.changes.set_attribute(model, "_tilework_engine", self, "model._tilework_engine")
 
     # -- the changes, in order -------------------------------------------------------------------
     def _refuse_what_cannot_work(self) -> None:
@@ -84,6 +86,7 @@ class Engine:
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 broadcast(t.data, 0, self.groups.world, self.stats, "setup")
         self.stats.discard_step()
+        self.changes.record("parameters and buffers: rank 0's values (kept on undo)", lambda: None)
 
     def _serve_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Tables to the servers (their modules replaced), mode="ps" dense parameters served
@@ -107,12 +110,14 @@ class Engine:
                                 plan.sparse_reduce, self._row_optimizer(pp.name, p, lazy=True))
                 table.on_grad, table.guard = self._touched, self.guard
                 module = ShardedEmbedding(table, self.embeddings[pp.name])
-                self._replace_module(pp.name, module)
+                self._replace_module(pp.name, module, self.embeddings[pp.name])
                 self.tables[pp.name], self.table_modules[pp.name] = table, module
             else:
                 self.served[pp.name] = DenseServed(pp, p, groups, self.stats,
                                                    self._row_optimizer(pp.name, p, lazy=False))
-                p.register_post_accumulate_grad_hook(PicklesAsNoop(self._served_grad))
+                self.changes.hook(f"{pp.name}: post-accumulate-grad hook (served by the servers)",
+                                  p.register_post_accumulate_grad_hook(
+                                      PicklesAsNoop(self._served_grad)))
         if self.optimizer is not None:
             # Names only: the full tables must not stay alive through this list.
             self.original_groups = [[self.param_names[id(p)] for p in g["params"]]
@@ -129,6 +134,8 @@ class Engine:
         self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
                                self.plan.bucket_bytes, successor_remote, self.checks,
                                on_grad=self._touched)
+        self.changes.record("dense parameters: post-accumulate-grad hooks (all-reduce buckets)",
+                            lambda: [handle.remove() for handle in self.dense.handles])
         if self.checks is not None:
             self._install_checks(self.embeddings)
         # Per backward: whether it synchronises, and whether its end callback is queued.
@@ -138,30 +145,54 @@ class Engine:
 
     def _hook_model(self) -> None:
         """DDP's no_sync and flag, the zeroed-without-a-step check, served rows after a load."""
-        model = self.model
+        model, changes = self.model, self.changes
         if not hasattr(model, "require_backward_grad_sync"):
-            model.require_backward_grad_sync = True  # DDP's flag, for programs written for DDP
-        model.no_sync = plain_no_sync(self.no_sync)
-        model.register_forward_pre_hook(PicklesAsNoop(self._on_forward))
-        model.register_load_state_dict_post_hook(PicklesAsNoop(self._after_load))
+            # DDP's flag, for programs written for DDP
+            changes.set_attribute(model, "require_backward_grad_sync", True,
+                                  "model.require_backward_grad_sync (DDP's flag)")
+        changes.set_attribute(model, "no_sync", plain_no_sync(self.no_sync),
+                              "model.no_sync (DDP's context manager)")
+        changes.hook("model: forward pre-hook (zeroed gradients without a step)",
+                     model.register_forward_pre_hook(PicklesAsNoop(self._on_forward)))
+        changes.hook("model: load_state_dict post-hook (served rows follow a load)",
+                     model.register_load_state_dict_post_hook(PicklesAsNoop(self._after_load)))
 
     def _hook_optimizer(self) -> None:
         """The step applies the servers' rows; zero_grad drops them; state dicts in the plain
         optimizer's layout."""
-        optimizer = self.optimizer
-        optimizer.register_step_pre_hook(lambda *_: self._before_step())
-        optimizer.register_step_post_hook(lambda *_: self._after_step())
+        optimizer, changes = self.optimizer, self.changes
+        changes.hook("optimizer: step pre-hook (apply the servers' rows)",
+                     optimizer.register_step_pre_hook(lambda *_: self._before_step()))
+        changes.hook("optimizer: step post-hook (served replicas pulled)",
+                     optimizer.register_step_post_hook(lambda *_: self._after_step()))
         user_zero_grad = optimizer.zero_grad
 
         def zero_grad(set_to_none: bool = True):
             self.discard_server_gradients()
             user_zero_grad(set_to_none=set_to_none)
 
-        optimizer.zero_grad = zero_grad
-        optimizer.register_state_dict_post_hook(
-            lambda opt, state: plain_optimizer_state(self, state))
-        optimizer.register_load_state_dict_pre_hook(
-            lambda opt, state: parallel_optimizer_state(self, state))
+        changes.set_attribute(optimizer, "zero_grad", zero_grad,
+                              "optimizer.zero_grad (also drops the servers' rows)")
+        changes.hook("optimizer: state_dict post-hook (plain layout)",
+                     optimizer.register_state_dict_post_hook(
+                         lambda opt, state: plain_optimizer_state(self, state)))
+        changes.hook("optimizer: load_state_dict pre-hook (plain layout)",
+                     optimizer.register_load_state_dict_pre_hook(
+                         lambda opt, state: parallel_optimizer_state(self, state)))
+
+    def undo(self) -> None:
+        """Every change undone, newest first, the servers' rows and row-wise state gathered
+        back into the plain model and optimizer (a collective: every rank calls it). Between
+        steps: gradients not yet applied are dropped."""
+        with self.guard.call("tilework.unparallelize()"):
+            model_state = self.model_state(gather_to=None)
+            optimizer_state = None if self.optimizer is None else self.optimizer.state_dict()
+        self.discard_server_gradients()
+        self.changes.undo()
+        self.guard.stop()
+        self.model.load_state_dict(model_state)
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
 
     def __reduce__(self):  # torch.save(model): the saved model is a plain one
         return (_no_engine, ())
@@ -191,31 +222,52 @@ class Engine:
         return lambda shard: RowOptimizer(family, lambda: optimizer.param_groups[index], shard,
                                           lazy=lazy)
 
-    def _replace_module(self, param_name: str, replacement: nn.Module) -> None:
+    def _replace_module(self, param_name: str, replacement: nn.Module, original: nn.Module):
+        """The table's module gives way to its server stand-in; the original keeps its
+        Parameter (for the optimizer on undo) but not its rows, which the shards now hold."""
         path = param_name.rsplit(".", 1)[0]
         parent_path, _, child = path.rpartition(".")
         parent = self.model.get_submodule(parent_path) if parent_path else self.model
         setattr(parent, child, replacement)
+        weight = original.weight
+        shape = weight.shape
+        weight.data = weight.data.new_empty(0)
+
+        def undo():
+            weight.data = weight.data.new_empty(shape)   # filled by unparallelize's load
+            setattr(parent, child, original)
+
+        self.changes.record(f"{path}: replaced by a ShardedEmbedding (rows on the servers)", undo)
 
     def _forget(self, names: set[str]) -> None:
         """The optimizer no longer owns what the servers update (and frees the full tables)."""
         gone = {pid for pid, n in self.param_names.items() if n in names}
+        before = [list(group["params"]) for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) not in gone]
+
+        def undo():
+            for group, params in zip(self.optimizer.param_groups, before):
+                group["params"] = params
+
+        self.changes.record(f"optimizer: {', '.join(sorted(names))} left its param groups", undo)
         for p in list(self.optimizer.state):
             if id(p) in gone:
                 del self.optimizer.state[p]
 
     def _install_checks(self, embeddings: dict[str, nn.Module]) -> None:
-        checks, rank = self.checks, self.groups.rank
-        self.model.register_forward_pre_hook(
+        checks, rank, changes = self.checks, self.groups.rank, self.changes
+        changes.hook("model: forward pre-hook (input checks)", self.model.register_forward_pre_hook(
             PicklesAsNoop(lambda m, args, kwargs: checks.on_forward(args, kwargs)),
-            with_kwargs=True)
-        self.model.register_forward_hook(PicklesAsNoop(lambda m, args, out: checks.on_output(out)))
+            with_kwargs=True))
+        changes.hook("model: forward hook (input checks)", self.model.register_forward_hook(
+            PicklesAsNoop(lambda m, args, out: checks.on_output(out))))
         for name, module in embeddings.items():
             if name not in self.tables:  # server tables check their ids before the pull
-                module.register_forward_pre_hook(PicklesAsNoop(
-                    lambda m, args, name=name: check_ids(name, args[0], m.num_embeddings, rank)))
+                changes.hook(f"{name}: forward pre-hook (ids in range)",
+                             module.register_forward_pre_hook(PicklesAsNoop(
+                                 lambda m, args, name=name: check_ids(name, args[0],
+                                                                      m.num_embeddings, rank))))
 
     # -- the gradient's way: backward, its end, the step ----------------------------------------
     @contextlib.contextmanager
