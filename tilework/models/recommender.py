@@ -34,7 +34,12 @@ class DLRM(nn.Module):
     def forward(self, dense: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """dense: batch x features; ids: batch x tables; labels: batch (0 or 1)."""
         x = self.bottom(dense)
-        feats = torch.stack([x] + [t(ids[:, i]) for i, t in enumerate(self.tables)], dim=1)
+        return self.score(x, [t(ids[:, i]) for i, t in enumerate(self.tables)], labels)
+
+    def score(self, x: torch.Tensor, embedded: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """The loss from the bottom MLP's output and one looked-up row per table (also used by
+        the TorchRec peer in the benchmark, which looks the rows up itself)."""
+        feats = torch.stack([x] + embedded, dim=1)
         inter = feats @ feats.transpose(1, 2)
         i, j = torch.triu_indices(feats.shape[1], feats.shape[1], offset=1)
         z = torch.cat([x, inter[:, i, j]], dim=1)
