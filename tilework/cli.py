@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "namespaces; else loopback)")
     bench.add_argument("--quick", action="store_true", help="under 2 minutes: lm100k and cnn")
     bench.add_argument("--workloads", nargs="+", help="lm100k lm800k cnn gpt recommender")
-    bench.add_argument("--systems", nargs="+", help="ddp ddp-sparse allreduce ps hybrid")
+    bench.add_argument("--systems", nargs="+", help="ddp ddp-sparse allreduce ps hybrid torchrec "
+                       "torchrec-rw (the last two: recommender only, optional; see README)")
     bench.add_argument("--steps", type=int, default=5, help="measured steps (median)")
     bench.add_argument("--out", default="docs/benchmarks.md", help="markdown report (+ PNG beside)")
 
@@ -183,8 +184,9 @@ def _cmd_bench(a, argv, env) -> int:
 
     workloads = a.workloads or (["lm100k", "cnn"] if a.quick else
                                 ["lm100k", "lm800k", "cnn", "gpt", "recommender"])
-    systems = a.systems or ["ddp", "ddp-sparse", "allreduce", "ps", "hybrid"]
     from .bench.worker import SYSTEMS
+
+    systems = a.systems or list(SYSTEMS)
     from .bench.workloads import WORKLOADS
 
     for kind, names, known in (("--workloads", workloads, WORKLOADS), ("--systems", systems, SYSTEMS)):

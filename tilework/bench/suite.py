@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..worker_env import WorkerEnv
 from .netns import LinkShape, available, emulated_cluster
-from .worker import SYSTEMS
+from .worker import SYSTEMS, TORCHREC_SYSTEMS
 
 PARALLAX_FLOP_PER_BYTE = 12e12 / (100e9 / 8)   # TITAN Xp fp32 over 100 Gb/s InfiniBand (~960)
 
@@ -114,11 +114,28 @@ def settings(quick: bool, flops: float) -> tuple[list[Setting], str]:
     return chosen, f"emulated hosts: tbf-shaped veth links; parallax rate {parallax:,.0f} Mbit/s"
 
 
+def _peer_missing(systems: list[str], workloads: list[str], log) -> str | None:
+    """Why the TorchRec peer cannot run here (None: it can, or it was not asked for); says once
+    which workloads it skips."""
+    if not set(systems) & set(TORCHREC_SYSTEMS):
+        return None
+    from .torchrec_peer import WORKLOADS as PEER_WORKLOADS, missing
+
+    skipped = [w for w in workloads if w not in PEER_WORKLOADS]
+    if skipped:
+        log(f"torchrec systems run the recommender workload only: skipped for {', '.join(skipped)}")
+    why = missing()
+    if why:
+        log(f"torchrec systems marked missing: {why}")
+    return why
+
+
 def run_suite(workloads: list[str], systems: list[str], quick: bool, steps: int, warmup: int,
               log=print) -> dict:
     flops = matmul_flops()
     chosen, note = settings(quick, flops)
     log(f"per-process matmul: {flops / 1e9:.1f} GFLOP/s; {note}")
+    peer_missing = _peer_missing(systems, workloads, log)
     results = []
     for setting in chosen:
         systems_here = systems if setting.hosts > 1 else ["hybrid"]  # one rank: nothing to sync
@@ -128,19 +145,32 @@ def run_suite(workloads: list[str], systems: list[str], quick: bool, steps: int,
                 if setting.only and w not in setting.only:
                     continue
                 for s in systems_here:
+                    if s in TORCHREC_SYSTEMS and (w != "recommender" or peer_missing):
+                        if w == "recommender":
+                            results.append({"workload": w, "system": s, "setting": setting.name,
+                                            "hosts": setting.hosts, "missing": peer_missing})
+                            log(f"{setting.name:>34}  {w:>11}  {s:>10}  missing (torchrec)")
+                        continue
                     r = run_one(w, s, setting, steps, warmup, cluster)
                     results.append(r)
                     log(f"{setting.name:>34}  {w:>11}  {s:>10}  {r['step_s'] * 1e3:8.1f} ms/step  "
-                        f"{r['throughput']:10,.0f} {r['unit']}/s  {r['bytes_per_step'] / 1e6:8.3f} MB")
+                        f"{r['throughput']:10,.0f} {r['unit']}/s  {r['bytes_per_step'] / 1e6:8.3f} MB"
+                        + (f"  ({r['sharding']})" if "sharding" in r else ""))
     return {"flops_per_s": flops, "note": note, "results": results, "quick": quick,
             "steps": steps, "warmup": warmup}
 
 
 def ratios(results: list[dict]) -> list[dict]:
-    """Each result with its throughput relative to DDP in the same setting and workload."""
-    ddp = {(r["setting"], r["workload"]): r["throughput"] for r in results if r["system"] == "ddp"}
-    return [{**r, "vs_ddp": r["throughput"] / ddp[(r["setting"], r["workload"])]
-             if (r["setting"], r["workload"]) in ddp else None} for r in results]
+    """Each result with its throughput relative to DDP and to tilework's hybrid mode in the same
+    setting and workload (None where that one did not run; rows marked missing get None)."""
+    def by(system):
+        return {(r["setting"], r["workload"]): r["throughput"] for r in results
+                if r["system"] == system and "throughput" in r}
+
+    base = {"vs_ddp": by("ddp"), "vs_hybrid": by("hybrid")}
+    return [{**r, **{k: r["throughput"] / b[(r["setting"], r["workload"])]
+                     if "throughput" in r and (r["setting"], r["workload"]) in b else None
+                     for k, b in base.items()}} for r in results]
 
 
 def write_report(suite: dict, markdown: Path, png: Path, command: str) -> None:
@@ -155,19 +185,32 @@ def write_report(suite: dict, markdown: Path, png: Path, command: str) -> None:
         f"Per-process fp32 matmul: {suite['flops_per_s'] / 1e9:.1f} GFLOP/s; {suite['note']}.  ",
         f"Median of {suite['steps']} measured steps after {suite['warmup']} warm-up steps; the step "
         "time of a step is its slowest rank's. Bytes: what one rank sent in a step (tilework: "
-        "its counters; DDP: ring all-reduce of dense gradients plus the all-gather of sparse ones).",
+        "its counters; DDP: ring all-reduce of dense gradients plus the all-gather of sparse ones; "
+        "TorchRec: its all-to-all / reduce-scatter / all-gather calls plus a ring all-reduce of "
+        "its DDP-wrapped parameters).",
         "",
-        "| setting | workload | system | ms/step | throughput | vs DDP | MB sent/step | peak RSS MB |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| setting | workload | system | ms/step | throughput | vs DDP | vs hybrid | MB sent/step "
+        "| peak RSS MB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        ratio = "-" if r["vs_ddp"] is None else f"{r['vs_ddp']:.2f}x"
-        lines.append(f"| {r['setting']} | {r['workload']} | {r['system']} | {r['step_s'] * 1e3:.1f} | "
-                     f"{r['throughput']:,.0f} {r['unit']}/s | {ratio} | "
-                     f"{r['bytes_per_step'] / 1e6:.3f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
+    lines += [_report_row(r) for r in rows]
+    sharded = [f"- {r['setting']}, {r['system']}: {r['sharding']}; tables: {r['embedding_optimizer']}"
+               for r in rows if "sharding" in r]
+    if sharded:
+        lines += ["", "TorchRec's sharding (table:type@ranks):", ""] + sharded
     markdown.parent.mkdir(parents=True, exist_ok=True)
     markdown.write_text("\n".join(lines) + "\n\n![throughput against hosts](" + png.name + ")\n")
     _plot(rows, png)
+
+
+def _report_row(r: dict) -> str:
+    head = f"| {r['setting']} | {r['workload']} | {r['system']} |"
+    if "missing" in r:
+        return f"{head} missing: {r['missing']} | | | | | | |"
+    ratio = ["-" if r[k] is None else f"{r[k]:.2f}x" for k in ("vs_ddp", "vs_hybrid")]
+    return (f"{head} {r['step_s'] * 1e3:.1f} | {r['throughput']:,.0f} {r['unit']}/s | "
+            f"{ratio[0]} | {ratio[1]} | {r['bytes_per_step'] / 1e6:.3f} | "
+            f"{r['peak_rss_bytes'] / 2**20:.0f} |")
 
 
 def _plot(rows: list[dict], png: Path) -> None:
@@ -176,6 +219,7 @@ def _plot(rows: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "throughput" in r]      # rows marked missing have none
     workloads = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
     single = {r["workload"]: r["throughput"] for r in rows if r["hosts"] == 1}

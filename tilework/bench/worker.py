@@ -4,7 +4,8 @@
 
 Run by `tilework.bench.suite` in every rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set).
 Systems: ddp (DistributedDataParallel, dense gradients: Horovod's analogue), ddp-sparse (DDP with
-sparse embedding gradients, gloo's sparse all-reduce), and tilework's allreduce, ps and hybrid.
+sparse embedding gradients, gloo's sparse all-reduce), tilework's allreduce, ps and hybrid, and
+TorchRec (torchrec, torchrec-rw: recommender only, optional; see torchrec_peer.py).
 """
 
 from __future__ import annotations
@@ -19,21 +20,28 @@ import time
 import torch
 import torch.distributed as dist
 
-SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid")
+from .torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
+
+SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid") + TORCHREC_SYSTEMS
 
 
 def _setup(workload, system: str, world_size: int):
+    """(model, optimizer, bytes counter or None, extra result fields)."""
+    if system in TORCHREC_SYSTEMS:
+        from . import torchrec_peer
+
+        return torchrec_peer.setup(workload, system, world_size)
     torch.manual_seed(0)
     model = workload.make(system in ("ddp-sparse", "ps", "hybrid"))
     if system.startswith("ddp"):
         if world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
-        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01), None, {}
     import tilework
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     tilework.parallelize(model, opt, mode=system, log=False)
-    return model, opt
+    return model, opt, None, {}
 
 
 def _ddp_bytes(model, world_size: int) -> int:
@@ -60,7 +68,7 @@ def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    model, opt = _setup(workload, system, world_size)
+    model, opt, counter, extra = _setup(workload, system, world_size)
     times, sent = [], []
     for step in range(warmup + steps):
         inputs = workload.batch(step, rank, world_size)
@@ -72,7 +80,9 @@ def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:
         opt.step()
         opt.zero_grad()
         elapsed = time.perf_counter() - start
-        if not system.startswith("ddp"):
+        if counter is not None:
+            step_bytes = counter.take()
+        elif not system.startswith("ddp"):
             import tilework
 
             step_bytes = sum(t["sent"] for t in tilework.stats(model)["last_step"].values())
@@ -88,7 +98,7 @@ def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:
     result = {"workload": workload_name, "system": system, "world_size": world_size,
               "step_s": median, "throughput": workload.units_per_step / median,
               "unit": workload.unit, "bytes_per_step": statistics.median(sent),
-              "peak_rss_bytes": peak.item(), "steps": steps}
+              "peak_rss_bytes": peak.item(), "steps": steps, **extra}
     dist.destroy_process_group()
     return result
 
@@ -101,6 +111,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    if a.system in TORCHREC_SYSTEMS:
+        from .torchrec_peer import missing, refuse
+
+        why = refuse(a.workload) or missing()
+        if why:
+            raise SystemExit(f"{a.system}: {why}")
     from ..worker_env import WorkerEnv
 
     env = WorkerEnv.from_environ()  # this worker's entry point: the one read
