@@ -41,3 +41,38 @@ class Changes:
         while self._done:
             _, undo = self._done.pop()
             undo()
+
+
+def replace_module(changes: Changes, model, param_name: str, replacement, original) -> None:
+    """A table's module gives way to its server stand-in; the original keeps its Parameter
+    (for the optimizer on undo) but not its rows, which the shards now hold."""
+    path = param_name.rsplit(".", 1)[0]
+    parent_path, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, child, replacement)
+    weight = original.weight
+    shape = weight.shape
+    weight.data = weight.data.new_empty(0)
+
+    def undo():
+        weight.data = weight.data.new_empty(shape)   # filled by unparallelize's load
+        setattr(parent, child, original)
+
+    changes.record(f"{path}: replaced by a ShardedEmbedding (rows on the servers)", undo)
+
+
+def leave_optimizer(changes: Changes, optimizer, named: dict) -> None:
+    """The optimizer no longer owns what the servers update (nor keeps its state alive)."""
+    gone = {id(p) for p in named.values()}
+    before = [list(group["params"]) for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in gone]
+
+    def undo():
+        for group, params in zip(optimizer.param_groups, before):
+            group["params"] = params
+
+    changes.record(f"optimizer: {', '.join(sorted(named))} left its param groups", undo)
+    for p in list(optimizer.state):
+        if id(p) in gone:
+            del optimizer.state[p]

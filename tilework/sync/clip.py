@@ -4,7 +4,12 @@ hold (sync/engine.py combines the owners' parts with one scalar all-reduce)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
+
+from ..comm.counted import all_reduce
 
 
 def coalesced_grads(params) -> list[torch.Tensor]:
@@ -44,3 +49,29 @@ def clip_by_total_norm(grads: list[torch.Tensor], total: torch.Tensor, max_norm:
     for g in grads:
         g.mul_(coef.to(g.dtype))
     return total
+
+
+def clip_norm_with_servers(engine, max_norm, norm_type, error_if_nonfinite, foreach):
+    """clip_grad_norm_ over a parallelized model: its own gradients and the server rows this
+    rank owns, whose norms every rank combines with one scalar all-reduce."""
+    dense = coalesced_grads(engine.model.parameters())
+    server = engine.server_gradients()
+    # The norm lives with the gradients; only its combination travels, on the backend's
+    # device (gloo's is the CPU, whatever the model's).
+    grads = [*dense, *server]
+    home = grads[0].device if grads else engine.groups.device
+    total = total_norm(dense, norm_type, foreach, device=home)
+    if engine.tables or engine.served:
+        mine = total_norm(server, norm_type, foreach, device=home)
+        inf = math.isinf(norm_type)
+        combined = (mine if inf else mine ** norm_type).reshape(1).to(engine.groups.device,
+                                                                      torch.float64)
+        all_reduce(combined, engine.groups.world, engine.stats, "clip",
+                   op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        combined = combined.to(home)
+        if inf:
+            total = torch.maximum(total, combined[0].to(total.dtype))
+        else:
+            total = (total.double() ** norm_type + combined[0]) ** (1.0 / norm_type)
+            total = total.to(dense[0].dtype if dense else torch.float32)
+    return clip_by_total_norm(grads, total, max_norm, norm_type, error_if_nonfinite)

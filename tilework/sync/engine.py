@@ -16,15 +16,13 @@ change is needed; clipping that must include the tables is `tilework.clip_grad_n
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
 from ..analysis import embedding_modules
-from ..comm.counted import Stats, all_reduce, broadcast
+from ..comm.counted import Stats, broadcast
 from ..wire import ring_allreduce_bytes
 from ..comm.guard import CallGuard
 from ..errors import InputError, PlanError, use_allreduce_hint
@@ -32,11 +30,12 @@ from ..optim.rowwise import RowOptimizer, family_of
 from ..plan import Plan
 from .checks import InputChecks, check_ids
 from .dense import DenseSync
-from .clip import clip_by_total_norm, coalesced_grads, total_norm
+from .clip import clip_norm_with_servers, coalesced_grads
 from .hooks import PicklesAsNoop, plain_no_sync
-from .preflight import check_device, check_same_model_everywhere, refuse_wrapped
-from .state import load_state, parallel_optimizer_state, plain_optimizer_state
-from .changes import Changes
+from .preflight import (check_device, check_not_tied, check_optimizer_covers,
+                        check_same_model_everywhere, refuse_wrapped)
+from .state import gathered_state, load_state, parallel_optimizer_state, plain_optimizer_state
+from .changes import Changes, leave_optimizer, replace_module
 from .exchange import push_tables
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 
@@ -75,7 +74,7 @@ class Engine:
         check_device(model, self.groups)
         check_same_model_everywhere(model, self.groups)
         if optimizer is not None:
-            self._check_optimizer_covers(model, optimizer)
+            check_optimizer_covers(model, optimizer)
         elif any(pp.method == "ps" for pp in plan.params):
             raise PlanError("the parameter server applies the optimizer's update: pass the "
                             "optimizer (parallelize(model, opt)), or use mode='allreduce'")
@@ -105,12 +104,12 @@ class Engine:
             if pp.method == "allreduce":
                 dense.append((pp.name, p))
             elif pp.name in self.embeddings:
-                self._check_not_tied(model, pp.name, p)
+                check_not_tied(model, pp.name, p)
                 table = PSTable(pp, p.data, groups, self.stats, plan.local_aggregation,
                                 plan.sparse_reduce, self._row_optimizer(pp.name, p, lazy=True))
                 table.on_grad, table.guard = self._touched, self.guard
                 module = ShardedEmbedding(table, self.embeddings[pp.name])
-                self._replace_module(pp.name, module, self.embeddings[pp.name])
+                replace_module(self.changes, model, pp.name, module, self.embeddings[pp.name])
                 self.tables[pp.name], self.table_modules[pp.name] = table, module
             else:
                 self.served[pp.name] = DenseServed(pp, p, groups, self.stats,
@@ -122,7 +121,8 @@ class Engine:
             # Names only: the full tables must not stay alive through this list.
             self.original_groups = [[self.param_names[id(p)] for p in g["params"]]
                                     for g in self.optimizer.param_groups]
-            self._forget(set(self.tables) | set(self.served))
+            leave_optimizer(self.changes, self.optimizer,
+                            {n: named[n] for n in [*self.tables, *self.served]})
         return dense
 
     def _bucket_dense(self, dense: list[tuple[str, nn.Parameter]], check_inputs: bool) -> None:
@@ -198,22 +198,6 @@ class Engine:
         return (_no_engine, ())
 
     # -- set-up helpers ------------------------------------------------------------------------
-    @staticmethod
-    def _check_optimizer_covers(model, optimizer):
-        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for name, p in model.named_parameters():
-            if p.requires_grad and id(p) not in in_opt:
-                raise PlanError(f"{name} is trainable but not in the optimizer: pass an optimizer "
-                                "built over model.parameters()")
-
-    @staticmethod
-    def _check_not_tied(model, name, p):
-        owners = [m for m in model.modules() if any(q is p for q in m.parameters(recurse=False))]
-        if len(owners) > 1:
-            raise PlanError(f"{name} is shared by {len(owners)} modules (tied weights); a tied "
-                            "table cannot move to the parameter server yet; to all-reduce it "
-                            f"instead: {use_allreduce_hint(name)}")
-
     def _row_optimizer(self, name, p, lazy):
         optimizer = self.optimizer
         index = next(i for i, g in enumerate(optimizer.param_groups)
@@ -221,39 +205,6 @@ class Engine:
         family = family_of(optimizer, optimizer.param_groups[index], name)
         return lambda shard: RowOptimizer(family, lambda: optimizer.param_groups[index], shard,
                                           lazy=lazy)
-
-    def _replace_module(self, param_name: str, replacement: nn.Module, original: nn.Module):
-        """The table's module gives way to its server stand-in; the original keeps its
-        Parameter (for the optimizer on undo) but not its rows, which the shards now hold."""
-        path = param_name.rsplit(".", 1)[0]
-        parent_path, _, child = path.rpartition(".")
-        parent = self.model.get_submodule(parent_path) if parent_path else self.model
-        setattr(parent, child, replacement)
-        weight = original.weight
-        shape = weight.shape
-        weight.data = weight.data.new_empty(0)
-
-        def undo():
-            weight.data = weight.data.new_empty(shape)   # filled by unparallelize's load
-            setattr(parent, child, original)
-
-        self.changes.record(f"{path}: replaced by a ShardedEmbedding (rows on the servers)", undo)
-
-    def _forget(self, names: set[str]) -> None:
-        """The optimizer no longer owns what the servers update (and frees the full tables)."""
-        gone = {pid for pid, n in self.param_names.items() if n in names}
-        before = [list(group["params"]) for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) not in gone]
-
-        def undo():
-            for group, params in zip(self.optimizer.param_groups, before):
-                group["params"] = params
-
-        self.changes.record(f"optimizer: {', '.join(sorted(names))} left its param groups", undo)
-        for p in list(self.optimizer.state):
-            if id(p) in gone:
-                del self.optimizer.state[p]
 
     def _install_checks(self, embeddings: dict[str, nn.Module]) -> None:
         checks, rank, changes = self.checks, self.groups.rank, self.changes
@@ -390,7 +341,9 @@ class Engine:
             served.shard.copy_(served.take_shard(served.param.detach()))
 
     # -- clipping, with the gradients the servers hold ------------------------------------------
-    def _server_gradients(self) -> list[torch.Tensor]:
+    def server_gradients(self) -> list[torch.Tensor]:
+        """The server rows' gradients this rank holds as their owner (pushed first if a
+        backward without sync left them local)."""
         if self._unsynced:
             self._sync_servers()
         parts = [part.received_grads() for part in [*self.tables.values(), *self.served.values()]]
@@ -401,34 +354,11 @@ class Engine:
         """torch.nn.utils.clip_grad_norm_ over the model's parameters and the server tables'
         gradients (each row held by its owner: one scalar all-reduce combines them)."""
         with self.guard.call("tilework.clip_grad_norm_()"):
-            return self._clip_norm(max_norm, norm_type, error_if_nonfinite, foreach)
-
-    def _clip_norm(self, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
-        dense = coalesced_grads(self.model.parameters())
-        server = self._server_gradients()
-        # The norm lives with the gradients; only its combination travels, on the backend's
-        # device (gloo's is the CPU, whatever the model's).
-        grads = [*dense, *server]
-        home = grads[0].device if grads else self.groups.device
-        total = total_norm(dense, norm_type, foreach, device=home)
-        if self.tables or self.served:
-            mine = total_norm(server, norm_type, foreach, device=home)
-            inf = math.isinf(norm_type)
-            combined = (mine if inf else mine ** norm_type).reshape(1).to(self.groups.device,
-                                                                          torch.float64)
-            all_reduce(combined, self.groups.world, self.stats, "clip",
-                       op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-            combined = combined.to(home)
-            if inf:
-                total = torch.maximum(total, combined[0].to(total.dtype))
-            else:
-                total = (total.double() ** norm_type + combined[0]) ** (1.0 / norm_type)
-                total = total.to(dense[0].dtype if dense else torch.float32)
-        return clip_by_total_norm(grads, total, max_norm, norm_type, error_if_nonfinite)
+            return clip_norm_with_servers(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def clip_grad_value_(self, clip_value: float, foreach) -> None:
         with self.guard.call("tilework.clip_grad_value_()"):
-            for g in [*coalesced_grads(self.model.parameters()), *self._server_gradients()]:
+            for g in [*coalesced_grads(self.model.parameters()), *self.server_gradients()]:
                 g.clamp_(-clip_value, clip_value)
 
     # -- reporting -----------------------------------------------------------------------------
@@ -457,21 +387,7 @@ class Engine:
         Optimizer state is keyed by parameter name, so it loads at any world size and plan.
         """
         with self.guard.call("tilework.state_dict() / tilework.save()"):
-            return self._gathered_state(dst)
-
-    def _gathered_state(self, dst: int) -> dict:
-        model_state = self.model_state(gather_to=dst)
-        rows: dict[str, dict] = {}
-        for name, part in [*self.tables.items(), *self.served.items()]:
-            state = {k: part.gather(v, dst) for k, v in part.optimizer.state_tensors().items()}
-            rows[name] = {"step": part.optimizer.step_count, **state}
-        optimizer = self.optimizer
-        dense_state = {} if optimizer is None else {
-            self.param_names[id(p)]: {k: v for k, v in s.items()} for p, s in optimizer.state.items()}
-        groups = [] if optimizer is None else [
-            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return {"model": model_state,
-                "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
+            return gathered_state(self, dst)
 
     def load_state_dict(self, state: dict) -> None:
         load_state(self, state)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import PlanError
+from ..errors import PlanError, use_allreduce_hint
 
 
 def refuse_wrapped(model: nn.Module) -> None:
@@ -91,3 +91,20 @@ def _fingerprint(p: torch.Tensor) -> tuple[float, float]:
     # Two float64 sums: different random initialisations never agree on both.
     flat = p.detach().reshape(-1).double()
     return float(flat.sum()), float((flat * flat).sum())
+
+
+def check_optimizer_covers(model, optimizer) -> None:
+    """Every trainable parameter is the optimizer's: the servers take their rows from it."""
+    in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in in_opt:
+            raise PlanError(f"{name} is trainable but not in the optimizer: pass an optimizer "
+                            "built over model.parameters()")
+
+def check_not_tied(model, name, p) -> None:
+    """A table bound for the servers belongs to one module (tied weights cannot move yet)."""
+    owners = [m for m in model.modules() if any(q is p for q in m.parameters(recurse=False))]
+    if len(owners) > 1:
+        raise PlanError(f"{name} is shared by {len(owners)} modules (tied weights); a tied "
+                        "table cannot move to the parameter server yet; to all-reduce it "
+                        f"instead: {use_allreduce_hint(name)}")

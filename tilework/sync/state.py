@@ -165,3 +165,20 @@ def _checked_rows(name: str, part, saved_state: dict, name_of: dict):
     step = entry.get("step", 0)
     return int(step.item() if torch.is_tensor(step) else step), \
         {k: v.reshape(part.layout.rows, -1) for k, v in tensors.items()}
+
+
+def gathered_state(engine, dst: int | None) -> dict:
+    """The model and optimizer in single-device layout, server rows and their row-wise state
+    gathered to rank `dst` (every rank when None); optimizer state keyed by parameter name."""
+    model_state = engine.model_state(gather_to=dst)
+    rows: dict[str, dict] = {}
+    for name, part in [*engine.tables.items(), *engine.served.items()]:
+        state = {k: part.gather(v, dst) for k, v in part.optimizer.state_tensors().items()}
+        rows[name] = {"step": part.optimizer.step_count, **state}
+    optimizer = engine.optimizer
+    dense_state = {} if optimizer is None else {
+        engine.param_names[id(p)]: {k: v for k, v in s.items()} for p, s in optimizer.state.items()}
+    groups = [] if optimizer is None else [
+        {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"model": model_state,
+            "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
