@@ -11,8 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from tilework import cost
-from tilework.calibrate import (Measurement, calibration_path, dump_toml, fit_alpha_beta,
-                                time_points, write_calibration)
+from tilework.calibrate import (Measurement, calibration_path, fit_alpha_beta, time_points,
+                                write_calibration)
+from tilework.toml_writer import dump_toml
 from tilework.wire import ring_allreduce_bytes
 from tilework.cluster import Cluster, Link, Links, Topology
 from tilework.testing import spawn

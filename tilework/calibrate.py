@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from .atomic import write_atomic
 from .cluster import Cluster, Link
 from .config import from_dict, read_toml
 from .errors import UserError
+from .toml_writer import toml_text
 from .wire import COLLECTIVES as ON_WIRE
 
 KB, MB = 1 << 10, 1 << 20
@@ -156,6 +156,23 @@ def time_points(group, world_size: int, sizes, repeats: int = DEFAULT_REPEATS,
     import torch
     import torch.distributed as dist
 
+    _check_timing_args(group, world_size, collectives, repeats, warmup)
+    sizes = sorted({_elements(int(s), world_size) * 4 for s in sizes})
+    call = _call_timer(group)
+    _open_connections(call, collectives, sizes[0], rounds=3 if warmup else 0)
+    times = torch.zeros(len(collectives), len(sizes), repeats, dtype=torch.float64)
+    for c, name in enumerate(collectives):
+        times[c] = _time_sizes(call, name, sizes, repeats, warmup)
+    # Every rank must report the same points, and a call is only as fast as its slowest rank.
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return {name: [(b, WIRE[name].sent(b, world_size), statistics.median(times[c, s].tolist()))
+                   for s, b in enumerate(sizes)]
+            for c, name in enumerate(collectives)}
+
+
+def _check_timing_args(group, world_size: int, collectives, repeats: int, warmup: int) -> None:
+    import torch.distributed as dist
+
     if world_size < 2:
         raise ValueError(f"calibration needs at least 2 ranks, got {world_size}")
     if dist.get_world_size(group) != world_size:
@@ -165,11 +182,17 @@ def time_points(group, world_size: int, sizes, repeats: int = DEFAULT_REPEATS,
         raise ValueError(f"unknown collective {unknown[0]!r} (expected one of {', '.join(WIRE)})")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    sizes = sorted({_elements(int(s), world_size) * 4 for s in sizes})
+
+
+def _call_timer(group):
+    """`call(name, send, recv) -> seconds`: one call of a collective in `group`, timed from a
+    barrier (so that every rank starts together) to its return on this rank."""
+    import torch.distributed as dist
+
     me = dist.get_rank(group)
     peer = {0: dist.get_global_rank(group, 1), 1: dist.get_global_rank(group, 0)}.get(me)
 
-    def call(name: str, send: torch.Tensor, recv: torch.Tensor) -> float:
+    def call(name: str, send, recv) -> float:
         dist.barrier(group=group)
         start = time.perf_counter()
         if name == "all_reduce":
@@ -188,27 +211,35 @@ def time_points(group, world_size: int, sizes, repeats: int = DEFAULT_REPEATS,
             return 0.0
         return time.perf_counter() - start
 
-    # Connections and buffers come up on the first calls, which a per-size warm-up of one
-    # would charge to the smallest size.
-    first = torch.ones(sizes[0] // 4)
+    return call
+
+
+def _open_connections(call, collectives, nbytes: int, rounds: int) -> None:
+    """Connections and buffers come up on the first calls, which a per-size warm-up of one
+    would charge to the smallest size: a few untimed calls of each collective first."""
+    import torch
+
+    first = torch.ones(nbytes // 4)
     for name in collectives:
-        for _ in range(3 if warmup else 0):
+        for _ in range(rounds):
             call(name, first, torch.empty_like(first))
-    times = torch.zeros(len(collectives), len(sizes), repeats, dtype=torch.float64)
-    for c, name in enumerate(collectives):
-        buffers = [(torch.ones(nbytes // 4), torch.empty(nbytes // 4)) for nbytes in sizes]
-        for send, recv in buffers:
-            for _ in range(warmup):
-                call(name, send, recv)
-        # Sizes interleaved within each round: a burst of load elsewhere on the machine then
-        # slows one round of every size, which the median drops, not every repeat of one size.
-        for r in range(repeats):
-            for s, (send, recv) in enumerate(buffers):
-                times[c, s, r] = call(name, send, recv)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return {name: [(b, WIRE[name].sent(b, world_size), statistics.median(times[c, s].tolist()))
-                   for s, b in enumerate(sizes)]
-            for c, name in enumerate(collectives)}
+
+
+def _time_sizes(call, name: str, sizes, repeats: int, warmup: int):
+    """Seconds of `repeats` calls of collective `name` on each size: a [size, repeat] tensor."""
+    import torch
+
+    times = torch.zeros(len(sizes), repeats, dtype=torch.float64)
+    buffers = [(torch.ones(nbytes // 4), torch.empty(nbytes // 4)) for nbytes in sizes]
+    for send, recv in buffers:
+        for _ in range(warmup):
+            call(name, send, recv)
+    # Sizes interleaved within each round: a burst of load elsewhere on the machine then
+    # slows one round of every size, which the median drops, not every repeat of one size.
+    for r in range(repeats):
+        for s, (send, recv) in enumerate(buffers):
+            times[s, r] = call(name, send, recv)
+    return times
 
 
 def measure(group, world_size: int, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
@@ -234,67 +265,6 @@ def fit_points(collective: str, world_size: int, points) -> Measurement:
 
 def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
-
-
-_BARE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-
-
-def _key(k: str) -> str:
-    return k if k and set(k) <= _BARE else json.dumps(k)
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v) or math.isinf(v):
-            return ("-" if v < 0 else "") + ("nan" if math.isnan(v) else "inf")
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)   # JSON escapes are valid TOML basic strings
-    if isinstance(v, list):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _is_tables(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
-
-
-def dump_toml(data: dict[str, Any]) -> str:
-    """TOML for plain data (what tomllib reads back): scalars, arrays, tables, arrays of tables.
-    Used where `tomli_w` is not installed."""
-    lines: list[str] = []
-
-    def table(d: dict[str, Any], path: list[str]) -> None:
-        for k, v in d.items():
-            if not isinstance(v, dict) and not _is_tables(v):
-                lines.append(f"{_key(k)} = {_value(v)}")
-        for k, v in d.items():
-            name = ".".join(_key(p) for p in [*path, k])
-            if isinstance(v, dict):
-                if any(not isinstance(x, dict) and not _is_tables(x) for x in v.values()) or not v:
-                    lines.extend(["", f"[{name}]"])
-                table(v, [*path, k])
-            elif _is_tables(v):
-                for item in v:
-                    lines.extend(["", f"[[{name}]]"])
-                    table(item, [*path, k])
-
-    table(data, [])
-    return "\n".join(lines).lstrip("\n") + "\n"
-
-
-def _toml_text(data: dict[str, Any]) -> str:
-    try:
-        import tomli_w
-    except ImportError:
-        return dump_toml(data)
-    return tomli_w.dumps(data)
 
 
 def calibration_path(cluster_path: str | Path) -> Path:
@@ -333,7 +303,7 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     n = results["all_reduce"].world_size
     header.append(f"# tilework calibrate: links.{kind} from {n}-rank all_reduce on {when} "
                   f"(all fits in {calibration_path(path).name})")
-    write_atomic(path, "\n".join(header) + "\n" + _toml_text(data))
+    write_atomic(path, "\n".join(header) + "\n" + toml_text(data))
 
     report = {"cluster": path.name, "when": when, "world_size": n,
               "spans_hosts": spans_hosts, "updated": f"links.{kind}", "link": values,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,73 +90,116 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
     model, opt = _prepare(job, work, session, cluster)
     out = Path(job.train.out_dir)
     ckpt_dir = out / "checkpoints"
-    start = 0
-    if resume:
-        found = checkpoint.latest(ckpt_dir)
-        if found is None:
-            console.print(f"no checkpoint in {ckpt_dir}; starting at step 0")
-        else:
-            from ..api import load_state_dict
-
-            blob = checkpoint.load(found, job.fingerprint())
-            load_state_dict(model, opt, blob["state"])
-            start = blob["state"]["step"]
-            console.print(f"resumed from {found} at step {start}")
+    start = _resume(job, model, opt, ckpt_dir, console) if resume else 0
     result = TrainResult(first_step=start, rank=session.rank)
-    metrics = out / "metrics.jsonl"
     if session.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         # The plan this run executes, as `tilework plan --json` prints it under "plan".
         (out / "plan.json").write_text(json.dumps(model._tilework_engine.plan.as_dict(), indent=1))
-
-    def evaluate(step: int):
-        values = work.evaluate(model)
-        result.evals.append({"step": step, **values})
-        shown = "  ".join(f"{k} {v:,.2f}" for k, v in values.items())
-        console.print(f"[bold]eval[/] step {step}: {shown}")
-        _append(metrics, {"step": step, **values}, session.rank)
-
+    log = _Log(work, model, session, console, out / "metrics.jsonl", result)
     if start == 0 or job.train.eval_every:
-        evaluate(start)
-    units_per_step = sampler.global_batch * work.units_per_sample
-    pending: list[float] = []
-    window_start, window_steps = time.perf_counter(), 0
-    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                        console=console, disable=not console.is_terminal, transient=True)
-    with progress:
-        task = progress.add_task("train", total=job.train.steps, completed=start, status="")
-        for step in range(start, job.train.steps):
+        log.evaluate(start)
+    _run_steps(job, work, sampler, model, opt, session, log, start, ckpt_dir)
+    log.evaluate(job.train.steps)
+    return result
+
+
+def _resume(job: Job, model, opt, ckpt_dir: Path, console: Console) -> int:
+    """The step to start at: the latest checkpoint's, loaded into model and optimizer, else 0."""
+    found = checkpoint.latest(ckpt_dir)
+    if found is None:
+        console.print(f"no checkpoint in {ckpt_dir}; starting at step 0")
+        return 0
+    from ..api import load_state_dict
+
+    blob = checkpoint.load(found, job.fingerprint())
+    load_state_dict(model, opt, blob["state"])
+    start = blob["state"]["step"]
+    console.print(f"resumed from {found} at step {start}")
+    return start
+
+
+def _run_steps(job: Job, work: Workload, sampler: ShardedBatches, model, opt, session: _Session,
+               log: "_Log", start: int, ckpt_dir: Path) -> None:
+    """Steps `start` to the end, logging, evaluating and checkpointing on the job's schedule."""
+    steps = job.train.steps
+    log.open_window(sampler.global_batch * work.units_per_sample)
+    with log.bar(steps, start):
+        for step in range(start, steps):
             batch = work.train_set.collate(sampler.indices(step))
             loss = work.loss(model, batch, step)
             loss.backward()
             opt.step()
             opt.zero_grad()
-            pending.append(loss.item())
-            window_steps += 1
+            log.step_done(loss.item())
             done = step + 1
-            if done % job.train.log_every == 0 or done == job.train.steps:
-                global_losses = session.mean_over_ranks(pending)
-                result.losses.extend(global_losses)
-                pending = []
-                elapsed = time.perf_counter() - window_start
-                rate = units_per_step * window_steps / max(elapsed, 1e-9)
-                window_start, window_steps = time.perf_counter(), 0
-                last = global_losses[-1]
-                traffic, traffic_text = _traffic(model, session)
-                line = (f"step {done}/{job.train.steps}  loss {last:.4f}  "
-                        f"{rate:,.0f} {work.unit}/s{traffic_text}")
-                progress.console.print(line)
-                progress.update(task, completed=done, status=f"loss {last:.3f}")
-                _append(metrics, {"step": done, "loss": last, f"{work.unit}_per_s": rate,
-                                  **traffic}, session.rank)
-            if job.train.eval_every and done % job.train.eval_every == 0 and done != job.train.steps:
-                evaluate(done)
+            if done % job.train.log_every == 0 or done == steps:
+                log.report(done, steps)
+            if job.train.eval_every and done % job.train.eval_every == 0 and done != steps:
+                log.evaluate(done)
             if job.train.checkpoint_every and (done % job.train.checkpoint_every == 0
-                                               or done == job.train.steps):
+                                               or done == steps):
                 _checkpoint(ckpt_dir, done, model, opt, job, session)
-    evaluate(job.train.steps)
-    return result
+
+
+class _Log:
+    """What a run shows and records: eval results, and per log window the global mean loss and
+    the throughput, on the console, the progress bar and metrics.jsonl (rank 0 writes)."""
+
+    def __init__(self, work: Workload, model, session: _Session, console: Console, metrics: Path,
+                 result: TrainResult):
+        self.work, self.model, self.session = work, model, session
+        self.console, self.metrics, self.result = console, metrics, result
+        self._progress: Progress | None = None
+        self._task = None
+        self.units_per_step, self.pending = 0, []
+        self.window_start, self.window_steps = 0.0, 0
+
+    def evaluate(self, step: int) -> None:
+        values = self.work.evaluate(self.model)
+        self.result.evals.append({"step": step, **values})
+        shown = "  ".join(f"{k} {v:,.2f}" for k, v in values.items())
+        self.console.print(f"[bold]eval[/] step {step}: {shown}")
+        _append(self.metrics, {"step": step, **values}, self.session.rank)
+
+    def open_window(self, units_per_step: int) -> None:
+        """Start counting losses and time; opened after the first eval so as not to charge its
+        time to the training throughput."""
+        self.units_per_step, self.pending = units_per_step, []
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    @contextmanager
+    def bar(self, steps: int, start: int):
+        progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                            console=self.console, disable=not self.console.is_terminal,
+                            transient=True)
+        with progress:
+            self._progress = progress
+            self._task = progress.add_task("train", total=steps, completed=start, status="")
+            yield
+
+    def step_done(self, loss: float) -> None:
+        # Kept here, not reduced per step: one all-reduce per log window, not per step.
+        self.pending.append(loss)
+        self.window_steps += 1
+
+    def report(self, done: int, steps: int) -> None:
+        """Close the window: the ranks' mean losses, the throughput since the last report."""
+        global_losses = self.session.mean_over_ranks(self.pending)
+        self.result.losses.extend(global_losses)
+        self.pending = []
+        elapsed = time.perf_counter() - self.window_start
+        rate = self.units_per_step * self.window_steps / max(elapsed, 1e-9)
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        last = global_losses[-1]
+        traffic, traffic_text = _traffic(self.model, self.session)
+        unit = self.work.unit
+        self._progress.console.print(f"step {done}/{steps}  loss {last:.4f}  "
+                                     f"{rate:,.0f} {unit}/s{traffic_text}")
+        self._progress.update(self._task, completed=done, status=f"loss {last:.3f}")
+        _append(self.metrics, {"step": done, "loss": last, f"{unit}_per_s": rate, **traffic},
+                self.session.rank)
 
 
 def _traffic(model, session: _Session) -> tuple[dict, str]:
