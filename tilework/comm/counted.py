@@ -105,6 +105,20 @@ def all_gather(tensor: torch.Tensor, group, stats: Stats, method: str,
     return parts
 
 
+def gather(tensor: torch.Tensor, dst: int, group, stats: Stats, method: str):
+    """Every group rank's `tensor` (same shape everywhere) on group rank `dst`, in rank order
+    (None elsewhere): each other rank sends its tensor once."""
+    n = group_size(group)
+    if n == 1:
+        return [tensor]
+    nbytes = tensor.numel() * tensor.element_size()
+    me = dist.get_rank(group)
+    stats.record(method, 0 if me == dst else nbytes, nbytes * (n - 1) if me == dst else 0)
+    parts = [torch.empty_like(tensor) for _ in range(n)] if me == dst else None
+    dist.gather(tensor, parts, dst=dist.get_global_rank(group, dst), group=group)
+    return parts
+
+
 def broadcast(tensor: torch.Tensor, src: int, group, stats: Stats, method: str) -> None:
     n = group_size(group)
     if n == 1:

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.counted import Stats, all_to_all_v, group_size
+from ..comm.counted import Stats, all_gather, all_to_all_v, gather, group_size
 from ..comm.guard import CallGuard
 from ..errors import PlanError, use_allreduce_hint
 from ..optim.rowwise import RowOptimizer
@@ -150,7 +149,7 @@ class PSTable:
 
     # -- whole-table views (checkpoints, evaluation) --------------------------------------------
     def gather(self, local: torch.Tensor, dst: int | None) -> torch.Tensor | None:
-        full = gather_rows(local, self.layout, self.groups, dst)
+        full = gather_rows(local, self.layout, self.groups, dst, self.stats)
         return None if full is None else full.reshape(self.layout.rows, *self.row_shape)
 
     def take_shard(self, full: torch.Tensor) -> torch.Tensor:
@@ -170,9 +169,11 @@ def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, dtyp
     return ids, rows
 
 
-def gather_rows(local: torch.Tensor, layout: TableLayout, groups, dst: int | None):
+def gather_rows(local: torch.Tensor, layout: TableLayout, groups, dst: int | None,
+                stats: Stats):
     """The full (rows x width) table assembled from every rank's shard `local`: on rank `dst`
-    only (None elsewhere), or on every rank when dst is None. A collective."""
+    only (None elsewhere), or on every rank when dst is None. A collective, counted as
+    "gather"."""
     n = groups.world_size
     full = local.new_empty(layout.rows, local.shape[1])
     if n == 1:
@@ -181,12 +182,11 @@ def gather_rows(local: torch.Tensor, layout: TableLayout, groups, dst: int | Non
     width = max(layout.shard_sizes)
     padded = local.new_zeros(width, local.shape[1])
     padded[: len(local)] = local
-    parts = [torch.empty_like(padded) for _ in range(n)]
     if dst is None:
-        dist.all_gather(parts, padded, group=groups.world)
+        parts = all_gather(padded, groups.world, stats, "gather")
     else:
-        dist.gather(padded, parts if groups.rank == dst else None, dst=dst, group=groups.world)
-        if groups.rank != dst:
+        parts = gather(padded, dst, groups.world, stats, "gather")
+        if parts is None:
             return None
     for r in range(n):
         full[layout.shard_rows(r)] = parts[r][: layout.shard_sizes[r]]
@@ -342,5 +342,5 @@ class DenseServed:
         return self._view(full)[self.global_rows.to(full.device)]
 
     def gather(self, local: torch.Tensor, dst: int | None) -> torch.Tensor | None:
-        full = gather_rows(local, self.layout, self.groups, dst)
+        full = gather_rows(local, self.layout, self.groups, dst, self.stats)
         return None if full is None else full.reshape(self.param.shape)
