@@ -9,37 +9,20 @@ measured (`measure_density`) and given to the planner.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from .plan import Kind, dtype_bytes
+from .plan import Kind, TensorFacts
+
 
 @dataclass(frozen=True)
-class ParamInfo:
+class ParamInfo(TensorFacts):
     name: str
     shape: tuple[int, ...]
     dtype: str
     kind: Kind                 # sparse gradient / embedding with dense-layout gradient / dense
     density: float | None = None  # measured touched-row fraction, where known
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_bytes(self.dtype)
-
-    @property
-    def row_bytes(self) -> int:
-        return self.nbytes // max(1, self.shape[0])
-
-    @property
-    def is_table(self) -> bool:
-        return self.kind in ("sparse", "embedding")
 
 
 def embedding_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -44,23 +44,13 @@ class Cost:
     seconds: float
 
 
-@dataclass(frozen=True)
-class ParamPlan:
-    name: str
-    shape: tuple[int, ...]
-    method: Method
-    partitions: int = 1
-    row_map: RowMap = "contiguous"
-    reason: str = ""
-    dtype: str = "float32"
-    kind: Kind = "dense"     # sparse gradient / embedding with a dense-layout gradient / dense
-    predicted: Cost | None = None   # None: a table whose traffic nobody modelled
+class TensorFacts:
+    """Sizes from a `shape`, a `dtype` name and a `kind`: shared by the analysis of a model
+    (analysis.ParamInfo) and the plan's entries."""
 
-    def __post_init__(self):
-        dtype_bytes(self.dtype)
-        if self.method == "ps" and not 1 <= self.partitions <= self.shape[0]:
-            raise ValueError(f"{self.name}: partitions must be in 1..{self.shape[0]} (rows), "
-                             f"got {self.partitions}")
+    shape: tuple[int, ...]
+    dtype: str
+    kind: Kind
 
     @property
     def numel(self) -> int:
@@ -80,6 +70,25 @@ class ParamPlan:
     @property
     def is_table(self) -> bool:
         return self.kind in ("sparse", "embedding")
+
+
+@dataclass(frozen=True)
+class ParamPlan(TensorFacts):
+    name: str
+    shape: tuple[int, ...]
+    method: Method
+    partitions: int = 1
+    row_map: RowMap = "contiguous"
+    reason: str = ""
+    dtype: str = "float32"
+    kind: Kind = "dense"     # sparse gradient / embedding with a dense-layout gradient / dense
+    predicted: Cost | None = None   # None: a table whose traffic nobody modelled
+
+    def __post_init__(self):
+        dtype_bytes(self.dtype)
+        if self.method == "ps" and not 1 <= self.partitions <= self.shape[0]:
+            raise ValueError(f"{self.name}: partitions must be in 1..{self.shape[0]} (rows), "
+                             f"got {self.partitions}")
 
     @property
     def placement(self) -> str:
