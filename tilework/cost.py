@@ -55,7 +55,9 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
 
 def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: Topology,
                    local_aggregation: bool) -> list[int]:
-    """Exact bytes each rank sends for one table in one step: one pull of its ids, one push."""
+    """Exact bytes each rank sends for one table in one step: one pull of its ids, and the push
+    of their gradients, which retraces the pull's route and so carries rows only
+    (sync/exchange.py; a table looked up more than once per step also sends ids and lengths)."""
     n, row_bytes = topology.world_size, plan.row_bytes
     layout = TableLayout(plan, n)
     sent = [0] * n
@@ -73,8 +75,8 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
                 to = dest(ids)
                 to_others = int((to != me).sum())
                 # pull: counts, ids out, then rows for what others asked (lengths known);
-                # push: counts, then each id packed with its gradient row
-                sent[rank] += 2 * count_exchange_bytes(g) + 2 * ID_BYTES * to_others \
+                # push: a gradient row for each id sent, in the pull's order
+                sent[rank] += count_exchange_bytes(g) + ID_BYTES * to_others \
                     + row_bytes * to_others
                 for j, peer in enumerate(members):
                     arriving[peer].append(ids[to == j])
@@ -156,9 +158,9 @@ class TableTraffic:
 
 def _exchange(requests: float, requesters: int, servers: int, row_bytes: int):
     """Sent and received bytes of the busiest server when `requesters` ranks each ask for
-    `requests` distinct rows spread over `servers` ranks: requests carry an id for the pull and an
-    id plus a gradient row for the push; answers carry a row."""
-    ask, answer = 2 * ID_BYTES + row_bytes, row_bytes
+    `requests` distinct rows spread over `servers` ranks: requests carry an id for the pull and a
+    gradient row for the push (which retraces the pull, so no id); answers carry a row."""
+    ask, answer = ID_BYTES + row_bytes, row_bytes
     mine = 1 / servers
     load = (requesters - 1) * requests * mine          # rows other ranks bring to this server
     sent = requests * (1 - mine) * ask + load * answer

@@ -59,7 +59,7 @@ class _TorchRecDLRM(nn.Module):
 
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=self.keys, values=ids.t().reshape(-1),
-            lengths=torch.ones(ids.numel(), dtype=torch.int64))
+            lengths=torch.ones(ids.numel(), dtype=torch.int64, device=ids.device))
         rows = self.ebc(kjt).to_dict()
         from ..models import DLRM
 

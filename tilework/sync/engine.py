@@ -36,7 +36,8 @@ from .preflight import (check_device, check_not_tied, check_optimizer_covers,
                         check_same_model_everywhere, refuse_wrapped)
 from .state import gathered_state, load_state, parallel_optimizer_state, plain_optimizer_state
 from .changes import Changes, leave_optimizer, replace_module
-from .exchange import push_tables
+from .exchange import pull_tables, push_tables
+from .lookups import Batch
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 
 
@@ -52,6 +53,7 @@ class Engine:
                  plan: Plan, check_inputs: bool = True):
         self.model, self.optimizer, self.groups, self.plan = model, optimizer, groups, plan
         self.stats = Stats()
+        self.lookups = Batch(self._pull)   # server-table lookups waiting for their rows
         self.changes = Changes()   # every change to the user's objects, with its undo
         self.guard = CallGuard(groups.store, groups.rank, groups.world_size, groups.env.error_file)
         self._refuse_what_cannot_work()
@@ -108,7 +110,7 @@ class Engine:
                 table = PSTable(pp, p.data, groups, self.stats, plan.local_aggregation,
                                 plan.sparse_reduce, self._row_optimizer(pp.name, p, lazy=True))
                 table.on_grad, table.guard = self._touched, self.guard
-                module = ShardedEmbedding(table, self.embeddings[pp.name])
+                module = ShardedEmbedding(table, self.embeddings[pp.name], self.lookups)
                 replace_module(self.changes, model, pp.name, module, self.embeddings[pp.name])
                 self.tables[pp.name], self.table_modules[pp.name] = table, module
             else:
@@ -185,6 +187,7 @@ class Engine:
         back into the plain model and optimizer (a collective: every rank calls it). Between
         steps: gradients not yet applied are dropped."""
         with self.guard.call("tilework.unparallelize()"):
+            self.lookups.flush()
             model_state = self.model_state(gather_to=None)
             optimizer_state = None if self.optimizer is None else self.optimizer.state_dict()
         self.discard_server_gradients()
@@ -274,6 +277,18 @@ class Engine:
             for name, served in self.served.items():
                 self.checks.on_gradients([(name, served.param.grad)])
 
+    def _pull(self, lookups) -> None:
+        """The rows of waiting lookups, every table in one exchange per hop; each lookup's
+        output computed as its module would have, under the grad mode of its call."""
+        names = ", ".join(dict.fromkeys(lookup.table.name for lookup in lookups))
+        with self.guard.call(f"a lookup in {names} (the model's forward)"):
+            rows = pull_tables([lookup.table for lookup in lookups],
+                               [lookup.ids for lookup in lookups],
+                               [lookup.grad_enabled for lookup in lookups])
+        for lookup, r in zip(lookups, rows):
+            with torch.set_grad_enabled(lookup.grad_enabled):
+                lookup.output = lookup.finish(r)
+
     def _push_servers(self) -> None:
         push_tables(list(self.tables.values()))
         for served in self.served.values():
@@ -304,6 +319,7 @@ class Engine:
             self._prepare_step()
 
     def _prepare_step(self) -> None:
+        self.lookups.flush()   # a lookup made before the step reads the rows before it
         if self._unsynced:
             self._sync_servers()
         if self.checks is not None:
@@ -390,4 +406,5 @@ class Engine:
             return gathered_state(self, dst)
 
     def load_state_dict(self, state: dict) -> None:
+        self.lookups.flush()
         load_state(self, state)

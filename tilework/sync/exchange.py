@@ -1,13 +1,22 @@
-"""The push of every server table in one exchange per hop: at the end of backward, the tables'
-gradient rows travel together, so the ranks meet twice per hop (the lengths, then the rows)
-however many tables the model has, instead of twice per table.
+"""The parameter server's exchanges for every table of a step at once: the ranks meet a fixed
+number of times per hop however many tables the model has.
 
-Bytes are what one exchange per table would send (the same lengths, ids and rows, counted the
-same way), so the cost model's exact replay is unchanged; only the number of messages drops.
+- Pull (forward): the lookups waiting in a batch (sync/lookups.py) travel together: their
+  lengths in one all-to-all, their ids in one, their rows back in one.
+- Push (end of backward): a table looked up once since the last push sends only its gradient
+  rows, in the order its pull sent the ids, so the owner matches them to what it was asked (the
+  route each pull took is kept): one all-to-all of rows, no ids, no lengths. A table looked up
+  several times (accumulation without sync, two lookups in one forward) carries its ids with the
+  rows, after an exchange of lengths.
+
+The bytes of the lengths, ids and rows are what separate exchanges per table would send, so
+the cost model replays tables one by one (cost.ps_table_bytes); only the messages are fewer.
 Tables of different dtypes (or devices) go in separate exchanges, since a message has one dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,23 +24,156 @@ from ..comm.counted import all_to_all_v, group_size
 from .sparse import PSTable, _by_destination
 
 
+@dataclass
+class PullRoute:
+    """The way one pull's ids went, hop by hop: what the push of their gradients retraces."""
+
+    ids: torch.Tensor                                  # the unique ids this rank asked for
+    # per hop: (order, counts, arrived, inverse, merged): how this rank sorted its ids to the
+    # peers and how many went to each, how many arrived from each, and how they were merged
+    hops: list[tuple] = field(default_factory=list)
+
+    @property
+    def owned(self) -> torch.Tensor:
+        """The ids that reached the owner (this rank) at the last hop."""
+        return self.hops[-1][4] if self.hops else self.ids
+
+
+def _batches(tables: list[PSTable], *rest):
+    by_kind: dict[tuple, list[int]] = {}
+    for i, table in enumerate(tables):
+        by_kind.setdefault((table.shard.dtype, table.shard.device), []).append(i)
+    return [([tables[i] for i in idx], *[[r[i] for i in idx] for r in rest])
+            for idx in by_kind.values()]
+
+
+def _lengths(tables, h, counts: torch.Tensor) -> list[torch.Tensor]:
+    """Every table's per-peer lengths at once: T int64 per peer, as T exchanges would send."""
+    hop = tables[0].hops[h]
+    return all_to_all_v(list(counts), hop.group, tables[0].stats, "ps", hop.remote,
+                        recv_lengths=[len(tables)] * group_size(hop.group))
+
+
+# -- pull ---------------------------------------------------------------------------------------
+
+def pull_tables(tables: list[PSTable], ids_list: list[torch.Tensor],
+                record: list[bool]) -> list[torch.Tensor]:
+    """Rows of each lookup's unique ids (a collective: every rank calls it with the same tables
+    in the same order; a table may appear more than once). `record[i]`: keep lookup i's route
+    for the push of its gradients."""
+    out: list = [None] * len(tables)
+    for batch, ids, keep, where in _batches(tables, ids_list, record, range(len(tables))):
+        routes = [PullRoute(i) for i in ids]
+        with torch.no_grad():
+            rows = _fetch(batch, 0, list(ids), routes)
+        for table, route, r, k, i in zip(batch, routes, rows, keep, where):
+            if k:
+                table.pulls.append(route)
+            out[i] = r
+    return out
+
+
+def _fetch(tables, h, ids_list, routes):
+    if h == len(tables[0].hops):
+        return [t.shard[t.layout.local_index(ids)] for t, ids in zip(tables, ids_list)]
+    hop, stats = tables[0].hops[h], tables[0].stats
+    n, device = group_size(hop.group), tables[0].shard.device
+    counts = torch.zeros(n, len(tables), dtype=torch.int64, device=device)
+    to_peer: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    orders = []
+    for t, (table, ids) in enumerate(zip(tables, ids_list)):
+        order, per_peer = _by_destination(table.hops[h].dest(ids), n)
+        orders.append((order, per_peer))
+        counts[:, t] = torch.tensor(per_peer, dtype=torch.int64, device=device)
+        for j, part in enumerate(torch.split(ids[order], per_peer)):
+            to_peer[j].append(part)
+    heard = [c.tolist() for c in _lengths(tables, h, counts)]
+    got = all_to_all_v([torch.cat(parts) for parts in to_peer], hop.group, stats, "ps",
+                       hop.remote, recv_lengths=[sum(c) for c in heard])
+    by_peer = [torch.split(flat, c) for flat, c in zip(got, heard)]
+    arrived = [[peer[t] for peer in by_peer] for t in range(len(tables))]
+    merged = [torch.unique(torch.cat(a), return_inverse=True) for a in arrived]
+    rows = _fetch(tables, h + 1, [m for m, _ in merged], routes)
+    answers: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for t, (r, (_, inverse)) in enumerate(zip(rows, merged)):
+        for j, part in enumerate(torch.split(r[inverse], [len(a) for a in arrived[t]])):
+            answers[j].append(part.reshape(-1))
+    widths = [t.shard.shape[1] for t in tables]
+    back = all_to_all_v([torch.cat(a) for a in answers], hop.group, stats, "ps", hop.remote,
+                        recv_lengths=[sum(int(c) * w for c, w in zip(counts[j].tolist(), widths))
+                                      for j in range(n)])
+    back = [torch.split(flat, [int(c) * w for c, w in zip(counts[j].tolist(), widths)])
+            for j, flat in enumerate(back)]
+    out = []
+    for t, (table, ids) in enumerate(zip(tables, ids_list)):
+        order, per_peer = orders[t]
+        rows_t = table.shard.new_empty(len(ids), widths[t])
+        rows_t[order] = torch.cat([back[j][t] for j in range(n)]).reshape(-1, widths[t])
+        out.append(rows_t)
+        routes[t].hops.insert(0, (order, per_peer, [len(a) for a in arrived[t]], merged[t][1],
+                                  merged[t][0]))
+    return out
+
+
+# -- push ---------------------------------------------------------------------------------------
+
 def push_tables(tables: list[PSTable]) -> None:
     """Send every table's pending gradient rows to their owners, which sum them into `received`
     until the step applies them (a collective: every rank calls it with the same tables)."""
-    batches: dict[tuple, list[PSTable]] = {}
-    for table in tables:
-        batches.setdefault((table.shard.dtype, table.shard.device), []).append(table)
-    for batch in batches.values():
+    retrace = [t for t in tables if _retraceable(t)]
+    carry = [t for t in tables if not _retraceable(t)]
+    for batch, in _batches(retrace):
+        routes = [table.pulls[0] for table in batch]
+        grads = [table.take_pending()[1] for table in batch]
+        for h in range(len(batch[0].hops)):
+            grads = _retrace_hop(batch, h, [r.hops[h] for r in routes], grads)
+        for table, route, g in zip(batch, routes, grads):
+            table.receive(route.owned, g)
+    for batch, in _batches(carry):
         items = [table.take_pending() for table in batch]
         for h in range(len(batch[0].hops)):
-            items = _exchange_hop(batch, h, items)
+            items = _carry_hop(batch, h, items)
         for table, (ids, grads) in zip(batch, items):
             table.receive(ids, grads)
+    for table in tables:
+        table.pulls.clear()
 
 
-def _exchange_hop(tables: list[PSTable], h: int, items):
-    """One hop for all `tables`: each id rides with its gradient row (its 8 bytes viewed as the
-    row's dtype, a bit-exact round trip); what arrives is merged by id per table."""
+def _retraceable(table: PSTable) -> bool:
+    """One pull, one gradient for exactly its ids: the owners know what each row is."""
+    if len(table.pulls) != 1 or len(table.pending) != 1:
+        return False
+    ids = table.pending[0][0]
+    return ids is table.pulls[0].ids or torch.equal(ids, table.pulls[0].ids)
+
+
+def _retrace_hop(tables, h, steps, grads):
+    """Gradient rows the way the pull's ids went: sorted and split as then, summed where the
+    ids were merged. Both sides know every length."""
+    hop = tables[0].hops[h]
+    n = group_size(hop.group)
+    widths = [g.shape[1] for g in grads]
+    to_peer: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for (order, per_peer, _, _, _), g in zip(steps, grads):
+        for j, part in enumerate(torch.split(g[order], per_peer)):
+            to_peer[j].append(part.reshape(-1))
+    sizes = [[a * w for a, w in zip(arrivals, widths)]
+             for arrivals in zip(*[step[2] for step in steps])]
+    got = all_to_all_v([torch.cat(parts) for parts in to_peer], hop.group, tables[0].stats, "ps",
+                       hop.remote, recv_lengths=[sum(s) for s in sizes])
+    pieces = [torch.split(flat, s) for flat, s in zip(got, sizes)]
+    out = []
+    for t, ((_, _, _, inverse, merged), w) in enumerate(zip(steps, widths)):
+        rows = torch.cat([peer[t] for peer in pieces]).reshape(-1, w)
+        summed = rows.new_zeros(len(merged), w)
+        summed.index_add_(0, inverse, rows)
+        out.append(summed)
+    return out
+
+
+def _carry_hop(tables: list[PSTable], h: int, items):
+    """One hop where ids ride with their gradient rows (their 8 bytes viewed as the row's
+    dtype, a bit-exact round trip), after the lengths; what arrives is merged by id per table."""
     hop = tables[0].hops[h]
     group, n, stats = hop.group, group_size(hop.group), tables[0].stats
     dtype, device = items[0][1].dtype, items[0][1].device
@@ -45,9 +187,7 @@ def _exchange_hop(tables: list[PSTable], h: int, items):
         for j, part in enumerate(torch.split(packed, per_peer)):
             to_peer[j].append(part.reshape(-1))
         counts[:, t] = torch.tensor(per_peer, dtype=torch.int64, device=device)
-    # The lengths of every table at once: T int64 per peer, as T separate exchanges would send.
-    heard = all_to_all_v(list(counts), group, stats, "ps", hop.remote,
-                         recv_lengths=[len(tables)] * n)
+    heard = _lengths(tables, h, counts)
     arriving = [[int(c) * w for c, w in zip(from_peer.tolist(), widths)] for from_peer in heard]
     got = all_to_all_v([torch.cat(parts) for parts in to_peer], group, stats, "ps", hop.remote,
                        recv_lengths=[sum(sizes) for sizes in arriving])

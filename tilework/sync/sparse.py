@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.counted import Stats, all_gather, all_to_all_v, gather, group_size
+from ..comm.counted import Stats, all_gather, all_to_all_v, gather
 from ..comm.guard import CallGuard
 from ..errors import PlanError, use_allreduce_hint
 from ..optim.rowwise import RowOptimizer
 from .checks import check_ids
+from .lookups import Batch, Lookup
 from ..plan import ParamPlan
 from ..layout import TableLayout, routes
 
@@ -74,32 +75,10 @@ class PSTable:
         self.row_shape = full.shape[1:]
         self.optimizer: RowOptimizer = make_optimizer(self.shard)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's, global ids
+        self.pulls: list = []   # routes of this step's pulls (exchange.PullRoute), for the push
         self.received: tuple[torch.Tensor, torch.Tensor] | None = None  # owned rows, local index
         self.on_grad: Callable[[], object] | None = None  # the engine's end-of-backward trigger
         self.guard = UNGUARDED                            # the engine's CallGuard
-        self.lookup_call = f"a lookup in {self.name} (the model's forward)"
-
-    # -- pull ---------------------------------------------------------------------------------
-    def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows for unique `ids`, from their owners (a collective: every rank must call it)."""
-        with torch.no_grad():
-            return self._fetch(ids, self.hops)
-
-    def _fetch(self, ids: torch.Tensor, hops: list[Hop]) -> torch.Tensor:
-        if not hops:
-            return self.shard[self.layout.local_index(ids)]
-        hop, n = hops[0], group_size(hops[0].group)
-        order, counts = _by_destination(hop.dest(ids), n)
-        received = all_to_all_v(list(torch.split(ids[order], counts)), hop.group, self.stats, "ps",
-                                hop.remote)
-        merged, inverse = torch.unique(torch.cat(received), return_inverse=True)
-        rows = self._fetch(merged, hops[1:])[inverse]
-        back = all_to_all_v(list(torch.split(rows, [len(r) for r in received])), hop.group,
-                            self.stats, "ps", hop.remote, recv_lengths=counts)
-        out = torch.empty(len(ids), self.shard.shape[1], dtype=self.shard.dtype,
-                          device=self.shard.device)
-        out[order] = torch.cat(back)
-        return out
 
     # -- push (end of a synchronised backward) and apply (optimizer step) ------------------------
     def accumulate(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
@@ -141,7 +120,7 @@ class PSTable:
         self.optimizer.apply(rows, grads)
 
     def discard(self) -> None:
-        self.pending, self.received = [], None
+        self.pending, self.received, self.pulls = [], None, []
 
     def received_grads(self) -> torch.Tensor | None:
         """This rank's rows of the summed gradient (for clipping), or None."""
@@ -196,13 +175,13 @@ def gather_rows(local: torch.Tensor, layout: TableLayout, groups, dst: int | Non
 class ShardedEmbedding(nn.Module):
     """Stands in for an nn.Embedding / nn.EmbeddingBag whose table lives on the servers."""
 
-    def __init__(self, table: PSTable, original: nn.Module):
+    def __init__(self, table: PSTable, original: nn.Module, lookups: Batch):
         super().__init__()
         if getattr(original, "max_norm", None) is not None:
             raise PlanError(f"{table.name}: max_norm renormalises rows in place during lookup, "
                             "which the parameter server does not do; drop max_norm, or "
                             f"all-reduce this table: {use_allreduce_hint(table.name)}")
-        self.table = table
+        self.table, self.lookups = table, lookups
         self.bag = isinstance(original, nn.EmbeddingBag)
         self.padding_idx = original.padding_idx
         self.mode = getattr(original, "mode", None)
@@ -211,25 +190,41 @@ class ShardedEmbedding(nn.Module):
         self.gather_to: int | str | None = None  # state_dict: every rank, one rank, or "meta"
 
     def forward(self, input: torch.Tensor, offsets=None, per_sample_weights=None):
+        """The output at once as a stand-in; its rows come with the batch's pull
+        (sync/lookups.py)."""
         flat = input.reshape(-1)
         # Before the pull: a bad id stops this rank here, not inside the owners' lookup.
         check_ids(self.table.name, flat, self.num_embeddings, self.table.groups.rank)
         ids, inverse = torch.unique(flat, return_inverse=True)
-        with self.table.guard.call(self.table.lookup_call):
-            rows = self.table.pull(ids)
-        if torch.is_grad_enabled():
-            rows.requires_grad_(True)
-            rows.register_hook(lambda g, ids=ids: self.table.accumulate(ids, g))
         pad = None
         if self.padding_idx is not None:
             hit = (ids == self.padding_idx).nonzero()
             pad = int(hit[0]) if len(hit) else None
         local = inverse.reshape(input.shape)
-        if self.bag:
-            return F.embedding_bag(local, rows, offsets, mode=self.mode,
-                                   per_sample_weights=per_sample_weights,
-                                   include_last_offset=self.include_last_offset, padding_idx=pad)
-        return F.embedding(local, rows, padding_idx=pad)
+
+        def finish(rows: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled():
+                rows.requires_grad_(True)
+                rows.register_hook(lambda g: self.table.accumulate(ids, g))
+            if self.bag:
+                return F.embedding_bag(local, rows, offsets, mode=self.mode,
+                                       per_sample_weights=per_sample_weights,
+                                       include_last_offset=self.include_last_offset,
+                                       padding_idx=pad)
+            return F.embedding(local, rows, padding_idx=pad)
+
+        lookup = Lookup(self.table, ids, finish, torch.is_grad_enabled())
+        return self.lookups.add(lookup, self._output_like(input, offsets))
+
+    def _output_like(self, input: torch.Tensor, offsets) -> torch.Tensor:
+        """A tensor with the output's metadata and no memory of its own."""
+        if not self.bag:
+            shape = (*input.shape, self.embedding_dim)
+        elif input.dim() == 2:
+            shape = (input.shape[0], self.embedding_dim)
+        else:
+            shape = (len(offsets) - int(self.include_last_offset), self.embedding_dim)
+        return self.table.shard.new_zeros(()).expand(shape)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -267,6 +262,7 @@ class ShardedEmbedding(nn.Module):
             error_msgs.append(f"size mismatch for {key}: copying a param with shape {got} from "
                               f"checkpoint, the shape in current model is {shape}.")
             return
+        self.lookups.flush()   # lookups made before the load read the rows before it
         with torch.no_grad():
             self.table.shard.copy_(self.table.take_shard(value.detach()))
 

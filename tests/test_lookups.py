@@ -1,0 +1,94 @@
+"""Server-table lookups are batched: a step's lookups in every table meet the other ranks in
+one pull exchange (3 all-to-alls per hop) and one push (1), however many tables there are; and
+the stand-in a lookup returns behaves as the output it stands for."""
+
+import torch
+from torch import nn
+
+import tilework
+from tilework.testing import spawn
+
+TABLES, BATCH = 3, 8
+
+
+class Recommender(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tables = nn.ModuleList(nn.Embedding(40 + i, 4, sparse=True) for i in range(TABLES))
+        self.head = nn.Linear(4 * TABLES, 1)
+
+    def forward(self, ids):
+        looked_up = [t(ids[:, i]) for i, t in enumerate(self.tables)]
+        return self.head(torch.cat(looked_up, 1)).squeeze(1)
+
+
+def batch(step, rank=0, world_size=1):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 40, (BATCH, TABLES), generator=g)
+    y = torch.randn(BATCH, generator=g)
+    return ids.chunk(world_size)[rank], y.chunk(world_size)[rank]
+
+
+def _calls_and_losses(rank, world_size):
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, mode="hybrid", log=False)
+    calls, losses = [], []
+    for step in range(3):
+        ids, y = batch(step, rank, world_size)
+        loss = nn.functional.mse_loss(model(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        calls.append(tilework.stats(model)["last_step"]["ps"]["calls"])
+        losses.append(loss.item())
+    return calls, losses
+
+
+def test_a_step_meets_the_other_ranks_four_times_for_all_tables():
+    out = spawn(_calls_and_losses, world_size=2, timeout=90)
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        ids, y = batch(step)
+        loss = nn.functional.mse_loss(model(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = (out[0][1][step] + out[1][1][step]) / 2   # equal halves: the mean of the means
+        assert abs(mean - loss.item()) < 1e-5, step
+    # pull: lengths, ids, rows; push: rows retracing the pull (no ids, no lengths)
+    assert out[0][0] == out[1][0] == [4, 4, 4]
+
+
+def _stand_in(rank, world_size):
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    tilework.parallelize(model, opt, mode="hybrid", log=False)
+    ids = torch.tensor([[1, 2, 3], [1, 5, 7]])
+    table = model.tables[0]
+    out = table(ids[:, 0])
+    facts = (tuple(out.shape), out.dtype, out.dim(), len(out), isinstance(out, torch.Tensor))
+    pulled_before_use = tilework.stats(model)["total"].get("ps", {}).get("calls", 0)
+    with torch.no_grad():
+        before = table(ids[:, 0])          # waits, like `out`
+    loss = model(ids).sum()
+    loss.backward()
+    opt.step()                              # applies rows: waiting lookups pull first
+    after = table(ids[:, 0]).detach()
+    return (facts, pulled_before_use, out.requires_grad, (out * 1).tolist(), before.tolist(),
+            after.tolist())
+
+
+def test_the_stand_in_answers_metadata_and_reads_the_rows_of_its_own_time():
+    model = Recommender()
+    ids = torch.tensor([1, 1])
+    expected_before = model.tables[0](ids).tolist()
+    for facts, pulled, requires_grad, value, before, after in spawn(_stand_in, world_size=2,
+                                                                     timeout=90):
+        assert facts == ((2, 4), torch.float32, 2, 2, True)
+        assert pulled == 0                 # metadata needed no rows
+        assert requires_grad and value == expected_before
+        assert before == expected_before   # looked up before the step, used after it
+        assert after != expected_before    # the step moved row 1
