@@ -34,7 +34,8 @@ from .clip import clip_norm_with_servers, coalesced_grads
 from .hooks import PicklesAsNoop, plain_no_sync
 from .preflight import (check_device, check_not_tied, check_optimizer_covers,
                         check_same_model_everywhere, refuse_wrapped)
-from .state import gathered_state, load_state, parallel_optimizer_state, plain_optimizer_state
+from .state import (gathered_model_state, gathered_state, load_state, parallel_optimizer_state,
+                    plain_optimizer_state)
 from .changes import Changes, leave_optimizer, replace_module
 from .exchange import pull_tables, push_tables
 from .lookups import Batch
@@ -188,7 +189,7 @@ class Engine:
         steps: gradients not yet applied are dropped."""
         with self.guard.call("tilework.unparallelize()"):
             self.lookups.flush()
-            model_state = self.model_state(gather_to=None)
+            model_state = gathered_model_state(self, gather_to=None)
             optimizer_state = None if self.optimizer is None else self.optimizer.state_dict()
         self.discard_server_gradients()
         self.changes.undo()
@@ -386,17 +387,6 @@ class Engine:
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def model_state(self, gather_to) -> dict:
-        """model.state_dict() with the tables gathered to rank `gather_to` ("meta": shapes only,
-        no communication)."""
-        for module in self.table_modules.values():
-            module.gather_to = gather_to
-        try:
-            return dict(self.model.state_dict())
-        finally:
-            for module in self.table_modules.values():
-                module.gather_to = None
-
     def state_dict(self, dst: int = 0) -> dict:
         """Single-device layout: tables gathered to rank `dst` (None on other ranks).
 

@@ -28,7 +28,7 @@ def state_mismatch(expected: dict[str, tuple], given) -> str | None:
 def check_state(engine, state: dict) -> None:
     """Everything a load would touch, checked before anything is: a mismatch never
     half-loads."""
-    expected = {k: tuple(v.shape) for k, v in engine.model_state(gather_to="meta").items()}
+    expected = {k: tuple(v.shape) for k, v in gathered_model_state(engine, gather_to="meta").items()}
     opt = state.get("optimizer") if isinstance(state, dict) else None
     if not isinstance(opt, dict) or not {"dense", "groups", "rows"} <= set(opt):
         raise CheckpointError("checkpoint does not match the model: no optimizer state in "
@@ -170,7 +170,7 @@ def _checked_rows(name: str, part, saved_state: dict, name_of: dict):
 def gathered_state(engine, dst: int | None) -> dict:
     """The model and optimizer in single-device layout, server rows and their row-wise state
     gathered to rank `dst` (every rank when None); optimizer state keyed by parameter name."""
-    model_state = engine.model_state(gather_to=dst)
+    model_state = gathered_model_state(engine, gather_to=dst)
     rows: dict[str, dict] = {}
     for name, part in [*engine.tables.items(), *engine.served.items()]:
         state = {k: part.gather(v, dst) for k, v in part.optimizer.state_tensors().items()}
@@ -182,3 +182,15 @@ def gathered_state(engine, dst: int | None) -> dict:
         {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return {"model": model_state,
             "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
+
+
+def gathered_model_state(engine, gather_to) -> dict:
+    """model.state_dict() with the tables gathered to rank `gather_to` (None: every rank;
+    "meta": shapes only, no communication)."""
+    for module in engine.table_modules.values():
+        module.gather_to = gather_to
+    try:
+        return dict(engine.model.state_dict())
+    finally:
+        for module in engine.table_modules.values():
+            module.gather_to = None
