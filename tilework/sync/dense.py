@@ -4,9 +4,10 @@ every dense gradient holds the average over ranks.
 Buckets hold parameters in reverse registration order (roughly the order backward produces their
 gradients). A post-accumulate-grad hook marks a parameter ready; once every parameter of the next
 bucket is ready, its gradients are copied into one flat buffer and an asynchronous all-reduce is
-launched, overlapping with the rest of backward. `finish_backward()`, run by the engine from an
-end-of-backward autograd callback, launches the buckets still waiting (with zeros for parameters
-that got no gradient on this rank), waits for all and writes the averaged gradients back. Buckets
+launched, overlapping with the rest of backward. At the end of backward the engine calls
+`launch_rest()`, which launches the buckets still waiting (with zeros for parameters
+that got no gradient on this rank), pushes the server tables' rows, then `wait()`, which waits
+for all and writes the averaged gradients back. Buckets
 launch strictly in index order on every rank, so ranks whose graphs differ still issue the same
 collectives in the same order.
 
@@ -109,14 +110,24 @@ class DenseSync:
     def finish_backward(self) -> None:
         """At the end of a synchronised backward: every bucket reduced, gradients averaged in
         place. A no-op when this backward reduced nothing."""
+        self.launch_rest()
+        self.wait()
+
+    def launch_rest(self) -> None:
+        """Launch the buckets not yet launched (the last one carrying the input checks' words);
+        `wait` finishes them, and other work can go on between the two."""
         if not self.active:
             return
-        self.active = False
         while self.next_bucket < len(self.buckets):
             last = self.carry and self.next_bucket == len(self.buckets) - 1
             words = self.checks.words(self.buckets[-1].params[0][1].device) if last else None
             self._launch(self.buckets[self.next_bucket], words)
             self.next_bucket += 1
+
+    def wait(self) -> None:
+        if not self.active:
+            return
+        self.active = False
         for k, bucket in enumerate(self.buckets):
             if bucket.work is not None:
                 bucket.work.wait()

@@ -259,8 +259,9 @@ class Engine:
             self._unsynced = bool(self.tables or self.served)
             return
         self._check_server_gradients()  # before the dense sync, which carries the verdict
-        self.dense.finish_backward()
-        self._push_servers()
+        self.dense.launch_rest()
+        self._push_servers()            # while the last buckets are reduced
+        self.dense.wait()
         if self.optimizer is None:  # no step to wait for: this is where the step ends
             if self.checks is not None:
                 self._check_inputs()
