@@ -5,10 +5,9 @@ Buckets hold parameters in reverse registration order (roughly the order backwar
 gradients). A post-accumulate-grad hook marks a parameter ready; once every parameter of the next
 bucket is ready, its gradients are copied into one flat buffer and an asynchronous all-reduce is
 launched, overlapping with the rest of backward. At the end of backward the engine calls
-`launch_rest()`, which launches the buckets still waiting (with zeros for parameters
-that got no gradient on this rank), pushes the server tables' rows, then `wait()`, which waits
-for all and writes the averaged gradients back. Buckets
-launch strictly in index order on every rank, so ranks whose graphs differ still issue the same
+`launch_rest()` (the buckets still waiting, with zeros for parameters that got no gradient on
+this rank), pushes the server tables' rows meanwhile, then `wait()`, which waits for all and
+writes the averaged gradients back. Buckets launch strictly in index order on every rank, so ranks whose graphs differ still issue the same
 collectives in the same order.
 
 What is reduced is the whole accumulated `.grad`, as DDP does: repeated backward passes without a
