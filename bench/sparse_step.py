@@ -1,0 +1,112 @@
+"""The sparse path beside its peers, interleaved in one run on loopback: where the time goes.
+
+    torchrun --nproc-per-node 2 bench/sparse_step.py recommender [--rounds 5] [--steps 30]
+    torchrun --nproc-per-node 2 bench/sparse_step.py lm100k --systems ddp-sparse hybrid --profile
+
+Each round builds every system afresh (same model, seed, data and SGD as `tilework bench`) and
+times `steps` steps after 5 warm-up ones; a step's time is its slowest rank's, a round's the
+median step. Rounds interleave the systems so that drifts in the machine's speed hit all alike;
+hybrid's step time over each system's is the median of the per-round ratios (paired). Also
+prints, for hybrid, how many times per step the ranks meet (counted collectives by method) and,
+with --profile, rank 0's cProfile of one round of hybrid (the top functions by own time).
+TorchRec systems run where torchrec is installed (see README), else they are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from tilework.bench.worker import TORCHREC_SYSTEMS, _setup
+from tilework.bench.workloads import WORKLOADS
+
+WARMUP = 5
+
+
+def round_median(workload, system, steps, rank, world_size, profile=None) -> tuple[float, dict]:
+    model, opt, _, _ = _setup(workload, system, world_size)
+    times = []
+    for step in range(WARMUP + steps):
+        inputs = workload.batch(step, rank, world_size)
+        dist.barrier()
+        if profile is not None and step == WARMUP:
+            profile.enable()
+        start = time.perf_counter()
+        model(*inputs).backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - start)
+    if profile is not None:
+        profile.disable()
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    calls = {}
+    if system in ("hybrid", "ps", "allreduce"):
+        import tilework
+
+        calls = {m: t["calls"] for m, t in tilework.stats(model)["last_step"].items()}
+    return statistics.median(slowest.tolist()), calls
+
+
+def available(systems: list[str]) -> list[str]:
+    try:
+        import torchrec  # noqa: F401  (only whether it imports)
+    except ImportError:
+        return [s for s in systems if s not in TORCHREC_SYSTEMS]
+    return systems
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("workload", choices=sorted(WORKLOADS))
+    p.add_argument("--systems", nargs="+", default=["ddp-sparse", "hybrid", "torchrec"])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    workload = WORKLOADS[a.workload]
+    systems = [s for s in available(a.systems)
+               if s not in TORCHREC_SYSTEMS or a.workload == "recommender"]
+    rounds: dict[str, list[float]] = {s: [] for s in systems}
+    calls: dict = {}
+    for r in range(a.rounds):
+        for system in systems:
+            profile = cProfile.Profile() if a.profile and system == "hybrid" and r == 0 \
+                and rank == 0 else None
+            median, got = round_median(workload, system, a.steps, rank, world_size, profile)
+            rounds[system].append(median)
+            calls = got or calls
+            if profile is not None:
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+                print(text.getvalue())
+    if rank == 0:
+        report(a.workload, rounds, calls)
+
+
+def report(workload: str, rounds: dict[str, list[float]], calls: dict) -> None:
+    base = rounds.get("hybrid")
+    for system, values in rounds.items():
+        line = (f"{workload:>11} {system:>11}: " + " ".join(f"{v * 1e3:6.2f}" for v in values)
+                + f"  median {statistics.median(values) * 1e3:6.2f} ms/step")
+        if base and system != "hybrid":
+            paired = statistics.median(b / v for v, b in zip(values, base))
+            line += f"  hybrid's step is {paired:.2f}x this one's"
+        print(line)
+    if calls:
+        print(f"hybrid meets the other ranks per step: {calls} (collectives by method)")
+
+
+if __name__ == "__main__":
+    main()
