@@ -92,3 +92,26 @@ def test_the_stand_in_answers_metadata_and_reads_the_rows_of_its_own_time():
         assert requires_grad and value == expected_before
         assert before == expected_before   # looked up before the step, used after it
         assert after != expected_before    # the step moved row 1
+
+
+def _compiled_losses(rank, world_size):
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, mode="hybrid", log=False)
+    compiled = torch.compile(model, backend="aot_eager")   # dynamo and AOT autograd, no C++
+    losses = []
+    for step in range(3):
+        ids, y = batch(step, rank, world_size)
+        loss = nn.functional.mse_loss(compiled(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_compiled_model_pulls_at_once_and_trains_as_the_eager_one():
+    eager = spawn(_calls_and_losses, world_size=2, timeout=90)
+    compiled = spawn(_compiled_losses, world_size=2, timeout=180)
+    for rank in range(2):
+        assert compiled[rank] == eager[rank][1], rank

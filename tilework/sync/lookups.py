@@ -44,13 +44,19 @@ class Batch:
 
     def add(self, lookup: Lookup, like: torch.Tensor) -> torch.Tensor:
         if _tracing():
-            self._pull([lookup])
-            return lookup.output
+            return self._pull_now(lookup)
         stand_in = torch.Tensor._make_subclass(Deferred, like, False)
         stand_in._lookup, stand_in._batch = lookup, self
         lookup.stand_in = stand_in
         self.waiting.append(lookup)
         return stand_in
+
+    @torch.compiler.disable
+    def _pull_now(self, lookup: Lookup) -> torch.Tensor:
+        """Compiled code gets the rows at once, from a graph break: collectives, the call guard
+        and the store stay out of the graph."""
+        self._pull([lookup])
+        return lookup.output
 
     def flush(self) -> None:
         if self.waiting:
