@@ -8,6 +8,7 @@ from .api import (clip_grad_norm_, clip_grad_value_, load, load_state_dict, para
                   state_dict, stats, unparallelize)
 from .cluster import Cluster, Host, Link, Topology
 from .errors import UserError
+from .memory import estimate_memory
 from .parallel_config import ParallelConfig
 # Last: the function `plan` takes the name that importing the submodule `tilework.plan` (the
 # plan's data types, `from tilework.plan import Plan`) gave the package.
@@ -16,4 +17,4 @@ from .planner import plan  # noqa: E402
 __version__ = "0.1.0"
 __all__ = ["parallelize", "unparallelize", "plan", "ParallelConfig", "clip_grad_norm_", "clip_grad_value_",
            "stats", "save", "load", "state_dict", "load_state_dict", "Cluster", "Host", "Link",
-           "Topology", "UserError"]
+           "Topology", "UserError", "estimate_memory"]

@@ -1,0 +1,189 @@
+"""What one rank holds in memory under a plan: parameters, gradients, optimizer state,
+activations, the dense all-reduce's bucket copies, and the peak. Pure: the model runs forward
+on the meta device (no memory, no process group), so a model too large for this machine can be
+estimated here.
+
+Per rank, for the plan `tilework.plan` makes (ZeRO stages are not built yet: every dense
+parameter is replicated):
+
+- parameters: dense ones whole; a server table's shard (its rows in `TableLayout`); a dense
+  parameter on the servers (mode="ps") whole plus its owner's shard.
+- gradients: dense ones whole (torch accumulates into `.grad`); a server table's rows for the
+  ids this rank looked up (at most one row per lookup: an upper bound).
+- optimizer state: per element of what the optimizer updates on this rank (Adam's two moments,
+  Adagrad's sum, SGD momentum's buffer), dense parameters whole and server tables on the shard.
+- activations: what autograd saves for backward in a meta forward of `example_inputs`
+  (parameters excluded), the forward's output included.
+- buckets: the dense all-reduce's flat copy of the gradients it reduces (a bucket holding one
+  parameter reduces in place, sync/dense.py).
+- temporaries: backward's largest transient, taken as twice the largest saved activation (the
+  gradient of that activation and the tensor it flows into), a rule of thumb, not a trace; and
+  the optimizer step's: torch's foreach Adam-family steps build about one parameter-sized
+  intermediate (`step_temporaries`), the others none.
+
+The peak is parameters + optimizer state + the largest of (activations + temporaries) at the
+end of forward, (gradients + buckets) at the end of backward and (gradients + the step's
+temporaries) during the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Optimizer state, in elements per updated element; torch's Adam family and Adagrad also keep
+# a float32 step counter per parameter tensor.
+STATE_PER_ELEMENT = {"sgd": 0, "sgd-momentum": 1, "adagrad": 1, "adam": 2, "adamw": 2,
+                     "sparseadam": 2, "rmsprop": 1}
+STEP_COUNTER_BYTES = {"adagrad": 4, "adam": 4, "adamw": 4, "rmsprop": 4}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    rank: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    buckets: int
+    temporaries: int
+    step_temporaries: int
+
+    @property
+    def peak(self) -> int:
+        forward = self.activations + self.temporaries
+        backward = self.gradients + self.buckets
+        step = self.gradients + self.step_temporaries
+        return self.parameters + self.optimizer_state + max(forward, backward, step)
+
+    def as_dict(self) -> dict:
+        return {**vars(self), "peak": self.peak}
+
+
+def optimizer_kind(optimizer) -> str:
+    """The STATE_PER_ELEMENT key of a torch optimizer (instance or class) or a name."""
+    if isinstance(optimizer, str):
+        kind = optimizer.lower()
+    else:
+        cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+        kind = cls.__name__.lower()
+        if kind == "sgd" and not isinstance(optimizer, type):
+            momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+            kind = "sgd-momentum" if momentum else "sgd"
+    if kind not in STATE_PER_ELEMENT:
+        raise ValueError(f"optimizer: expected one of {', '.join(STATE_PER_ELEMENT)}, got {kind!r}")
+    return kind
+
+
+def saved_activation_bytes(model: nn.Module, example_inputs: tuple) -> tuple[int, int]:
+    """(bytes autograd saves in a meta forward, the largest saved tensor's bytes); parameters
+    are not activations, and a storage saved twice counts once."""
+    meta_model = _on_meta(model)
+    params = {_storage(p) for p in [*meta_model.parameters(), *meta_model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        if _storage(t) not in params:
+            seen.setdefault(_storage(t), t.untyped_storage().nbytes())
+        return t
+
+    inputs = tuple(x.to("meta") if torch.is_tensor(x) else x for x in example_inputs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _WorstCaseUnique():
+        out = meta_model(*inputs)
+    outs = [out] if torch.is_tensor(out) else [o for o in (out or ()) if torch.is_tensor(o)]
+    for o in outs:
+        seen.setdefault(_storage(o), o.untyped_storage().nbytes())
+    return sum(seen.values()), max(seen.values(), default=0)
+
+
+class _WorstCaseUnique(TorchDispatchMode):
+    """torch.unique on the meta device, which has no kernel for it (its output's length
+    depends on the values): every element distinct, the upper bound."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        if func in _UNIQUE and torch.is_tensor(x) and x.device.type == "meta":
+            flat = x.reshape(-1)
+            return (torch.empty_like(flat),
+                    torch.empty(x.shape, dtype=torch.long, device="meta"),
+                    torch.empty(flat.shape, dtype=torch.long, device="meta"))
+        return func(*args, **kwargs)
+
+
+_UNIQUE = {torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata   # the storage itself: views of one count once
+
+
+def _on_meta(model: nn.Module) -> nn.Module:
+    """The model with every parameter and buffer on the meta device; the user's is untouched
+    and never copied (a deep copy whose memo maps each tensor to an empty meta one)."""
+    import copy
+
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) \
+            else empty
+    return copy.deepcopy(model, memo)
+
+
+def estimate_memory(model: nn.Module, config=None, example_inputs: tuple = (), cluster=None,
+                    optimizer="adam", rank: int = 0) -> MemoryEstimate:
+    """Bytes rank `rank` holds training `model` on `example_inputs` (one rank's batch) under
+    the plan `tilework.plan(model, config, cluster)` makes, with `optimizer` (a torch optimizer,
+    its class or its name). Pure: runs on the meta device, needs no process group."""
+    from .layout import TableLayout
+    from .planner import plan as make_plan
+
+    plan = make_plan(model, config, cluster)
+    if not 0 <= rank < plan.world_size:
+        raise ValueError(f"rank: expected 0..{plan.world_size - 1}, got {rank}")
+    per_element = STATE_PER_ELEMENT[optimizer_kind(optimizer)]   # checks it before any work
+    lookups = _lookups_per_table(model, example_inputs)
+    params = grads = state = buckets = 0
+    for pp in plan.params:
+        if pp.method == "allreduce":
+            params, grads, state = params + pp.nbytes, grads + pp.nbytes, \
+                state + per_element * pp.nbytes
+            continue
+        shard = TableLayout(pp, plan.world_size, device="meta").shard_sizes[rank] * pp.row_bytes
+        if pp.is_table:
+            params += shard
+            grads += min(lookups.get(pp.name, pp.shape[0]), pp.shape[0]) * pp.row_bytes
+        else:   # mode="ps": a replica to compute with, the shard its owner updates
+            params, grads = params + pp.nbytes + shard, grads + pp.nbytes
+        state += per_element * shard
+    dense = [pp.nbytes for pp in plan.of("allreduce")]
+    state += STEP_COUNTER_BYTES.get(optimizer_kind(optimizer), 0) * len(dense)
+    if plan.world_size > 1 and len(dense) > 1:
+        buckets = sum(dense)   # flat copies (a lone large parameter is reduced in place)
+    activations, largest = saved_activation_bytes(model, example_inputs)
+    kind = optimizer_kind(optimizer)
+    step = sum(dense) if kind in ("adam", "adamw") else 0
+    return MemoryEstimate(rank, params, grads, state, activations, buckets, 2 * largest, step)
+
+
+def _lookups_per_table(model: nn.Module, example_inputs: tuple) -> dict[str, int]:
+    """How many ids each embedding table is asked for in a forward of `example_inputs`."""
+    from .analysis import embedding_modules
+
+    counts: dict[str, int] = {}
+    meta_model = _on_meta(model)
+    handles = [m.register_forward_pre_hook(
+        lambda m, args, name=name: counts.__setitem__(name, counts.get(name, 0) + args[0].numel()))
+        for name, m in embedding_modules(meta_model).items()]
+    inputs = tuple(x.to("meta") if torch.is_tensor(x) else x for x in example_inputs)
+    try:
+        with torch.no_grad(), _WorstCaseUnique():
+            meta_model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
