@@ -2,8 +2,7 @@
 MemTracker on real one-process runs of the benchmark workloads, and per rank under a plan.
 
 Measured here (estimate / MemTracker): parameters, gradients and optimizer state exact;
-activations 1.03-1.19 (the LSTM LM: 0.68, its saved workspace is not all visible to
-saved-tensor hooks); peak 0.89-1.10. The issue's target is +-10% for every category: met but for
+activations 1.03-1.19 (the LSTM LM: 0.68, not yet explained); peak 0.89-1.10. The issue's target is +-10% for every category: met but for
 those activations and the recommender's Adam peak (0.89); the bounds below are what holds.
 """
 
