@@ -80,3 +80,24 @@ def test_per_rank_under_a_plan_without_a_process_group():
     assert all(e.gradients == four[0].gradients for e in four)
     with pytest.raises(ValueError, match="rank"):
         estimate_memory(model, ParallelConfig(), inputs, cluster, "adagrad", rank=4)
+
+
+def test_tilework_plan_reports_memory_per_rank_and_flags_what_is_over_budget(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('[[hosts]]\nname = "a"\nprocs = 2\nmemory_gb = 0.001\n'
+                       '[[hosts]]\nname = "b"\nprocs = 2\n')
+    args = [sys.executable, "-m", "tilework", "plan", "--job", "docs/examples/demo-job.toml",
+            "--cluster", str(cluster)]
+    out = json.loads(subprocess.run([*args, "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    memory = out["memory"]
+    assert [m["rank"] for m in memory] == [0, 1, 2, 3]
+    assert [m["over_budget"] for m in memory] == [True, True, False, False]   # b: no budget
+    assert memory[0]["budget"] == pytest.approx(0.8e6)
+    printed = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    assert "rank 0: estimated peak" in printed and "over its budget" in printed
+    assert "rank 2: estimated peak" not in printed

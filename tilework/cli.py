@@ -168,6 +168,25 @@ def _print_report(out: dict, title: str, console) -> None:
                   # None where nothing is sent (one rank): no ratio to give
                   + ("" if speedup is None else
                      f"; hybrid speed-up over all-AllReduce {speedup:.2f}x"))
+    _print_memory(out["memory"], console)
+
+
+def _print_memory(memory: list[dict], console) -> None:
+    """The busiest rank's estimated memory, and every rank over its budget."""
+    top = max(memory, key=lambda m: m["peak"])
+    mb = lambda key: f"{top[key] / 1e6:,.1f}"   # noqa: E731
+    parts = ", ".join(f"{key.replace('_', ' ')} {mb(key)}" for key in (
+        "parameters", "optimizer_state", "activations", "temporaries", "gradients", "buckets",
+        "step_temporaries"))
+    console.print(f"estimated memory, busiest rank ({top['rank']}): peak {mb('peak')} MB "
+                  f"({parts}; docs/memory.md says how they combine)")
+    over = [m for m in memory if m["over_budget"]]
+    for m in over[:5]:
+        console.print(f"[bold red]rank {m['rank']}: estimated peak {m['peak'] / 1e9:.2f} GB is "
+                      f"over its budget {m['budget'] / 1e9:.2f} GB[/] (80% of the cluster "
+                      "file's memory_gb for its host)")
+    if len(over) > 5:
+        console.print(f"... and {len(over) - 5} more ranks over budget")
 
 
 def _cmd_calibrate(a, argv, env) -> int:

@@ -7,6 +7,7 @@ A cluster file (TOML) looks like:
     name = "node0"
     address = "192.0.2.1"             # optional; what other hosts use to reach this one
     procs = 2                         # processes (ranks) on this host
+    memory_gb = 80                    # optional: memory per process, for `tilework plan`
     [[hosts]]
     name = "node1"
     procs = 2
@@ -64,9 +65,12 @@ class Host:
     name: str
     procs: int = 1
     address: str | None = None
+    memory_gb: float | None = None    # memory for each process (a GPU's, or host RAM / procs)
 
     def __post_init__(self):
         check(bool(self.name.strip()), "name", "a non-empty host name")
+        check(self.memory_gb is None or self.memory_gb > 0, "memory_gb",
+              f"a positive number of GB per process, got {self.memory_gb}")
         check(self.procs >= 1, "procs", f"at least 1 process per host, got {self.procs}")
         # Every layer lists a host's ranks (Topology); a typo like 2**40 must not try to.
         check(self.procs <= MAX_PROCS, "procs",

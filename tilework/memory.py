@@ -139,35 +139,46 @@ def estimate_memory(model: nn.Module, config=None, example_inputs: tuple = (), c
     """Bytes rank `rank` holds training `model` on `example_inputs` (one rank's batch) under
     the plan `tilework.plan(model, config, cluster)` makes, with `optimizer` (a torch optimizer,
     its class or its name). Pure: runs on the meta device, needs no process group."""
-    from .layout import TableLayout
     from .planner import plan as make_plan
 
     plan = make_plan(model, config, cluster)
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank: expected 0..{plan.world_size - 1}, got {rank}")
-    per_element = STATE_PER_ELEMENT[optimizer_kind(optimizer)]   # checks it before any work
-    lookups = _lookups_per_table(model, example_inputs)
-    params = grads = state = buckets = 0
-    for pp in plan.params:
-        if pp.method == "allreduce":
-            params, grads, state = params + pp.nbytes, grads + pp.nbytes, \
-                state + per_element * pp.nbytes
-            continue
-        shard = TableLayout(pp, plan.world_size, device="meta").shard_sizes[rank] * pp.row_bytes
-        if pp.is_table:
-            params += shard
-            grads += min(lookups.get(pp.name, pp.shape[0]), pp.shape[0]) * pp.row_bytes
-        else:   # mode="ps": a replica to compute with, the shard its owner updates
-            params, grads = params + pp.nbytes + shard, grads + pp.nbytes
-        state += per_element * shard
-    dense = [pp.nbytes for pp in plan.of("allreduce")]
-    state += STEP_COUNTER_BYTES.get(optimizer_kind(optimizer), 0) * len(dense)
-    if plan.world_size > 1 and len(dense) > 1:
-        buckets = sum(dense)   # flat copies (a lone large parameter is reduced in place)
-    activations, largest = saved_activation_bytes(model, example_inputs)
+    return estimate_per_rank(model, plan, example_inputs, optimizer, ranks=[rank])[0]
+
+
+def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="adam",
+                      ranks=None) -> list[MemoryEstimate]:
+    """`estimate_memory` for `ranks` (default: every rank) of a given plan: the forward runs
+    once, each table's layout is built once."""
+    from .layout import TableLayout
+
     kind = optimizer_kind(optimizer)
-    step = sum(dense) if kind in ("adam", "adamw") else 0
-    return MemoryEstimate(rank, params, grads, state, activations, buckets, 2 * largest, step)
+    per_element = STATE_PER_ELEMENT[kind]
+    lookups = _lookups_per_table(model, example_inputs)
+    activations, largest = saved_activation_bytes(model, example_inputs)
+    dense = [pp.nbytes for pp in plan.of("allreduce")]
+    common = {"parameters": sum(dense), "gradients": sum(dense),
+              "optimizer_state": per_element * sum(dense) + STEP_COUNTER_BYTES.get(kind, 0) * len(dense)}
+    served = [(pp, TableLayout(pp, plan.world_size, device="meta").shard_sizes)
+              for pp in plan.of("ps")]
+    out = []
+    for rank in range(plan.world_size) if ranks is None else ranks:
+        params, grads, state = common["parameters"], common["gradients"], common["optimizer_state"]
+        for pp, sizes in served:
+            shard = sizes[rank] * pp.row_bytes
+            if pp.is_table:
+                params += shard
+                grads += min(lookups.get(pp.name, pp.shape[0]), pp.shape[0]) * pp.row_bytes
+            else:   # mode="ps": a replica to compute with, the shard its owner updates
+                params, grads = params + pp.nbytes + shard, grads + pp.nbytes
+            state += per_element * shard
+        # Flat bucket copies of the dense gradients (a lone large parameter is reduced in place).
+        buckets = sum(dense) if plan.world_size > 1 and len(dense) > 1 else 0
+        step = sum(dense) if kind in ("adam", "adamw") else 0
+        out.append(MemoryEstimate(rank, params, grads, state, activations, buckets, 2 * largest,
+                                  step))
+    return out
 
 
 def _lookups_per_table(model: nn.Module, example_inputs: tuple) -> dict[str, int]:

@@ -118,6 +118,39 @@ def job_plan(job: Job, cluster: Cluster, mode: str | None = None) -> Plan:
     return plan(model, config, cluster, traffic=table_traffic(job, analyze(model), cluster))
 
 
+def example_batch(job: Job, cluster: Cluster) -> tuple:
+    """One rank's inputs to the job's model, as the trainer passes them (zeros: only their
+    shapes matter to the memory estimate)."""
+    n = cluster.world_size
+    b = max(1, -(-job.data.batch_size // n)) if job.data.scaling == "strong" else job.data.batch_size
+    long = dict(dtype=torch.long)
+    if job.workload == "lm":
+        c = job.lm
+        negatives = torch.zeros(c.num_sampled, **long) if c.num_sampled else None
+        return torch.zeros(b, c.seq_len, **long), torch.zeros(b, c.seq_len, **long), negatives
+    if job.workload == "cnn":
+        c = job.cnn
+        return torch.zeros(b, 3, c.image_size, c.image_size), torch.zeros(b, **long)
+    c = job.recommender
+    return (torch.zeros(b, c.dense_features), torch.zeros(b, len(c.table_sizes), **long),
+            torch.zeros(b))
+
+
+def memory_per_rank(job: Job, cluster: Cluster, chosen: Plan) -> list[dict]:
+    """Each rank's estimated memory under the job's plan, with its budget (80% of the cluster
+    file's memory per process, where it says) and whether the estimate's peak exceeds it."""
+    from .memory import estimate_per_rank
+
+    budgets = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
+    out = []
+    for e in estimate_per_rank(meta_model(job), chosen, example_batch(job, cluster),
+                               job.train.optimizer):
+        budget = None if budgets[e.rank] is None else 0.8 * budgets[e.rank] * 1e9
+        out.append(e.as_dict() | {"budget": budget,
+                                  "over_budget": budget is not None and e.peak > budget})
+    return out
+
+
 def report(job: Job, cluster: Cluster) -> dict:
     infos = analyze(meta_model(job))
     traffic = table_traffic(job, infos, cluster)
@@ -140,5 +173,6 @@ def report(job: Job, cluster: Cluster) -> dict:
             "params": [vars(r) | {"shape": list(r.shape),
                                   "why": chosen.by_name()[r.name].reason} for r in rows],
             "step_comm_seconds": times,
+            "memory": memory_per_rank(job, cluster, chosen),
             "hybrid_speedup_over_allreduce": times["allreduce"] / times["hybrid"]
             if times["hybrid"] else None}
