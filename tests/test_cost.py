@@ -1,5 +1,6 @@
 """The cost model's bytes equal what the runtime's counters show, exactly; and it is fast."""
 
+import dataclasses
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from tilework.analysis import analyze
 from tilework.cluster import Links, Topology
 from tilework.comm import build_groups
 from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
-                           ps_expected, ps_table_bytes)
+                           hot_sync_bytes, ps_expected, ps_table_bytes)
 from tilework.wire import CHECK_WORDS, input_check_bytes
 from tilework.planner import make_plan
 from tilework.testing import spawn
@@ -39,12 +40,23 @@ def ids_for(step, rank):
     return torch.randint(0, 50, (3, 4), generator=g), torch.randint(0, 7, (3, 2), generator=g)
 
 
-def _run(rank, world_size, mode, hosts, local_aggregation):
+def _plan(model, mode, world_size, hosts, local_aggregation, hot):
+    """The plan both sides use: the words table's first `hot` rows replicated (sync/hot.py)."""
+    topo = Topology.uniform(hosts, world_size // hosts)
+    plan = make_plan(analyze(model), world_size, mode, bucket_bytes=BUCKET,
+                     local_aggregation=local_aggregation, topology=topo)
+    return dataclasses.replace(plan, params=tuple(
+        dataclasses.replace(p, hot_rows=hot) if p.name == "words.weight" and p.method == "ps"
+        else p for p in plan.params))
+
+
+def _run(rank, world_size, mode, hosts, local_aggregation, hot=0):
     model = TwoTables()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
-    tilework.parallelize(model, opt, groups=groups, mode=mode, local_aggregation=local_aggregation,
-                         bucket_mb=BUCKET / 2**20, log=False)
+    tilework.parallelize(model, opt, groups=groups,
+                         plan=_plan(model, mode, world_size, hosts, local_aggregation, hot),
+                         log=False)
     measured = []
     for step in range(2):
         model(*ids_for(step, rank)).backward()
@@ -55,10 +67,10 @@ def _run(rank, world_size, mode, hosts, local_aggregation):
     return measured
 
 
-def predicted(mode, world_size, hosts, local_aggregation, step):
+def predicted(mode, world_size, hosts, local_aggregation, step, hot=0):
     topo = Topology.uniform(hosts, world_size // hosts)
     model = TwoTables()
-    plan = make_plan(analyze(model), world_size, mode, bucket_bytes=BUCKET)
+    plan = _plan(model, mode, world_size, hosts, local_aggregation, hot)
     params = dict(model.named_parameters())
     dense = [p.numel() * 4 for n, p in params.items() if plan.by_name()[n].method == "allreduce"]
     # The input check rides the last dense bucket where there is one; else it is an exchange.
@@ -77,6 +89,7 @@ def predicted(mode, world_size, hosts, local_aggregation, step):
             sent = dense_served_bytes(pp, world_size)
         for r in range(world_size):
             per_rank[r]["ps"] += sent[r]
+            per_rank[r]["allreduce"] += hot_sync_bytes(pp, world_size)
     return [{m: b for m, b in d.items() if b} for d in per_rank]
 
 
@@ -87,6 +100,16 @@ def test_counters_equal_the_cost_model(mode, world_size, hosts, local_aggregatio
     measured = spawn(_run, world_size, args=(mode, hosts, local_aggregation), timeout=120)
     for step in range(2):
         expected = predicted(mode, world_size, hosts, local_aggregation, step)
+        got = [{m: b for m, b in measured[r][step].items() if b} for r in range(world_size)]
+        assert got == expected, f"step {step}"
+
+
+@pytest.mark.parametrize("world_size, hosts, local_aggregation",
+                         [(2, 1, True), (4, 2, True), (4, 2, False)])
+def test_counters_equal_the_cost_model_with_a_hot_head(world_size, hosts, local_aggregation):
+    measured = spawn(_run, world_size, args=("hybrid", hosts, local_aggregation, 10), timeout=120)
+    for step in range(2):
+        expected = predicted("hybrid", world_size, hosts, local_aggregation, step, 10)
         got = [{m: b for m, b in measured[r][step].items() if b} for r in range(world_size)]
         assert got == expected, f"step {step}"
 

@@ -11,6 +11,7 @@ No process group is needed: everything here runs at world size 1,000 on a laptop
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 
 from .cluster import Link, Links, Topology
 from .layout import TableLayout, routes
-from .plan import Cost, ParamPlan, assign_buckets
+from .plan import Cost, ParamPlan, assign_buckets, dtype_bytes
 from .wire import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, all_gather_bytes,
                    count_exchange_bytes, ring_allreduce_bytes)
 
@@ -61,7 +62,9 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
     n, row_bytes = topology.world_size, plan.row_bytes
     layout = TableLayout(plan, n)
     sent = [0] * n
-    current = {r: torch.unique(ids_per_rank[r]) for r in range(n)}
+    # The replicated head's ids stay home (its all-reduce is `hot_sync_bytes`).
+    current = {r: torch.unique(ids_per_rank[r][ids_per_rank[r] >= plan.hot_rows])
+               for r in range(n)}
     for route in routes(layout, topology, local_aggregation):
         groups, dest = route.groups, route.dest
         arriving: dict[int, list[torch.Tensor]] = {r: [] for r in range(n)}
@@ -88,6 +91,12 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
     return sent
 
 
+def hot_sync_bytes(plan: ParamPlan, n: int) -> int:
+    """Exact bytes of a table's replicated head (sync/hot.py): its gradient rows and one touched
+    flag per row, in the row's dtype, all-reduced once per synchronised step."""
+    return ring_allreduce_bytes(plan.hot_rows * (plan.row_bytes + dtype_bytes(plan.dtype)), n)
+
+
 def dense_served_bytes(plan: ParamPlan, n: int) -> list[int]:
     """Exact bytes of a dense parameter on the servers (mode="ps"): push rows, pull shards
     (lengths are static, so no counts travel)."""
@@ -108,16 +117,12 @@ def dense_served(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
 
 # -- parameter server: expected, for planning ---------------------------------------------------
 
-def expected_unique(rows: int, lookups: float, alpha: float = 1.0) -> float:
-    """Expected distinct rows among `lookups` ids drawn with P(id) ~ (id+1)^-alpha.
-
-    sum_i 1 - (1 - p_i)^k: exact over the first 10,000 rows, then on geometric bins whose
-    probability mass is the midpoint integral (well under 1% off for any table), so 800,000-row
-    tables cost well under a millisecond.
-    """
-    if lookups <= 0 or rows <= 0:
-        return 0.0
-    head = min(rows, 10_000)
+@functools.lru_cache(maxsize=64)
+def _zipf_probs(rows: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """P(id) ~ (id+1)^-alpha over `rows` ids: exact per row over the first 10,000 rows, then on
+    geometric bins whose probability mass is the midpoint integral. (probability of one id of
+    each entry, ids per entry)."""
+    head = min(rows, _EXACT_ROWS)
     ranks = np.arange(1, head + 1, dtype=np.float64)
     weights, counts = [ranks ** -alpha], [np.ones(head)]
     if rows > head:
@@ -129,24 +134,49 @@ def expected_unique(rows: int, lookups: float, alpha: float = 1.0) -> float:
         weights.append(mass / width)
         counts.append(width)
     w, c = np.concatenate(weights), np.concatenate(counts)
-    p = w / np.sum(w * c)
-    return float(np.sum(c * -np.expm1(lookups * np.log1p(-np.minimum(p, 1 - 1e-15)))))
+    return w / np.sum(w * c), c
+
+
+_EXACT_ROWS = 10_000
+
+
+def _touched(p: np.ndarray, lookups: float) -> np.ndarray:
+    """Probability that `lookups` draws touch an id of probability p."""
+    return -np.expm1(lookups * np.log1p(-np.minimum(p, 1 - 1e-15)))
+
+
+def expected_unique(rows: int, lookups: float, alpha: float = 1.0) -> float:
+    """Expected distinct rows among `lookups` ids drawn with P(id) ~ (id+1)^-alpha.
+
+    sum_i 1 - (1 - p_i)^k: exact over the first 10,000 rows, then on geometric bins (well under
+    1% off for any table), so 800,000-row tables cost well under a millisecond.
+    """
+    if lookups <= 0 or rows <= 0:
+        return 0.0
+    p, c = _zipf_probs(rows, float(alpha))
+    return float(np.sum(c * _touched(p, lookups)))
 
 
 @dataclass(frozen=True)
 class TableTraffic:
-    """Expected distinct rows one step touches: per rank, per host, in the whole world."""
+    """Expected distinct rows one step touches: per rank, per host, in the whole world.
+
+    `model`: where the traffic is Zipf, (rows, alpha, lookups per rank, per host, in the world),
+    from which the traffic of the table's tail past a replicated head follows (`tail`)."""
 
     per_rank: float
     per_host: float
     world: float
+    model: tuple[int, float, float, float, float] | None = None
 
     @classmethod
-    def zipf(cls, rows: int, lookups_per_rank: float, topology: Topology, alpha: float = 1.0):
-        local = len(topology.hosts[0])
-        return cls(expected_unique(rows, lookups_per_rank, alpha),
-                   expected_unique(rows, lookups_per_rank * local, alpha),
-                   expected_unique(rows, lookups_per_rank * topology.world_size, alpha))
+    def zipf(cls, rows: int, lookups_per_rank: float, topology: Topology, alpha: float = 1.0,
+             shared: float = 0.0):
+        """`shared`: lookups every rank makes alike (an LM's sampled negatives), once per step."""
+        local, n = len(topology.hosts[0]), topology.world_size
+        ks = (lookups_per_rank + shared, lookups_per_rank * local + shared,
+              lookups_per_rank * n + shared)
+        return cls(*(expected_unique(rows, k, alpha) for k in ks), model=(rows, alpha, *ks))
 
     @classmethod
     def from_density(cls, rows: int, density: float, topology: Topology):
@@ -154,6 +184,49 @@ class TableTraffic:
         local, n = len(topology.hosts[0]), topology.world_size
         return cls(density * rows, rows * (1 - (1 - density) ** local),
                    rows * (1 - (1 - density) ** n))
+
+    def tail(self, hot_rows: int) -> "TableTraffic":
+        """The traffic of rows [hot_rows, rows) alone. Without a Zipf model, every head row is
+        taken as touched at every level (the most the head can remove)."""
+        if not hot_rows:
+            return self
+        if self.model is None:
+            return TableTraffic(*(max(0.0, x - hot_rows)
+                                  for x in (self.per_rank, self.per_host, self.world)))
+        return dict(self.splits((hot_rows,)))[hot_rows]
+
+    def splits(self, hot_rows=None) -> list[tuple[int, "TableTraffic"]]:
+        """(head size, the tail's traffic) for each of `hot_rows` (default: the rows each rank
+        touches with probability at least 0.95, 0.8, 0.5, 0.3, 0.1, 0.03): the head sizes worth
+        costing. Only with a Zipf model; at most 10,000 head rows, where rows are exact."""
+        if self.model is None:
+            return []
+        rows, alpha, *ks = self.model
+        p, c = _zipf_probs(rows, float(alpha))
+        exact = min(rows - 1, _EXACT_ROWS)
+        touched = [c * _touched(p, k) for k in ks]
+        if hot_rows is None:
+            hot_rows = sorted({self.touched_rows(q) for q in _TOUCH_PROBABILITIES} - {0})
+        if any(h > exact for h in hot_rows):
+            raise ValueError(f"a replicated head of at most {exact} rows, got {max(hot_rows)}")
+        heads = [np.concatenate([[0.0], np.cumsum(t[:exact])]) for t in touched]
+        totals = [float(np.sum(t)) for t in touched]
+        return [(h, TableTraffic(*(max(0.0, total - float(head[h]))
+                                   for total, head in zip(totals, heads))))
+                for h in hot_rows]
+
+    def touched_rows(self, probability: float) -> int:
+        """How many of the most frequent rows each rank touches with at least `probability` (0
+        without a Zipf model; at most 10,000 and fewer than the table's rows)."""
+        if self.model is None:
+            return 0
+        rows, alpha, per_rank = self.model[:3]
+        p, _ = _zipf_probs(rows, float(alpha))
+        exact = min(rows - 1, _EXACT_ROWS)
+        return int(np.sum(_touched(p[:exact], per_rank) >= probability))
+
+
+_TOUCH_PROBABILITIES = (0.95, 0.8, 0.5, 0.3, 0.1, 0.03)
 
 
 def _exchange(requests: float, requesters: int, servers: int, row_bytes: int):
@@ -215,4 +288,18 @@ def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, l
         return dense_served(plan, topology, links)
     if traffic is None:
         return None
-    return ps_expected(plan, traffic, topology, links, local_aggregation)
+    return ps_split(plan, traffic, topology, links, local_aggregation)
+
+
+def ps_split(plan: ParamPlan, traffic: TableTraffic, topology: Topology, links: Links,
+             local_aggregation: bool, tail: bool = False) -> Cost:
+    """A server table whose first `hot_rows` rows are replicated: the head's all-reduce (rows
+    and touched flags) plus the servers' traffic of the tail (`tail`: `traffic` is already the
+    tail's, as the planner computes it once for every partition count)."""
+    rest = traffic if tail else traffic.tail(plan.hot_rows)
+    tail = ps_expected(plan, rest, topology, links, local_aggregation)
+    if not plan.hot_rows:
+        return tail
+    head = ring_allreduce(plan.hot_rows * (plan.row_bytes + dtype_bytes(plan.dtype)), topology,
+                          links)
+    return Cost(tail.bytes_sent + head.bytes_sent, tail.seconds + head.seconds)

@@ -8,7 +8,8 @@ and gradients go, and `predicted` what the cost model expects one step of it to 
 Placements today: "allreduce" (replicated on every rank, gradients all-reduced over the whole
 mesh) and "ps" (rows on the parameter servers: the table is split into `partitions` row ranges
 or hash classes, partition p is served by rank p % world_size, and row r belongs to partition
-`partition_of(r)`). docs/architecture.md says where ZeRO's sharded state, tensor-parallel
+`partition_of(r)`; a table's first `hot_rows` rows, the head of a frequency-sorted id
+distribution, may instead stay replicated with their gradient rows all-reduced). docs/architecture.md says where ZeRO's sharded state, tensor-parallel
 styles and pipeline stages will go: more placements over more mesh axes.
 """
 
@@ -83,18 +84,24 @@ class ParamPlan(TensorFacts):
     dtype: str = "float32"
     kind: Kind = "dense"     # sparse gradient / embedding with a dense-layout gradient / dense
     predicted: Cost | None = None   # None: a table whose traffic nobody modelled
+    hot_rows: int = 0   # ps tables: rows [0, hot_rows) replicated and all-reduced (sync/hot.py)
 
     def __post_init__(self):
         dtype_bytes(self.dtype)
         if self.method == "ps" and not 1 <= self.partitions <= self.shape[0]:
             raise ValueError(f"{self.name}: partitions must be in 1..{self.shape[0]} (rows), "
                              f"got {self.partitions}")
+        if self.hot_rows and (self.method != "ps" or not self.is_table
+                              or not 0 <= self.hot_rows < self.shape[0]):
+            raise ValueError(f"{self.name}: hot_rows must be in 0..{self.shape[0] - 1} and only "
+                             f"on a server table, got {self.hot_rows} ({self.method})")
 
     @property
     def placement(self) -> str:
         if self.method == "allreduce":
             return "allreduce (replicated)"
-        return f"ps (rows in {self.partitions} {self.row_map} partitions)"
+        hot = f"; rows 0..{self.hot_rows - 1} replicated, all-reduced" if self.hot_rows else ""
+        return f"ps (rows in {self.partitions} {self.row_map} partitions{hot})"
 
 
 @dataclass(frozen=True)

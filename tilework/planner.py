@@ -4,7 +4,8 @@ Pure: takes `ParamInfo`s and a world size (or a topology and links), returns a `
 "allreduce" and "ps" send everything one way. In "hybrid" mode dense parameters are all-reduced;
 a table goes by predicted cost where its traffic is known (`traffic`: expected distinct rows per
 step, from a Zipf model or a measured density): the cheaper of all-reduce and the parameter
-server with the best partition count. Where nothing is known it goes by the sparsity rule:
+server with the best partition count, and, for Zipf traffic, the best split by row (the head
+replicated and all-reduced, the tail on the servers). Where nothing is known it goes by the sparsity rule:
 sparse gradient (or measured touched-row fraction under `density_threshold`) -> servers.
 """
 
@@ -15,7 +16,7 @@ from typing import Literal
 
 from .analysis import ParamInfo, analyze
 from .cluster import Cluster, Links, Topology
-from .cost import TableTraffic, predict, ps_expected, ring_allreduce
+from .cost import TableTraffic, predict, ps_expected, ps_split, ring_allreduce
 from .errors import PlanError
 from .parallel_config import ParallelConfig
 from .mesh import Mesh
@@ -92,8 +93,9 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
             if wanted is None and searched is not None and searched.method == "ps":
                 wanted = searched.partitions
             parts = min(wanted or world_size, info.shape[0])
+        hot = searched.hot_rows if method == "ps" and searched is not None else 0
         entry = ParamPlan(info.name, info.shape, method, parts, row_map, reason, info.dtype,
-                          info.kind)
+                          info.kind, hot_rows=hot)
         params.append(dataclasses.replace(entry, predicted=predict(
             entry, traffic.get(info.name), topology, links, local_aggregation)))
     return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes,
@@ -127,7 +129,9 @@ def partition_candidates(world_size: int, rows: int) -> list[int]:
 
 def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Links,
            local_aggregation: bool, row_map: RowMap = "contiguous") -> ParamPlan:
-    """The cheapest way to synchronise one table: all-reduce, or the servers with P partitions."""
+    """The cheapest way to synchronise one table: all-reduce, or the servers with P partitions,
+    each either alone or with the head of a Zipf table replicated (`hot_rows`: the rows every
+    rank touches with some probability, all-reduced, the tail on the servers)."""
     dense = ring_allreduce(info.nbytes, topology, links)
     best_ps = None
     for p in partition_candidates(topology.world_size, info.shape[0]):
@@ -135,11 +139,18 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
         cost = ps_expected(candidate, traffic, topology, links, local_aggregation)
         if best_ps is None or cost.seconds < best_ps[1].seconds:
             best_ps = (candidate, cost)
+    # Splits at the best partition count (a head changes how many rows travel, not where).
+    for hot, tail in traffic.splits() if best_ps is not None else []:
+        candidate = dataclasses.replace(best_ps[0], hot_rows=hot)
+        cost = ps_split(candidate, tail, topology, links, local_aggregation, tail=True)
+        if cost.seconds < best_ps[1].seconds:
+            best_ps = (candidate, cost)
     fraction = traffic.per_rank / info.shape[0]
     if best_ps is not None and best_ps[1].seconds < dense.seconds:
         plan, cost = best_ps
-        why = (f"{fraction:.1%} rows/step: servers {cost.seconds * 1e3:.3g} ms < all-reduce "
-               f"{dense.seconds * 1e3:.3g} ms")
+        head = f" ({plan.hot_rows} hot rows all-reduced)" if plan.hot_rows else ""
+        why = (f"{fraction:.1%} rows/step: servers{head} {cost.seconds * 1e3:.3g} ms < "
+               f"all-reduce {dense.seconds * 1e3:.3g} ms")
         return dataclasses.replace(plan, reason=why)
     ps_s = best_ps[1].seconds if best_ps else float("inf")
     why = (f"{fraction:.1%} rows/step: all-reduce {dense.seconds * 1e3:.3g} ms <= servers "

@@ -4,8 +4,10 @@
 
 Run by `tilework.bench.suite` in every rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set).
 Systems: ddp (DistributedDataParallel, dense gradients: Horovod's analogue), ddp-sparse (DDP with
-sparse embedding gradients, gloo's sparse all-reduce), tilework's allreduce, ps and hybrid, and
-TorchRec (torchrec, torchrec-rw: recommender only, optional; see torchrec_peer.py).
+sparse embedding gradients, gloo's sparse all-reduce), tilework's allreduce, ps and hybrid,
+hybrid-hot (hybrid planned with the workload's Zipf traffic, each server table's head that every
+rank touches with probability >= 0.5 replicated; sync/hot.py), and TorchRec (torchrec,
+torchrec-rw: recommender only, optional; see torchrec_peer.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from .torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
 
-SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid") + TORCHREC_SYSTEMS
+SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-hot") + TORCHREC_SYSTEMS
 
 
 def _setup(workload, system: str, world_size: int):
@@ -32,7 +34,7 @@ def _setup(workload, system: str, world_size: int):
 
         return torchrec_peer.setup(workload, system, world_size)
     torch.manual_seed(0)
-    model = workload.make(system in ("ddp-sparse", "ps", "hybrid"))
+    model = workload.make(system in ("ddp-sparse", "ps", "hybrid", "hybrid-hot"))
     if system.startswith("ddp"):
         if world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
@@ -40,8 +42,32 @@ def _setup(workload, system: str, world_size: int):
     import tilework
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if system == "hybrid-hot":
+        plan, extra = _hot_plan(model, workload, world_size)
+        tilework.parallelize(model, opt, plan=plan, log=False)
+        return model, opt, None, extra
     tilework.parallelize(model, opt, mode=system, log=False)
     return model, opt, None, {}
+
+
+def _hot_plan(model, workload, world_size: int, probability: float = 0.5):
+    """The hybrid plan with the workload's Zipf traffic, and each server table's head that a
+    rank touches with at least `probability` replicated where the planner kept none."""
+    import dataclasses
+
+    from .. import ParallelConfig, planner
+    from ..cluster import Topology
+
+    topology = Topology.from_sizes([world_size])
+    traffic = workload.traffic(topology)
+    plan = planner.plan(model, ParallelConfig(), traffic=traffic, topology=topology)
+    chosen = {p.name: p.hot_rows for p in plan.of("ps")}
+    params = tuple(dataclasses.replace(p, hot_rows=p.hot_rows or
+                                       traffic[p.name].touched_rows(probability))
+                   if p.method == "ps" and p.name in traffic else p for p in plan.params)
+    plan = dataclasses.replace(plan, params=params)
+    return plan, {"planner_hot_rows": chosen, "hot_rows": {p.name: p.hot_rows
+                                                           for p in plan.of("ps")}}
 
 
 def _ddp_bytes(model, world_size: int) -> int:

@@ -25,6 +25,17 @@ class BenchWorkload:
     batch: Callable[[int, int, int], tuple]     # (step, rank, world_size) -> this rank's inputs
     unit: str
     units_per_step: int                         # global units (tokens or samples) per step
+    # (world size) -> each table's Zipf lookups per rank: (rows, lookups, alpha, shared by all)
+    zipf: Callable[[int], dict[str, tuple]] | None = None
+
+    def traffic(self, topology) -> dict:
+        """The tables' expected traffic (cost.TableTraffic), for the planner's hybrid search."""
+        from ..cost import TableTraffic
+
+        if self.zipf is None:
+            return {}
+        return {name: TableTraffic.zipf(rows, lookups, topology, alpha, shared=shared)
+                for name, (rows, lookups, alpha, shared) in self.zipf(topology.world_size).items()}
 
 
 def _lm(vocab: int, global_batch: int = 32, seq: int = 20, sampled: int = 1024) -> BenchWorkload:
@@ -37,9 +48,15 @@ def _lm(vocab: int, global_batch: int = 32, seq: int = 20, sampled: int = 1024) 
         mine = window.chunk(world_size)[rank]
         return mine[:, :-1], mine[:, 1:], sample_negatives(sampled, vocab, g)
 
+    def zipf(n):   # tokens: Zipf 1; negatives: log-uniform (about Zipf 1), shared by every rank
+        tokens = global_batch * seq / n
+        return {"embedding.weight": (vocab, tokens, 1.0, 0),
+                **{name: (vocab, tokens, 1.0, sampled)
+                   for name in ("softmax_weight.weight", "softmax_bias.weight")}}
+
     return BenchWorkload(f"lm{vocab // 1000}k", "sparse",
                          lambda sparse: WordLM(vocab, 64, 128, 1, sparse=sparse, num_sampled=sampled),
-                         batch, "tokens", global_batch * seq)
+                         batch, "tokens", global_batch * seq, zipf)
 
 
 def _cnn(global_batch: int = 32) -> BenchWorkload:
@@ -72,9 +89,13 @@ def _recommender(global_batch: int = 256, tables=(200_000, 50_000, 1_000)) -> Be
         labels = torch.randint(0, 2, (global_batch,), generator=g).float()
         return tuple(t.chunk(world_size)[rank] for t in (dense, ids, labels))
 
+    def zipf(n):
+        return {f"tables.{i}.weight": (rows, global_batch / n, 1.1, 0)
+                for i, rows in enumerate(tables)}
+
     return BenchWorkload("recommender", "mixed",
                          lambda sparse: DLRM(list(tables), 8, 16, sparse=sparse), batch, "samples",
-                         global_batch)
+                         global_batch, zipf)
 
 
 WORKLOADS = {w.name: w for w in (_lm(100_000), _lm(800_000), _cnn(), _gpt(), _recommender())}

@@ -51,11 +51,25 @@ def clip_by_total_norm(grads: list[torch.Tensor], total: torch.Tensor, max_norm:
     return total
 
 
+def head_gradients(engine) -> list[torch.Tensor]:
+    """The tables' hot heads' summed gradients (sync/hot.py): the same on every rank."""
+    heads = [t.head for t in engine.tables.values() if t.head is not None]
+    return [h.received for h in heads if h.received is not None]
+
+
+def clip_value_with_servers(engine, clip_value: float) -> None:
+    """clip_grad_value_ over a parallelized model's gradients, the servers' and heads' too."""
+    for g in [*coalesced_grads(engine.model.parameters()), *engine.server_gradients(),
+              *head_gradients(engine)]:
+        g.clamp_(-clip_value, clip_value)
+
+
 def clip_norm_with_servers(engine, max_norm, norm_type, error_if_nonfinite, foreach):
     """clip_grad_norm_ over a parallelized model: its own gradients and the server rows this
     rank owns, whose norms every rank combines with one scalar all-reduce."""
-    dense = coalesced_grads(engine.model.parameters())
     server = engine.server_gradients()
+    # A table's hot head is summed on every rank alike: counted once, as a dense gradient.
+    dense = coalesced_grads(engine.model.parameters()) + head_gradients(engine)
     # The norm lives with the gradients; only its combination travels, on the backend's
     # device (gloo's is the CPU, whatever the model's).
     grads = [*dense, *server]

@@ -30,7 +30,7 @@ from ..optim.rowwise import RowOptimizer, family_of
 from ..plan import Plan
 from .checks import InputChecks, check_ids
 from .dense import DenseSync
-from .clip import clip_norm_with_servers, coalesced_grads
+from .clip import clip_norm_with_servers, clip_value_with_servers
 from .hooks import PicklesAsNoop, plain_no_sync
 from .preflight import (check_device, check_not_tied, check_optimizer_covers,
                         check_same_model_everywhere, refuse_wrapped)
@@ -275,7 +275,7 @@ class Engine:
     def _check_server_gradients(self) -> None:
         if self.checks is not None:
             for name, table in self.tables.items():
-                self.checks.on_gradients([(name, g) for _, g in table.pending])
+                self.checks.on_gradients([(name, g) for g in table.gradients()])
             for name, served in self.served.items():
                 self.checks.on_gradients([(name, served.param.grad)])
 
@@ -376,8 +376,7 @@ class Engine:
 
     def clip_grad_value_(self, clip_value: float, foreach) -> None:
         with self.guard.call("tilework.clip_grad_value_()"):
-            for g in [*coalesced_grads(self.model.parameters()), *self.server_gradients()]:
-                g.clamp_(-clip_value, clip_value)
+            clip_value_with_servers(self, clip_value)
 
     # -- reporting -----------------------------------------------------------------------------
     def stats_dict(self) -> dict:

@@ -119,7 +119,11 @@ def _fetch(tables, h, ids_list, routes):
 
 def push_tables(tables: list[PSTable]) -> None:
     """Send every table's pending gradient rows to their owners, which sum them into `received`
-    until the step applies them (a collective: every rank calls it with the same tables)."""
+    until the step applies them (a collective: every rank calls it with the same tables). Hot
+    heads (sync/hot.py) are all-reduced meanwhile."""
+    heads = [t.head for t in tables if t.head is not None]
+    for head in heads:
+        head.launch()
     retrace = [t for t in tables if _retraceable(t)]
     carry = [t for t in tables if not _retraceable(t)]
     for batch, in _batches(retrace):
@@ -137,6 +141,8 @@ def push_tables(tables: list[PSTable]) -> None:
             table.receive(ids, grads)
     for table in tables:
         table.pulls.clear()
+    for head in heads:
+        head.wait()
 
 
 def _retraceable(table: PSTable) -> bool:

@@ -28,6 +28,7 @@ from ..comm.guard import CallGuard
 from ..errors import PlanError, use_allreduce_hint
 from ..optim.rowwise import RowOptimizer
 from .checks import check_ids
+from .hot import HotHead
 from .lookups import Batch, Lookup
 from ..plan import ParamPlan
 from ..layout import TableLayout, routes
@@ -79,12 +80,31 @@ class PSTable:
         self.received: tuple[torch.Tensor, torch.Tensor] | None = None  # owned rows, local index
         self.on_grad: Callable[[], object] | None = None  # the engine's end-of-backward trigger
         self.guard = UNGUARDED                            # the engine's CallGuard
+        # rows [0, hot_rows) replicated here, all-reduced (sync/hot.py); the servers keep theirs
+        # unused until a checkpoint is gathered, which takes the head's
+        self.head = HotHead(plan, full, groups, stats, self.scale, make_optimizer) \
+            if plan.hot_rows else None
 
     # -- push (end of a synchronised backward) and apply (optimizer step) ------------------------
     def accumulate(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
-        self.pending.append((ids, grad_rows.reshape(len(ids), -1)))
+        """One lookup's gradient rows for its unique (sorted) ids: the head's rows to the head,
+        the rest pending for the servers."""
+        grad_rows = grad_rows.reshape(len(ids), -1)
+        if self.head is not None:
+            k = self.hot_count(ids)
+            self.head.accumulate(ids[:k], grad_rows[:k])
+            ids, grad_rows = ids[k:], grad_rows[k:]
+        self.pending.append((ids, grad_rows))
         if self.on_grad is not None:
             self.on_grad()
+
+    def hot_count(self, ids: torch.Tensor) -> int:
+        """How many of the sorted `ids` are head rows (they come first)."""
+        return 0 if self.head is None else int((ids < self.head.rows).sum())
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradient rows this rank holds for the table (for the input checks)."""
+        return [g for _, g in self.pending] + ([self.head.grad] if self.head is not None else [])
 
     def coalesce(self) -> None:
         """Merge pending rows by id: backward passes without sync never hold more than one row
@@ -118,9 +138,13 @@ class PSTable:
             self.shard.new_empty(0, self.shard.shape[1]))
         self.received = None
         self.optimizer.apply(rows, grads)
+        if self.head is not None:
+            self.head.apply()
 
     def discard(self) -> None:
         self.pending, self.received, self.pulls = [], None, []
+        if self.head is not None:
+            self.head.discard()
 
     def received_grads(self) -> torch.Tensor | None:
         """This rank's rows of the summed gradient (for clipping), or None."""
@@ -129,15 +153,34 @@ class PSTable:
     # -- whole-table views (checkpoints, evaluation) --------------------------------------------
     def gather(self, local: torch.Tensor, dst: int | None) -> torch.Tensor | None:
         full = gather_rows(local, self.layout, self.groups, dst, self.stats)
-        return None if full is None else full.reshape(self.layout.rows, *self.row_shape)
+        if full is None:
+            return None
+        twin = None if self.head is None else self.head.twin(self, local)
+        if twin is not None:   # the head's rows are the replicated ones
+            full[:self.head.rows] = twin
+        return full.reshape(self.layout.rows, *self.row_shape)
 
     def take_shard(self, full: torch.Tensor) -> torch.Tensor:
         # A checkpoint may be loaded onto another device than the table's.
         return full.reshape(full.shape[0], -1)[self.global_rows.to(full.device)]
 
+    def load_rows(self, full: torch.Tensor) -> None:
+        """The table's rows from a whole table (a checkpoint), the head's too."""
+        with torch.no_grad():
+            self.shard.copy_(self.take_shard(full))
+            if self.head is not None:
+                self.head.weight.copy_(full.reshape(full.shape[0], -1)[:self.head.rows])
+
+    def load_optimizer(self, step: int, full: dict[str, torch.Tensor]) -> None:
+        """Row-wise optimizer state from whole tables, the head's too."""
+        self.optimizer.load(step, {k: self.take_shard(v) for k, v in full.items()})
+        if self.head is not None:
+            self.head.load(step, full)
+
     def shard_bytes(self) -> int:
         tensors = [self.shard, *self.optimizer.state_tensors().values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        head = self.head.nbytes() if self.head is not None else 0
+        return sum(t.numel() * t.element_size() for t in tensors) + head
 
 
 def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, dtype):
@@ -196,6 +239,7 @@ class ShardedEmbedding(nn.Module):
         # Before the pull: a bad id stops this rank here, not inside the owners' lookup.
         check_ids(self.table.name, flat, self.num_embeddings, self.table.groups.rank)
         ids, inverse = torch.unique(flat, return_inverse=True)
+        hot = self.table.hot_count(ids)   # head rows: read here, not pulled
         pad = None
         if self.padding_idx is not None:
             hit = (ids == self.padding_idx).nonzero()
@@ -203,6 +247,8 @@ class ShardedEmbedding(nn.Module):
         local = inverse.reshape(input.shape)
 
         def finish(rows: torch.Tensor) -> torch.Tensor:
+            if hot:
+                rows = torch.cat([self.table.head.weight[ids[:hot]], rows])
             if torch.is_grad_enabled():
                 rows.requires_grad_(True)
                 rows.register_hook(lambda g: self.table.accumulate(ids, g))
@@ -213,7 +259,7 @@ class ShardedEmbedding(nn.Module):
                                        padding_idx=pad)
             return F.embedding(local, rows, padding_idx=pad)
 
-        lookup = Lookup(self.table, ids, finish, torch.is_grad_enabled())
+        lookup = Lookup(self.table, ids[hot:], finish, torch.is_grad_enabled())
         return self.lookups.add(lookup, self._output_like(input, offsets))
 
     def _output_like(self, input: torch.Tensor, offsets) -> torch.Tensor:
@@ -263,8 +309,7 @@ class ShardedEmbedding(nn.Module):
                               f"checkpoint, the shape in current model is {shape}.")
             return
         self.lookups.flush()   # lookups made before the load read the rows before it
-        with torch.no_grad():
-            self.table.shard.copy_(self.table.take_shard(value.detach()))
+        self.table.load_rows(value.detach())
 
     def __reduce_ex__(self, protocol):
         raise PlanError(f"torch.save(model) cannot save {self.table.name}: its rows are spread "
@@ -272,8 +317,9 @@ class ShardedEmbedding(nn.Module):
                         "torch.save(model.state_dict(), path) called on every rank")
 
     def extra_repr(self) -> str:
+        hot = f", hot_rows={self.table.head.rows}" if self.table.head is not None else ""
         return (f"{self.num_embeddings}, {self.embedding_dim}, partitions="
-                f"{self.table.plan.partitions}, shard_rows={len(self.table.global_rows)}")
+                f"{self.table.plan.partitions}, shard_rows={len(self.table.global_rows)}{hot}")
 
 
 class DenseServed:

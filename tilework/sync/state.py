@@ -77,8 +77,15 @@ def load_state(engine, state: dict) -> None:
             group.update(saved)
     for name, part in [*engine.tables.items(), *engine.served.items()]:
         saved = dict(opt_state["rows"][name])
-        step = saved.pop("step")
-        part.optimizer.load(step, {k: part.take_shard(v) for k, v in saved.items()})
+        _load_rows(part, saved.pop("step"), saved)
+
+
+def _load_rows(part, step: int, full: dict) -> None:
+    """A server parameter's row-wise state from whole tables (a table's hot head too)."""
+    if hasattr(part, "load_optimizer"):
+        part.load_optimizer(step, full)
+    else:
+        part.optimizer.load(step, {k: part.take_shard(v) for k, v in full.items()})
 
 
 # -- the user's own optimizer.state_dict() / load_state_dict(): the plain optimizer's layout ------
@@ -135,8 +142,7 @@ def parallel_optimizer_state(engine, state: dict) -> dict | None:
     rows = {name: _checked_rows(name, part, state["state"], name_of)
             for name, part in server.items()}  # every check before anything is loaded
     for name, (step, tensors) in rows.items():
-        server[name].optimizer.load(step, {k: server[name].take_shard(v)
-                                           for k, v in tensors.items()})
+        _load_rows(server[name], step, tensors)
     now = [engine.param_names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
     index_now = {name: i for i, name in enumerate(now)}
     return {"state": {index_now[name_of[i]]: s for i, s in state["state"].items()
