@@ -5,8 +5,9 @@
 Run by `tilework.bench.suite` in every rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set).
 Systems: ddp (DistributedDataParallel, dense gradients: Horovod's analogue), ddp-sparse (DDP with
 sparse embedding gradients, gloo's sparse all-reduce), tilework's allreduce, ps and hybrid,
-hybrid-hot (hybrid planned with the workload's Zipf traffic, each server table's head that every
-rank touches with probability >= 0.5 replicated; sync/hot.py), and TorchRec (torchrec,
+hybrid-zipf (hybrid planned with the workload's Zipf traffic: the planner chooses each table and
+its hot head), hybrid-hot (that plan with each server table's head that a rank touches with
+probability >= 0.5 replicated where the planner kept none; sync/hot.py), and TorchRec (torchrec,
 torchrec-rw: recommender only, optional; see torchrec_peer.py).
 """
 
@@ -24,7 +25,8 @@ import torch.distributed as dist
 
 from .torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
 
-SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-hot") + TORCHREC_SYSTEMS
+SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-zipf", "hybrid-hot") + \
+    TORCHREC_SYSTEMS
 
 
 def _setup(workload, system: str, world_size: int):
@@ -34,7 +36,7 @@ def _setup(workload, system: str, world_size: int):
 
         return torchrec_peer.setup(workload, system, world_size)
     torch.manual_seed(0)
-    model = workload.make(system in ("ddp-sparse", "ps", "hybrid", "hybrid-hot"))
+    model = workload.make(system in ("ddp-sparse", "ps", "hybrid", "hybrid-zipf", "hybrid-hot"))
     if system.startswith("ddp"):
         if world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
@@ -42,17 +44,18 @@ def _setup(workload, system: str, world_size: int):
     import tilework
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    if system == "hybrid-hot":
-        plan, extra = _hot_plan(model, workload, world_size)
+    if system in ("hybrid-zipf", "hybrid-hot"):
+        plan, extra = _hot_plan(model, workload, world_size, 0.5 if system == "hybrid-hot" else None)
         tilework.parallelize(model, opt, plan=plan, log=False)
         return model, opt, None, extra
     tilework.parallelize(model, opt, mode=system, log=False)
     return model, opt, None, {}
 
 
-def _hot_plan(model, workload, world_size: int, probability: float = 0.5):
-    """The hybrid plan with the workload's Zipf traffic, and each server table's head that a
-    rank touches with at least `probability` replicated where the planner kept none."""
+def _hot_plan(model, workload, world_size: int, probability: float | None):
+    """The hybrid plan with the workload's Zipf traffic, and (given `probability`) each server
+    table's head that a rank touches with at least that probability replicated where the
+    planner kept none."""
     import dataclasses
 
     from .. import ParallelConfig, planner
@@ -64,7 +67,8 @@ def _hot_plan(model, workload, world_size: int, probability: float = 0.5):
     chosen = {p.name: p.hot_rows for p in plan.of("ps")}
     params = tuple(dataclasses.replace(p, hot_rows=p.hot_rows or
                                        traffic[p.name].touched_rows(probability))
-                   if p.method == "ps" and p.name in traffic else p for p in plan.params)
+                   if p.method == "ps" and p.name in traffic and probability else p
+                   for p in plan.params)
     plan = dataclasses.replace(plan, params=params)
     return plan, {"planner_hot_rows": chosen, "hot_rows": {p.name: p.hot_rows
                                                            for p in plan.of("ps")}}
