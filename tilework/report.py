@@ -123,17 +123,18 @@ def example_batch(job: Job, cluster: Cluster) -> tuple:
     shapes matter to the memory estimate)."""
     n = cluster.world_size
     b = max(1, -(-job.data.batch_size // n)) if job.data.scaling == "strong" else job.data.batch_size
-    long = dict(dtype=torch.long)
+    long = dict(dtype=torch.long, device="cpu")   # moved to the meta device by the estimate
+    host = dict(device="cpu")
     if job.workload == "lm":
         c = job.lm
         negatives = torch.zeros(c.num_sampled, **long) if c.num_sampled else None
         return torch.zeros(b, c.seq_len, **long), torch.zeros(b, c.seq_len, **long), negatives
     if job.workload == "cnn":
         c = job.cnn
-        return torch.zeros(b, 3, c.image_size, c.image_size), torch.zeros(b, **long)
+        return torch.zeros(b, 3, c.image_size, c.image_size, **host), torch.zeros(b, **long)
     c = job.recommender
-    return (torch.zeros(b, c.dense_features), torch.zeros(b, len(c.table_sizes), **long),
-            torch.zeros(b))
+    return (torch.zeros(b, c.dense_features, **host), torch.zeros(b, len(c.table_sizes), **long),
+            torch.zeros(b, **host))
 
 
 def memory_per_rank(job: Job, cluster: Cluster, chosen: Plan) -> list[dict]:
