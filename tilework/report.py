@@ -123,18 +123,21 @@ def example_batch(job: Job, cluster: Cluster) -> tuple:
     shapes matter to the memory estimate)."""
     n = cluster.world_size
     b = max(1, -(-job.data.batch_size // n)) if job.data.scaling == "strong" else job.data.batch_size
-    long = dict(dtype=torch.long, device="cpu")   # moved to the meta device by the estimate
-    host = dict(device="cpu")
+    # On the host: the estimate moves them to the meta device.
+    def ids(*shape):
+        return torch.zeros(*shape, dtype=torch.long, device="cpu")
+
+    def values(*shape):
+        return torch.zeros(*shape, device="cpu")
+
     if job.workload == "lm":
         c = job.lm
-        negatives = torch.zeros(c.num_sampled, **long) if c.num_sampled else None
-        return torch.zeros(b, c.seq_len, **long), torch.zeros(b, c.seq_len, **long), negatives
+        negatives = ids(c.num_sampled) if c.num_sampled else None
+        return ids(b, c.seq_len), ids(b, c.seq_len), negatives
     if job.workload == "cnn":
-        c = job.cnn
-        return torch.zeros(b, 3, c.image_size, c.image_size, **host), torch.zeros(b, **long)
+        return values(b, 3, job.cnn.image_size, job.cnn.image_size), ids(b)
     c = job.recommender
-    return (torch.zeros(b, c.dense_features, **host), torch.zeros(b, len(c.table_sizes), **long),
-            torch.zeros(b, **host))
+    return values(b, c.dense_features), ids(b, len(c.table_sizes)), values(b)
 
 
 def memory_per_rank(job: Job, cluster: Cluster, chosen: Plan) -> list[dict]:
