@@ -30,14 +30,17 @@ def batch(step, rank=0, world_size=1):
     return ids.chunk(world_size)[rank], y.chunk(world_size)[rank]
 
 
-def _calls_and_losses(rank, world_size):
+def _train(rank, world_size, compiled=False):
+    """Three hybrid steps (under torch.compile where asked): ps collectives and loss per step."""
     model = Recommender()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tilework.parallelize(model, opt, mode="hybrid", log=False)
+    # aot_eager: dynamo and AOT autograd, no C++ compiler needed
+    run = torch.compile(model, backend="aot_eager") if compiled else model
     calls, losses = [], []
     for step in range(3):
         ids, y = batch(step, rank, world_size)
-        loss = nn.functional.mse_loss(model(ids), y)
+        loss = nn.functional.mse_loss(run(ids), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -47,7 +50,7 @@ def _calls_and_losses(rank, world_size):
 
 
 def test_a_step_meets_the_other_ranks_four_times_for_all_tables():
-    out = spawn(_calls_and_losses, world_size=2, timeout=90)
+    out = spawn(_train, world_size=2, timeout=90)
     model = Recommender()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
@@ -94,24 +97,8 @@ def test_the_stand_in_answers_metadata_and_reads_the_rows_of_its_own_time():
         assert after != expected_before    # the step moved row 1
 
 
-def _compiled_losses(rank, world_size):
-    model = Recommender()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    tilework.parallelize(model, opt, mode="hybrid", log=False)
-    compiled = torch.compile(model, backend="aot_eager")   # dynamo and AOT autograd, no C++
-    losses = []
-    for step in range(3):
-        ids, y = batch(step, rank, world_size)
-        loss = nn.functional.mse_loss(compiled(ids), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def test_a_compiled_model_pulls_at_once_and_trains_as_the_eager_one():
-    eager = spawn(_calls_and_losses, world_size=2, timeout=90)
-    compiled = spawn(_compiled_losses, world_size=2, timeout=180)
+    eager = spawn(_train, world_size=2, timeout=90)
+    compiled = spawn(_train, world_size=2, args=(True,), timeout=180)
     for rank in range(2):
-        assert compiled[rank] == eager[rank][1], rank
+        assert compiled[rank][1] == eager[rank][1], rank
