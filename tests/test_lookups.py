@@ -102,3 +102,18 @@ def test_a_compiled_model_pulls_at_once_and_trains_as_the_eager_one():
     compiled = spawn(_train, world_size=2, args=(True,), timeout=180)
     for rank in range(2):
         assert compiled[rank][1] == eager[rank][1], rank
+
+
+def _retained(rank, world_size):
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, mode="hybrid", log=False)
+    out = model.tables[0](torch.tensor([1, 2, 2]))
+    out.retain_grad()
+    (out * torch.arange(3.0)[:, None]).sum().backward()
+    return out.grad.tolist()
+
+
+def test_a_retained_gradient_reaches_the_stand_in():
+    for grad in spawn(_retained, world_size=2, timeout=90):
+        assert grad == [[0.0] * 4, [1.0] * 4, [2.0] * 4]

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.overrides import get_default_nowrap_functions
 
 # Answered from the stand-in: the output's metadata is known before its rows arrive.
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
@@ -86,7 +85,7 @@ class Deferred(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA or func in get_default_nowrap_functions():
+        if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         return func(*_real(args), **_real(kwargs))
