@@ -2,6 +2,7 @@
 one pull exchange (3 all-to-alls per hop) and one push (1), however many tables there are; and
 the stand-in a lookup returns behaves as the output it stands for."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -117,3 +118,22 @@ def _retained(rank, world_size):
 def test_a_retained_gradient_reaches_the_stand_in():
     for grad in spawn(_retained, world_size=2, timeout=90):
         assert grad == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
+
+
+def _modes(rank, world_size):
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, mode="hybrid", log=False)
+    table, ids = model.tables[0], torch.tensor([1, 2, 2])
+    with torch.inference_mode():
+        evaluated = table(ids).sum().item()           # looked up and used in inference mode
+    out = table(ids)                                   # a training lookup ...
+    with torch.inference_mode():
+        peeked = out.sum().item()                      # ... first used in inference mode
+    out.sum().backward()                               # still trains
+    return evaluated, peeked, out.requires_grad, tilework.stats(model)["total"]["ps"]["calls"] > 0
+
+
+def test_a_lookup_keeps_the_modes_of_its_call_whatever_the_pulls():
+    for evaluated, peeked, requires_grad, pushed in spawn(_modes, world_size=2, timeout=90):
+        assert evaluated == pytest.approx(peeked) and requires_grad and pushed

@@ -288,8 +288,7 @@ class Engine:
                                [lookup.ids for lookup in lookups],
                                [lookup.grad_enabled for lookup in lookups])
         for lookup, r in zip(lookups, rows):
-            with torch.set_grad_enabled(lookup.grad_enabled):
-                lookup.output = lookup.finish(r)
+            lookup.complete(r)
 
     def _push_servers(self) -> None:
         push_tables(list(self.tables.values()))

@@ -30,8 +30,18 @@ class Lookup:
     ids: torch.Tensor                    # unique ids
     finish: Callable[[torch.Tensor], torch.Tensor]   # rows -> the module's output
     grad_enabled: bool
+    inference: bool = False              # made under torch.inference_mode()
     stand_in: "Deferred | None" = None
     output: torch.Tensor | None = None
+
+    def complete(self, rows: torch.Tensor) -> None:
+        """The output from its rows, under the grad and inference modes of the lookup's call
+        (the pull may run under others: the first use of a training lookup inside no_grad)."""
+        if rows.is_inference() and not self.inference:
+            with torch.inference_mode(False):
+                rows = rows.clone()   # an inference tensor cannot join autograd
+        with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad_enabled):
+            self.output = self.finish(rows)
 
 
 class Batch:

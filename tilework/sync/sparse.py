@@ -259,7 +259,8 @@ class ShardedEmbedding(nn.Module):
                                        padding_idx=pad)
             return F.embedding(local, rows, padding_idx=pad)
 
-        lookup = Lookup(self.table, ids[hot:], finish, torch.is_grad_enabled())
+        lookup = Lookup(self.table, ids[hot:], finish, torch.is_grad_enabled(),
+                        torch.is_inference_mode_enabled())
         return self.lookups.add(lookup, self._output_like(input, offsets))
 
     def _output_like(self, input: torch.Tensor, offsets) -> torch.Tensor:
