@@ -47,6 +47,30 @@ def _batches(tables: list[PSTable], *rest):
             for idx in by_kind.values()]
 
 
+def _to_owners(tables, h, ids_list, payloads, n: int):
+    """Each table's payload rows (aligned with its ids) sorted by the peer its ids go to at hop
+    `h`: (orders and per-peer counts per table, the (n x T) counts, each peer's flat parts)."""
+    device = tables[0].shard.device
+    counts = torch.zeros(n, len(tables), dtype=torch.int64, device=device)
+    to_peer: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    orders = []
+    for t, (table, ids, payload) in enumerate(zip(tables, ids_list, payloads)):
+        order, per_peer = _by_destination(table.hops[h].dest(ids), n)
+        orders.append((order, per_peer))
+        counts[:, t] = torch.tensor(per_peer, dtype=torch.int64, device=device)
+        for j, part in enumerate(torch.split(payload[order], per_peer)):
+            to_peer[j].append(part.reshape(-1))
+    return orders, counts, to_peer
+
+
+def _per_table(got: list[torch.Tensor], sizes: list[list[int]], width: list[int]):
+    """What each peer sent (flat, table after table, `sizes[peer][t]` elements) as one
+    (rows x width[t]) tensor per table. reshape, not view: a single received row counts as
+    contiguous whatever its stride."""
+    pieces = [torch.split(flat, s) for flat, s in zip(got, sizes)]
+    return [torch.cat([peer[t] for peer in pieces]).reshape(-1, w) for t, w in enumerate(width)]
+
+
 def _lengths(tables, h, counts: torch.Tensor) -> list[torch.Tensor]:
     """Every table's per-peer lengths at once: T int64 per peer, as T exchanges would send."""
     hop = tables[0].hops[h]
@@ -77,16 +101,8 @@ def _fetch(tables, h, ids_list, routes):
     if h == len(tables[0].hops):
         return [t.shard[t.layout.local_index(ids)] for t, ids in zip(tables, ids_list)]
     hop, stats = tables[0].hops[h], tables[0].stats
-    n, device = group_size(hop.group), tables[0].shard.device
-    counts = torch.zeros(n, len(tables), dtype=torch.int64, device=device)
-    to_peer: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    orders = []
-    for t, (table, ids) in enumerate(zip(tables, ids_list)):
-        order, per_peer = _by_destination(table.hops[h].dest(ids), n)
-        orders.append((order, per_peer))
-        counts[:, t] = torch.tensor(per_peer, dtype=torch.int64, device=device)
-        for j, part in enumerate(torch.split(ids[order], per_peer)):
-            to_peer[j].append(part)
+    n = group_size(hop.group)
+    orders, counts, to_peer = _to_owners(tables, h, ids_list, ids_list, n)
     heard = [c.tolist() for c in _lengths(tables, h, counts)]
     got = all_to_all_v([torch.cat(parts) for parts in to_peer], hop.group, stats, "ps",
                        hop.remote, recv_lengths=[sum(c) for c in heard])
@@ -99,16 +115,15 @@ def _fetch(tables, h, ids_list, routes):
         for j, part in enumerate(torch.split(r[inverse], [len(a) for a in arrived[t]])):
             answers[j].append(part.reshape(-1))
     widths = [t.shard.shape[1] for t in tables]
+    sizes = [[c * w for c, w in zip(asked, widths)] for asked in counts.tolist()]
     back = all_to_all_v([torch.cat(a) for a in answers], hop.group, stats, "ps", hop.remote,
-                        recv_lengths=[sum(int(c) * w for c, w in zip(counts[j].tolist(), widths))
-                                      for j in range(n)])
-    back = [torch.split(flat, [int(c) * w for c, w in zip(counts[j].tolist(), widths)])
-            for j, flat in enumerate(back)]
+                        recv_lengths=[sum(s) for s in sizes])
     out = []
-    for t, (table, ids) in enumerate(zip(tables, ids_list)):
+    for t, (table, ids, answered) in enumerate(zip(tables, ids_list,
+                                                   _per_table(back, sizes, widths))):
         order, per_peer = orders[t]
         rows_t = table.shard.new_empty(len(ids), widths[t])
-        rows_t[order] = torch.cat([back[j][t] for j in range(n)]).reshape(-1, widths[t])
+        rows_t[order] = answered
         out.append(rows_t)
         routes[t].hops.insert(0, (order, per_peer, [len(a) for a in arrived[t]], merged[t][1],
                                   merged[t][0]))
@@ -124,8 +139,9 @@ def push_tables(tables: list[PSTable]) -> None:
     heads = [t.head for t in tables if t.head is not None]
     for head in heads:
         head.launch()
-    retrace = [t for t in tables if _retraceable(t)]
-    carry = [t for t in tables if not _retraceable(t)]
+    retrace, carry = [], []
+    for table in tables:
+        (retrace if _retraceable(table) else carry).append(table)
     for batch, in _batches(retrace):
         routes = [table.pulls[0] for table in batch]
         grads = [table.take_pending()[1] for table in batch]
@@ -167,10 +183,8 @@ def _retrace_hop(tables, h, steps, grads):
              for arrivals in zip(*[step[2] for step in steps])]
     got = all_to_all_v([torch.cat(parts) for parts in to_peer], hop.group, tables[0].stats, "ps",
                        hop.remote, recv_lengths=[sum(s) for s in sizes])
-    pieces = [torch.split(flat, s) for flat, s in zip(got, sizes)]
     out = []
-    for t, ((_, _, _, inverse, merged), w) in enumerate(zip(steps, widths)):
-        rows = torch.cat([peer[t] for peer in pieces]).reshape(-1, w)
+    for (_, _, _, inverse, merged), w, rows in zip(steps, widths, _per_table(got, sizes, widths)):
         summed = rows.new_zeros(len(merged), w)
         summed.index_add_(0, inverse, rows)
         out.append(summed)
@@ -182,26 +196,18 @@ def _carry_hop(tables: list[PSTable], h: int, items):
     dtype, a bit-exact round trip), after the lengths; what arrives is merged by id per table."""
     hop = tables[0].hops[h]
     group, n, stats = hop.group, group_size(hop.group), tables[0].stats
-    dtype, device = items[0][1].dtype, items[0][1].device
+    dtype = items[0][1].dtype
     id_width = 8 // items[0][1].element_size()
     widths = [id_width + grads.shape[1] for _, grads in items]
-    counts = torch.zeros(n, len(tables), dtype=torch.int64, device=device)
-    to_peer: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for t, (table, (ids, grads)) in enumerate(zip(tables, items)):
-        order, per_peer = _by_destination(table.hops[h].dest(ids), n)
-        packed = torch.cat([ids[order].view(dtype).reshape(len(ids), id_width), grads[order]], 1)
-        for j, part in enumerate(torch.split(packed, per_peer)):
-            to_peer[j].append(part.reshape(-1))
-        counts[:, t] = torch.tensor(per_peer, dtype=torch.int64, device=device)
+    packed = [torch.cat([ids.contiguous().view(dtype).reshape(len(ids), id_width), grads], 1)
+              for ids, grads in items]
+    _, counts, to_peer = _to_owners(tables, h, [ids for ids, _ in items], packed, n)
     heard = _lengths(tables, h, counts)
     arriving = [[int(c) * w for c, w in zip(from_peer.tolist(), widths)] for from_peer in heard]
     got = all_to_all_v([torch.cat(parts) for parts in to_peer], group, stats, "ps", hop.remote,
                        recv_lengths=[sum(sizes) for sizes in arriving])
-    pieces = [torch.split(flat, sizes) for flat, sizes in zip(got, arriving)]
     out = []
-    for t, width in enumerate(widths):
-        # reshape, not view: a single received row counts as contiguous whatever its stride
-        rows = torch.cat([peer[t] for peer in pieces]).reshape(-1, width)
+    for width, rows in zip(widths, _per_table(got, arriving, widths)):
         ids = rows[:, :id_width].reshape(-1).view(torch.int64)
         merged, inverse = torch.unique(ids, return_inverse=True)
         summed = rows.new_zeros(len(merged), width - id_width)
