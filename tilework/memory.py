@@ -78,25 +78,44 @@ def optimizer_kind(optimizer) -> str:
     return kind
 
 
-def saved_activation_bytes(model: nn.Module, example_inputs: tuple) -> tuple[int, int]:
-    """(bytes autograd saves in a meta forward, the largest saved tensor's bytes); parameters
-    are not activations, and a storage saved twice counts once."""
+@dataclass(frozen=True)
+class ForwardFacts:
+    activations: int              # bytes autograd saves (parameters excluded), output included
+    largest: int                  # the largest of them
+    lookups: dict[str, int]       # ids each embedding table is asked for
+
+
+def meta_forward(model: nn.Module, example_inputs: tuple) -> ForwardFacts:
+    """One forward of `example_inputs` on the meta device: what autograd saves (a storage saved
+    twice counts once) and how many ids each table looks up."""
+    from .analysis import embedding_modules
+
     meta_model = _on_meta(model)
     params = {_storage(p) for p in [*meta_model.parameters(), *meta_model.buffers()]}
     seen: dict[int, int] = {}
+    lookups: dict[str, int] = {}
 
     def pack(t: torch.Tensor):
         if _storage(t) not in params:
             seen.setdefault(_storage(t), t.untyped_storage().nbytes())
         return t
 
+    def count(name, args):
+        lookups[name] = lookups.get(name, 0) + args[0].numel()
+
+    handles = [m.register_forward_pre_hook(lambda m, args, name=name: count(name, args))
+               for name, m in embedding_modules(meta_model).items()]
     inputs = tuple(x.to("meta") if torch.is_tensor(x) else x for x in example_inputs)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _WorstCaseUnique():
-        out = meta_model(*inputs)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _WorstCaseUnique():
+            out = meta_model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
     outs = [out] if torch.is_tensor(out) else [o for o in (out or ()) if torch.is_tensor(o)]
     for o in outs:
         seen.setdefault(_storage(o), o.untyped_storage().nbytes())
-    return sum(seen.values()), max(seen.values(), default=0)
+    return ForwardFacts(sum(seen.values()), max(seen.values(), default=0), lookups)
 
 
 class _WorstCaseUnique(TorchDispatchMode):
@@ -155,46 +174,25 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
 
     kind = optimizer_kind(optimizer)
     per_element = STATE_PER_ELEMENT[kind]
-    lookups = _lookups_per_table(model, example_inputs)
-    activations, largest = saved_activation_bytes(model, example_inputs)
+    facts = meta_forward(model, example_inputs)
     dense = [pp.nbytes for pp in plan.of("allreduce")]
-    common = {"parameters": sum(dense), "gradients": sum(dense),
-              "optimizer_state": per_element * sum(dense) + STEP_COUNTER_BYTES.get(kind, 0) * len(dense)}
+    dense_state = per_element * sum(dense) + STEP_COUNTER_BYTES.get(kind, 0) * len(dense)
     served = [(pp, TableLayout(pp, plan.world_size, device="meta").shard_sizes)
               for pp in plan.of("ps")]
+    # Flat bucket copies of the dense gradients (a lone large parameter is reduced in place).
+    buckets = sum(dense) if plan.world_size > 1 and len(dense) > 1 else 0
+    step = sum(dense) if kind in ("adam", "adamw") else 0
     out = []
     for rank in range(plan.world_size) if ranks is None else ranks:
-        params, grads, state = common["parameters"], common["gradients"], common["optimizer_state"]
+        params, grads, state = sum(dense), sum(dense), dense_state
         for pp, sizes in served:
             shard = sizes[rank] * pp.row_bytes
             if pp.is_table:
                 params += shard
-                grads += min(lookups.get(pp.name, pp.shape[0]), pp.shape[0]) * pp.row_bytes
+                grads += min(facts.lookups.get(pp.name, pp.shape[0]), pp.shape[0]) * pp.row_bytes
             else:   # mode="ps": a replica to compute with, the shard its owner updates
                 params, grads = params + pp.nbytes + shard, grads + pp.nbytes
             state += per_element * shard
-        # Flat bucket copies of the dense gradients (a lone large parameter is reduced in place).
-        buckets = sum(dense) if plan.world_size > 1 and len(dense) > 1 else 0
-        step = sum(dense) if kind in ("adam", "adamw") else 0
-        out.append(MemoryEstimate(rank, params, grads, state, activations, buckets, 2 * largest,
-                                  step))
+        out.append(MemoryEstimate(rank, params, grads, state, facts.activations, buckets,
+                                  2 * facts.largest, step))
     return out
-
-
-def _lookups_per_table(model: nn.Module, example_inputs: tuple) -> dict[str, int]:
-    """How many ids each embedding table is asked for in a forward of `example_inputs`."""
-    from .analysis import embedding_modules
-
-    counts: dict[str, int] = {}
-    meta_model = _on_meta(model)
-    handles = [m.register_forward_pre_hook(
-        lambda m, args, name=name: counts.__setitem__(name, counts.get(name, 0) + args[0].numel()))
-        for name, m in embedding_modules(meta_model).items()]
-    inputs = tuple(x.to("meta") if torch.is_tensor(x) else x for x in example_inputs)
-    try:
-        with torch.no_grad(), _WorstCaseUnique():
-            meta_model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return counts
