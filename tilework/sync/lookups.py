@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.fx._symbolic_trace as _fx
 
 # Answered from the stand-in: the output's metadata is known before its rows arrive.
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
@@ -73,17 +74,14 @@ class Batch:
             self._pull(lookups)
 
 
+# torch.export and torch.compile are caught by is_compiling; this is FX's symbolic_trace (looked
+# up once: the check runs on every lookup).
+_fx_tracing = getattr(_fx, "is_fx_symbolic_tracing", None) or _fx.is_fx_tracing
+
+
 def _tracing() -> bool:
     return (torch.compiler.is_compiling() or torch.jit.is_tracing()
             or torch.jit.is_scripting() or _fx_tracing())
-
-
-def _fx_tracing() -> bool:
-    import torch.fx._symbolic_trace as fx
-
-    # torch.export and torch.compile are caught by is_compiling above; this is symbolic_trace.
-    check = getattr(fx, "is_fx_symbolic_tracing", None) or fx.is_fx_tracing
-    return check()
 
 
 class Deferred(torch.Tensor):
