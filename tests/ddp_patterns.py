@@ -28,7 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import tilework
 from tilework import optim
 
-TILEWORK = ("hybrid", "ps", "allreduce")
+TILEWORK = ("hybrid", "ps", "allreduce", "zero1", "zero2")
+# tilework's systems as parallelize's options: the ZeRO ones are hybrid with sharded dense state.
+OPTIONS = {"hybrid": {"mode": "hybrid"}, "ps": {"mode": "ps"}, "allreduce": {"mode": "allreduce"},
+           "zero1": {"zero": 1}, "zero2": {"zero": 2}}
 GLOBAL_BATCH = 8
 STEPS = 4
 ACC_STEPS, K = 3, 3           # accumulation: 3 optimizer steps of K = 3 backward calls each
@@ -145,7 +148,7 @@ class Run:
             return model, opt
         if self.system == "ddp":
             return DDP(model), opt
-        return tilework.parallelize(model, opt, mode=self.system, log=False)
+        return tilework.parallelize(model, opt, log=False, **OPTIONS[self.system])
 
     def inner(self, model):
         return model.module if self.system == "ddp" else model
@@ -388,8 +391,8 @@ def p_ddp_submodule(r: Run):
     model = new_model()
     model.fc1 = DDP(model.fc1)  # every rank: DDP's constructor is a collective
     try:
-        tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), mode=r.system,
-                             log=False)
+        tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), log=False,
+                             **OPTIONS[r.system])
     except Exception as e:  # noqa: BLE001
         return {"error": _err(e)}
     return {"error": None}

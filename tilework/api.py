@@ -44,6 +44,10 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         groups = build_groups(init_from_env(env=env) if env.world_size > 1 else None, env=env)
     if getattr(model, "_tilework_engine", None) is not None:
         raise PlanError("this model is already parallelized")
+    if optimizer is None and config.zero:
+        raise PlanError(f"zero={config.zero} runs the optimizer on each rank's shard: pass the "
+                        "optimizer (parallelize(model, opt, zero=...)), or zero=0 for a "
+                        "hand-written update")
     if optimizer is None and plan is None:
         if config.mode == "ps" or "ps" in (config.overrides or {}).values():
             raise PlanError("the parameter server applies the optimizer's update: pass the "
@@ -58,8 +62,10 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if plan.world_size != groups.world_size:
         raise PlanError(f"plan is for {plan.world_size} ranks, the world has {groups.world_size}")
     from .sync.engine import Engine
+    from .sync.recompute import apply_recompute
 
-    Engine(model, optimizer, groups, plan, config.check_inputs)
+    engine = Engine(model, optimizer, groups, plan, config.check_inputs)
+    apply_recompute(model, plan.recompute, engine.changes)
     if log and groups.rank == 0:
         print_plan(plan)
     return model, optimizer
@@ -87,7 +93,8 @@ def print_plan(plan: Plan, console=None) -> None:
 
     table = Table(title=f"tilework plan: mode={plan.mode}, mesh {plan.mesh}, "
                         f"sparse_reduce={plan.sparse_reduce}, "
-                        f"local_aggregation={plan.local_aggregation}")
+                        f"local_aggregation={plan.local_aggregation}",
+                  caption=plan.recompute_line())
     add_name_column(table)
     for col in ("shape", "dtype", "placement", "sends/step", "ms/step", "why"):
         table.add_column(col, overflow="fold")   # wrap long words too, never cut them

@@ -20,7 +20,7 @@ import torch
 from .cluster import Link, Links, Topology
 from .layout import TableLayout, routes
 from .plan import Cost, ParamPlan, assign_buckets, dtype_bytes
-from .wire import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, all_gather_bytes,
+from .wire import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, REDUCE_SCATTER, all_gather_bytes,
                    count_exchange_bytes, ring_allreduce_bytes)
 
 
@@ -50,6 +50,31 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
     sent = ring_allreduce_bytes(nbytes, n)
     return Cost(sent, seconds(sent, link_for(topology, links), ALL_REDUCE.messages(n) * buckets)
                 if n > 1 else 0.0)
+
+
+# -- ZeRO: exact replay of sync/zero.py -----------------------------------------------------------
+
+def zero_sync_bytes(plan: ParamPlan, n: int) -> tuple[int, int]:
+    """(bytes one rank sends, messages) for a ZeRO parameter's step: its gradient's
+    all-reduce (stage 1) or reduce-scatter (2, 3) and the all-gathers of its values (after the
+    step for 1 and 2; before its forward and again before its backward for 3). Exact: padded
+    to n equal chunks, summed over buckets in any grouping, as the counters count them."""
+    chunk = -(-plan.numel // n) * dtype_bytes(plan.dtype)
+    gather = all_gather_bytes(chunk, n)
+    gathers = 2 if plan.zero == 3 else 1
+    if plan.zero == 1:
+        first, messages = ring_allreduce_bytes(plan.nbytes, n), ALL_REDUCE.messages(n)
+    else:
+        first, messages = REDUCE_SCATTER.sent(chunk * n, n), REDUCE_SCATTER.messages(n)
+    return first + gathers * gather, messages + gathers * ALL_GATHER.messages(n)
+
+
+def zero_sharded(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
+    n = topology.world_size
+    if n == 1:
+        return Cost(0, 0.0)
+    sent, messages = zero_sync_bytes(plan, n)
+    return Cost(sent, seconds(sent, link_for(topology, links), messages))
 
 
 # -- parameter server: exact replay of sync/sparse.py --------------------------------------------
@@ -283,6 +308,8 @@ def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, l
     """One entry's expected step on its own (dense parameters unbucketed): what the planner
     writes into the plan and the report prints. None for a served table with no traffic model."""
     if plan.method == "allreduce":
+        if plan.zero:
+            return zero_sharded(plan, topology, links)
         return ring_allreduce(plan.nbytes, topology, links)
     if not plan.is_table:   # a dense parameter on the servers (mode="ps"): every row, every step
         return dense_served(plan, topology, links)

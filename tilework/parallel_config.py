@@ -14,6 +14,7 @@ from .config import check
 
 Mode = Literal["hybrid", "allreduce", "ps"]
 Method = Literal["allreduce", "ps"]
+Recompute = Literal["none", "full", "selective"]
 
 
 @dataclass(kw_only=True)
@@ -45,9 +46,20 @@ class ParallelConfig:
     row_map: Literal["contiguous", "hashed"] = "contiguous"
     """Which rows a partition holds: contiguous ranges, or row % partitions."""
 
+    zero: int = 0
+    """ZeRO stage for the dense all-reduced parameters (server tables stay on the servers):
+    0 replicated, 1 optimizer state sharded, 2 also gradients, 3 also the values
+    (sync/zero.py)."""
+
     density_threshold: float = 0.1
     """A dense-layout table whose measured touched-row fraction is below this goes to the
     servers (where no traffic model decides by cost)."""
+
+    recompute: Recompute | dict[str, Literal["full", "selective"]] = "none"
+    """Activation recompute: "full" keeps only a block's inputs and recomputes the rest in
+    backward, "selective" keeps the matmul-family outputs and recomputes the cheap ops; given
+    as one policy for the model's repeated blocks (`analysis.recompute_units`), or per module
+    as {glob pattern over module names: policy}, e.g. {"blocks.layers.*": "selective"}."""
 
     def __post_init__(self):
         check(self.mode in ("hybrid", "allreduce", "ps"), "mode",
@@ -59,6 +71,8 @@ class ParallelConfig:
         check(isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
               and 0 < self.bucket_mb < float("inf"), "bucket_mb",
               f"a positive size in MB, got {self.bucket_mb!r}")
+        check(self.zero in (0, 1, 2, 3) and not isinstance(self.zero, bool), "zero",
+              f"a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         check(isinstance(self.density_threshold, (int, float))
               and 0 <= self.density_threshold <= 1, "density_threshold",
               f"a fraction from 0 to 1, got {self.density_threshold!r}")
@@ -70,3 +84,17 @@ class ParallelConfig:
         for value in values:
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                   "partitions", f"a positive number of partitions, got {value!r}")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        policies = ("full", "selective")
+        if isinstance(self.recompute, dict):
+            for pattern, policy in self.recompute.items():
+                check(isinstance(pattern, str) and pattern != "", "recompute",
+                      f"module-name patterns (non-empty strings), got {pattern!r}")
+                check(policy in policies, f"recompute.{pattern}",
+                      f"'full' or 'selective', got {policy!r}")
+        else:
+            check(self.recompute in ("none", *policies), "recompute",
+                  f"'none', 'full', 'selective' or {{pattern: 'full' | 'selective'}}, "
+                  f"got {self.recompute!r}")

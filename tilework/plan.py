@@ -6,7 +6,7 @@ self-contained: its shape, dtype and kind give its bytes, its placement says whe
 and gradients go, and `predicted` what the cost model expects one step of it to send.
 
 Placements today: "allreduce" (replicated on every rank, gradients all-reduced over the whole
-mesh) and "ps" (rows on the parameter servers: the table is split into `partitions` row ranges
+mesh; or, with `zero` 1-3, its optimizer state, gradients and values split over the ranks) and "ps" (rows on the parameter servers: the table is split into `partitions` row ranges
 or hash classes, partition p is served by rank p % world_size, and row r belongs to partition
 `partition_of(r)`; a table's first `hot_rows` rows, the head of a frequency-sorted id
 distribution, may instead stay replicated with their gradient rows all-reduced). docs/architecture.md says where ZeRO's sharded state, tensor-parallel
@@ -73,6 +73,11 @@ class TensorFacts:
         return self.kind in ("sparse", "embedding")
 
 
+ZERO_PLACEMENTS = {1: "zero-1 (optimizer state sharded)",
+                   2: "zero-2 (optimizer state, gradients sharded)",
+                   3: "zero-3 (optimizer state, gradients, values sharded)"}
+
+
 @dataclass(frozen=True)
 class ParamPlan(TensorFacts):
     name: str
@@ -85,6 +90,8 @@ class ParamPlan(TensorFacts):
     kind: Kind = "dense"     # sparse gradient / embedding with a dense-layout gradient / dense
     predicted: Cost | None = None   # None: a table whose traffic nobody modelled
     hot_rows: int = 0   # ps tables: rows [0, hot_rows) replicated and all-reduced (sync/hot.py)
+    zero: int = 0   # allreduce parameters: ZeRO stage (1: optimizer state sharded, 2: and
+    #                 gradients, 3: and values; sync/zero.py)
 
     def __post_init__(self):
         dtype_bytes(self.dtype)
@@ -95,11 +102,14 @@ class ParamPlan(TensorFacts):
                               or not 0 <= self.hot_rows < self.shape[0]):
             raise ValueError(f"{self.name}: hot_rows must be in 0..{self.shape[0] - 1} and only "
                              f"on a server table, got {self.hot_rows} ({self.method})")
+        if self.zero not in (0, 1, 2, 3) or (self.zero and self.method != "allreduce"):
+            raise ValueError(f"{self.name}: zero must be 0..3, and only on an allreduce "
+                             f"parameter, got {self.zero!r} ({self.method})")
 
     @property
     def placement(self) -> str:
         if self.method == "allreduce":
-            return "allreduce (replicated)"
+            return f"allreduce (replicated)" if not self.zero else ZERO_PLACEMENTS[self.zero]
         hot = f"; rows 0..{self.hot_rows - 1} replicated, all-reduced" if self.hot_rows else ""
         return f"ps (rows in {self.partitions} {self.row_map} partitions{hot})"
 
@@ -113,10 +123,17 @@ class Plan:
     local_aggregation: bool = True
     bucket_bytes: int = 25 * 2**20
     mesh: Mesh | None = None   # default: one "world" axis
+    # Activation recompute: (module name, "full" | "selective"), applied by sync/recompute.py.
+    recompute: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.mesh is None:
             object.__setattr__(self, "mesh", Mesh((("world", self.world_size),)))
+        # As tuples whatever came in (JSON gives lists), so equal plans compare equal.
+        object.__setattr__(self, "recompute", tuple((str(m), p) for m, p in self.recompute))
+        for module, policy in self.recompute:
+            if policy not in ("full", "selective"):
+                raise ValueError(f"recompute of {module}: 'full' or 'selective', got {policy!r}")
         if self.mesh.size != self.world_size:
             raise ValueError(f"mesh {self.mesh} has {self.mesh.size} ranks, the plan "
                              f"{self.world_size}")
@@ -132,6 +149,7 @@ class Plan:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in
                ("params", "mesh")}
         out["mesh"] = self.mesh.as_dict()
+        out["recompute"] = [list(pair) for pair in self.recompute]
         out["params"] = [_entry_dict(p) for p in self.params]
         return out
 
@@ -143,7 +161,11 @@ class Plan:
 
     def diff(self, other: "Plan") -> list[str]:
         """One line per difference, this plan's value first: settings, then entries by name."""
-        lines = [f"{k}: {a!r} -> {b!r}" for k, a, b in _pairs(self, other, ("params",))]
+        lines = [f"{k}: {a!r} -> {b!r}" for k, a, b in _pairs(self, other,
+                                                             ("params", "recompute"))]
+        ours, others = dict(self.recompute), dict(other.recompute)
+        lines += [f"recompute.{m}: {ours.get(m, 'none')!r} -> {others.get(m, 'none')!r}"
+                  for m in sorted(ours.keys() | others.keys()) if ours.get(m) != others.get(m)]
         mine, theirs = self.by_name(), other.by_name()
         for name in sorted(mine.keys() | theirs.keys()):
             if name not in theirs or name not in mine:
@@ -152,6 +174,16 @@ class Plan:
             lines += [f"{name}.{k}: {a!r} -> {b!r}"
                       for k, a, b in _pairs(mine[name], theirs[name], ("name", "reason"))]
         return lines
+
+    def recompute_line(self) -> str:
+        """One short line for the printed plan: which modules recompute, by policy."""
+        if not self.recompute:
+            return "recompute: none"
+        by_policy: dict[str, list[str]] = {}
+        for module, policy in self.recompute:
+            by_policy.setdefault(policy, []).append(module)
+        return "recompute: " + "; ".join(f"{policy} on {', '.join(names)}"
+                                         for policy, names in by_policy.items())
 
     def table(self) -> list[tuple[str, ...]]:
         """Rows for printing: name, shape, dtype, placement, predicted bytes and ms, reason."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from .analysis import ParamInfo, analyze
+from .analysis import ParamInfo, analyze, recompute_choices
 from .cluster import Cluster, Links, Topology
 from .cost import TableTraffic, predict, ps_expected, ps_split, ring_allreduce
 from .errors import PlanError
@@ -45,7 +45,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
     return make_plan(analyze(model, density), topology.world_size, config.mode, config.overrides,
                      config.partitions, config.row_map, config.sparse_reduce,
                      config.local_aggregation, bucket_bytes(config.bucket_mb),
-                     config.density_threshold, topology, links, traffic)
+                     config.density_threshold, topology, links, traffic, zero=config.zero,
+                     recompute=recompute_choices(model, config.recompute))
 
 
 def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
@@ -54,7 +55,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               sparse_reduce: Literal["mean", "sum"] = "mean", local_aggregation: bool = True,
               bucket_bytes: int = 25 * 2**20, density_threshold: float = 0.1,
               topology: Topology | None = None, links: Links | None = None,
-              traffic: dict[str, TableTraffic] | None = None) -> Plan:
+              traffic: dict[str, TableTraffic] | None = None, zero: int = 0,
+              recompute: tuple[tuple[str, str], ...] = ()) -> Plan:
     if mode not in ("hybrid", "allreduce", "ps"):
         raise PlanError(f"mode: expected 'hybrid', 'allreduce' or 'ps', got {mode!r}")
     if sparse_reduce not in ("mean", "sum"):
@@ -95,11 +97,25 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
             parts = min(wanted or world_size, info.shape[0])
         hot = searched.hot_rows if method == "ps" and searched is not None else 0
         entry = ParamPlan(info.name, info.shape, method, parts, row_map, reason, info.dtype,
-                          info.kind, hot_rows=hot)
+                          info.kind, hot_rows=hot, zero=zero if method == "allreduce" else 0)
         params.append(dataclasses.replace(entry, predicted=predict(
             entry, traffic.get(info.name), topology, links, local_aggregation)))
+    _refuse_recomputed_tables(recompute, params)
     return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes,
-                Mesh.from_topology(topology))
+                Mesh.from_topology(topology), recompute)
+
+
+def _refuse_recomputed_tables(recompute, params: list[ParamPlan]) -> None:
+    """A server table's lookup inside a recomputed module would pull its rows a second time
+    in backward, a collective outside the step's exchanges: refused, naming the way out."""
+    for module, policy in recompute:
+        for pp in params:
+            if pp.method == "ps" and pp.is_table and pp.name.startswith(module + "."):
+                raise PlanError(
+                    f"recompute: module {module!r} ({policy}) holds the server table "
+                    f"{pp.name}, whose lookup cannot run again in backward: recompute the "
+                    f"modules around it (recompute={{pattern: {policy!r}}}) or keep the table "
+                    f"all-reduced (overrides={{{pp.name!r}: 'allreduce'}})")
 
 
 def _rule(info: ParamInfo, mode: Mode, threshold: float) -> tuple[Method, str]:

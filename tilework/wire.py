@@ -47,10 +47,13 @@ def count_exchange_bytes(n: int) -> int:
 ALL_REDUCE = Collective("all_reduce", ring_allreduce_bytes, lambda n: 2 * (n - 1))
 ALL_TO_ALL = Collective("all_to_all", all_to_all_bytes, lambda n: n - 1)
 ALL_GATHER = Collective("all_gather", all_gather_bytes, lambda n: n - 1)
+# A reduce-scatter of a buffer of n equal chunks: every chunk but this rank's own leaves once (as
+# gloo does it here, an all-to-all then a local sum; a ring sends the same bytes).
+REDUCE_SCATTER = Collective("reduce_scatter", all_to_all_bytes, lambda n: n - 1)
 SEND_RECV = Collective("send_recv", lambda nbytes, n: nbytes, lambda n: 1)
 
 COLLECTIVES: dict[str, Collective] = {c.name: c for c in (ALL_REDUCE, ALL_TO_ALL, ALL_GATHER,
-                                                          SEND_RECV)}
+                                                          REDUCE_SCATTER, SEND_RECV)}
 
 
 def input_check_bytes(n: int) -> int:

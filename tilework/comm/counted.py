@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..wire import all_gather_bytes, count_exchange_bytes, ring_allreduce_bytes
+from ..wire import all_gather_bytes, all_to_all_bytes, count_exchange_bytes, ring_allreduce_bytes
 
 
 @dataclass
@@ -103,6 +103,54 @@ def all_gather(tensor: torch.Tensor, group, stats: Stats, method: str,
     parts = [torch.empty_like(tensor) for _ in range(n)]
     dist.all_gather(parts, tensor, group=group)
     return parts
+
+
+class _Pending:
+    """An asynchronous collective and what turns its raw result into the answer."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.finish()
+
+
+def reduce_scatter_async(flat: torch.Tensor, group, stats: Stats, method: str,
+                         remote: list[bool] | None = None) -> _Pending:
+    """Sum over `group` of `flat`, n equal chunks in rank order; `.wait()` returns this rank's
+    chunk of the sum. On gloo an all-to-all and a local sum (gloo's own reduce-scatter took
+    1.7x an all-reduce's time here); on NCCL its reduce-scatter. `remote[j]`: group rank j is
+    on another host."""
+    n = group_size(group)
+    if n == 1:
+        return _Pending(None, lambda: flat)
+    nbytes = flat.numel() * flat.element_size()
+    part = nbytes // n
+    wire = all_to_all_bytes(nbytes, n)
+    stats.record(method, wire, wire, part * sum(remote or []))
+    if dist.get_backend(group) == "nccl":
+        out = flat.new_empty(flat.numel() // n)
+        return _Pending(dist.reduce_scatter_single(out, flat, group=group, async_op=True),
+                        lambda: out)
+    recv = torch.empty_like(flat)
+    work = dist.all_to_all_single(recv, flat, group=group, async_op=True)
+    return _Pending(work, lambda: recv.view(n, -1).sum(0))
+
+
+def all_gather_async(part: torch.Tensor, group, stats: Stats, method: str,
+                     successor_remote: bool = False) -> _Pending:
+    """Every group rank's flat `part` (same size everywhere) concatenated in rank order;
+    `.wait()` returns it. Counted as gloo's ring sends it (wire.all_gather_bytes)."""
+    n = group_size(group)
+    if n == 1:
+        return _Pending(None, lambda: part)
+    wire = all_gather_bytes(part.numel() * part.element_size(), n)
+    stats.record(method, wire, wire, wire if successor_remote else 0)
+    out = part.new_empty(n * part.numel())
+    return _Pending(dist.all_gather_single(out, part, group=group, async_op=True),
+                    lambda: out)
 
 
 def gather(tensor: torch.Tensor, dst: int, group, stats: Stats, method: str):

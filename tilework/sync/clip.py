@@ -75,7 +75,7 @@ def clip_norm_with_servers(engine, max_norm, norm_type, error_if_nonfinite, fore
     grads = [*dense, *server]
     home = grads[0].device if grads else engine.groups.device
     total = total_norm(dense, norm_type, foreach, device=home)
-    if engine.tables or engine.served:
+    if engine.tables or engine.served or engine.zero.owns_gradients:
         mine = total_norm(server, norm_type, foreach, device=home)
         inf = math.isinf(norm_type)
         combined = (mine if inf else mine ** norm_type).reshape(1).to(engine.groups.device,

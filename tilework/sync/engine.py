@@ -40,6 +40,7 @@ from .changes import Changes, leave_optimizer, replace_module
 from .exchange import pull_tables, push_tables
 from .lookups import Batch
 from .sparse import DenseServed, PSTable, ShardedEmbedding
+from .zero import ZeroSync
 
 
 def _no_engine():
@@ -133,6 +134,12 @@ class Engine:
         groups, topo = self.groups, self.groups.topology
         successor_remote = topo.host_of((groups.rank + 1) % topo.world_size) != groups.host
         self.checks = InputChecks(groups, self.stats, successor_remote) if check_inputs else None
+        stage = {pp.name: pp.zero for pp in self.plan.params if pp.zero}
+        self.zero = ZeroSync([(n, p, stage[n]) for n, p in dense if n in stage], groups,
+                             self.stats, self.plan.bucket_bytes, self.checks, self._touched)
+        self.zero.install(self.model, self.optimizer, self.changes, self.param_names)
+        # Stage 1 keeps DDP's all-reduced gradients; 2 and 3 reduce-scatter their own.
+        dense = [(n, p) for n, p in dense if stage.get(n, 0) <= 1]
         self.dense_params = dense
         self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
                                self.plan.bucket_bytes, successor_remote, self.checks,
@@ -260,8 +267,10 @@ class Engine:
             return
         self._check_server_gradients()  # before the dense sync, which carries the verdict
         self.dense.launch_rest()
+        self.zero.launch_rest()
         self._push_servers()            # while the last buckets are reduced
         self.dense.wait()
+        self.zero.wait()
         if self.optimizer is None:  # no step to wait for: this is where the step ends
             if self.checks is not None:
                 self._check_inputs()
@@ -300,6 +309,7 @@ class Engine:
     def discard_server_gradients(self) -> None:
         for part in [*self.tables.values(), *self.served.values()]:
             part.discard()
+        self.zero.discard()
         self._unsynced = self._unapplied = False
 
     def _on_forward(self, module, args) -> None:
@@ -328,6 +338,7 @@ class Engine:
         for part in [*self.tables.values(), *self.served.values()]:
             part.apply()
         self._unapplied = False
+        self.zero.before_step()
 
     def _check_inputs(self) -> None:
         """Every rank agrees the step's inputs were sound before anything is applied."""
@@ -347,6 +358,7 @@ class Engine:
 
     def _after_step(self) -> None:
         with self.guard.call("optimizer.step()"):
+            self.zero.after_step()
             for served in self.served.values():
                 served.pull()
         self.stats.end_step()
@@ -356,6 +368,7 @@ class Engine:
         # owners' rows follow.
         for served in self.served.values():
             served.shard.copy_(served.take_shard(served.param.detach()))
+        self.zero.after_load()
 
     # -- clipping, with the gradients the servers hold ------------------------------------------
     def server_gradients(self) -> list[torch.Tensor]:
@@ -364,7 +377,7 @@ class Engine:
         if self._unsynced:
             self._sync_servers()
         parts = [part.received_grads() for part in [*self.tables.values(), *self.served.values()]]
-        return [g for g in parts if g is not None]
+        return [g for g in parts if g is not None] + self.zero.gradients()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool,
                         foreach) -> torch.Tensor:

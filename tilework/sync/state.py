@@ -69,10 +69,11 @@ def load_state(engine, state: dict) -> None:
     engine.discard_server_gradients()
     opt_state = state["optimizer"]
     by_name = {n: p for n, p in engine.model.named_parameters()}
+    by_name |= {s.name: s.shard for s in engine.zero.shards}
     if engine.optimizer is not None:
         for name, s in opt_state["dense"].items():
-            engine.optimizer.state[by_name[name]] = {
-                k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+            engine.optimizer.state[by_name[name]] = _sharded(engine, name, {
+                k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()})
         for group, saved in zip(engine.optimizer.param_groups, opt_state["groups"]):
             group.update(saved)
     for name, part in [*engine.tables.items(), *engine.served.items()]:
@@ -88,6 +89,20 @@ def _load_rows(part, step: int, full: dict) -> None:
         part.optimizer.load(step, {k: part.take_shard(v) for k, v in full.items()})
 
 
+def _sharded(engine, name: str, state: dict) -> dict:
+    """A parameter's optimizer state in the layout the optimizer holds it: a ZeRO shard's
+    chunk of each parameter-shaped tensor."""
+    return engine.zero.shard_state(name, state) if name in engine.zero.by_name else state
+
+
+def _unshard(engine, by_name: dict) -> None:
+    """ZeRO shards' optimizer state, by parameter name, gathered whole in place (a collective:
+    every rank, the same order)."""
+    for name in engine.zero.by_name:
+        if by_name.get(name) is not None:
+            by_name[name] = engine.zero.full_state(name, by_name[name])
+
+
 # -- the user's own optimizer.state_dict() / load_state_dict(): the plain optimizer's layout ------
 
 def plain_optimizer_state(engine, state: dict) -> dict:
@@ -100,6 +115,7 @@ def plain_optimizer_state(engine, state: dict) -> dict:
     with engine.guard.call("optimizer.state_dict(), which gathers the servers' rows"):
         for name, part in [*engine.tables.items(), *engine.served.items()]:
             by_name[name] = _torch_row_state(optimizer, part)
+        _unshard(engine, by_name)
     plain, groups, index = {}, [], 0
     for saved, names in zip(state["param_groups"], engine.original_groups):
         ids = []
@@ -145,8 +161,8 @@ def parallel_optimizer_state(engine, state: dict) -> dict | None:
         _load_rows(server[name], step, tensors)
     now = [engine.param_names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
     index_now = {name: i for i, name in enumerate(now)}
-    return {"state": {index_now[name_of[i]]: s for i, s in state["state"].items()
-                      if name_of.get(i) in index_now},
+    return {"state": {index_now[name_of[i]]: _sharded(engine, name_of[i], s)
+                      for i, s in state["state"].items() if name_of.get(i) in index_now},
             "param_groups": [{**saved, "params": [index_now[n] for n in names if n in index_now]}
                              for saved, names in zip(groups, original)]}
 
@@ -184,6 +200,7 @@ def gathered_state(engine, dst: int | None) -> dict:
     optimizer = engine.optimizer
     dense_state = {} if optimizer is None else {
         engine.param_names[id(p)]: {k: v for k, v in s.items()} for p, s in optimizer.state.items()}
+    _unshard(engine, dense_state)
     groups = [] if optimizer is None else [
         {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return {"model": model_state,

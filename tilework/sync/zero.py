@@ -1,0 +1,268 @@
+"""ZeRO (paper 17): dense parameters whose optimizer state (stage 1), also gradients (stage 2),
+also values (stage 3, sync/zero3.py) are split over the ranks.
+
+Each sharded parameter is flattened, padded with zeros to a multiple of n elements and cut into
+n equal chunks; rank r owns chunk r. This is FSDP2's per-parameter sharding rather than ZeRO's
+one flat buffer: every shard belongs to one parameter, so it can stand in for that parameter in
+the user's own optimizer (same class, hyperparameters and param groups). Optimizers that work
+element by element (SGD, Adam, AdamW, Adagrad, RMSprop, ...) then give one process's result;
+the padding gets zero gradients and stays zero. Optimizers that need a whole tensor's shape
+(LBFGS, Shampoo-like ones) cannot run on shards: `check_elementwise` refuses them.
+
+- Stage 1: gradients are all-reduced as replicated ones are (sync/dense.py), so `.grad` keeps
+  DDP's meaning for clipping and hand-written reads; at the step each shard's `.grad` is its
+  chunk of the averaged gradient. Costs DDP's bytes plus the all-gather below.
+- Stage 2: gradient buckets are reduce-scattered, rank-major (chunk j of every parameter in
+  the bucket goes to rank j): when `backward()` returns, each shard's `.grad` holds its chunk of
+  the average and the parameter's `.grad` is None (`tilework.clip_grad_norm_` sees the shards).
+  DDP's bytes in all: a reduce-scatter and an all-gather are a ring all-reduce's two halves.
+- After the step, stages 1 and 2 all-gather the updated shards into the parameters, one
+  collective per bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.counted import Stats, all_gather_async, reduce_scatter_async
+from ..errors import PlanError
+from ..plan import assign_buckets
+from .hooks import PicklesAsNoop
+
+# Optimizers whose update of an element reads only that element's gradient and state.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+               torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
+
+
+def chunk_size(numel: int, n: int) -> int:
+    return -(-numel // n)
+
+
+def check_elementwise(optimizer, names: list[str]) -> None:
+    if optimizer is not None and not isinstance(optimizer, ELEMENTWISE):
+        raise PlanError(f"ZeRO runs the optimizer on each rank's chunk of {names[0]}, which only "
+                        f"optimizers that update element by element allow; "
+                        f"{type(optimizer).__name__} is not one of them (use zero=0)")
+
+
+class Sharded:
+    """One parameter and this rank's chunk of it: `shard`, an nn.Parameter of `chunk`
+    elements that the user's optimizer updates in the parameter's place."""
+
+    def __init__(self, name: str, param: nn.Parameter, stage: int, rank: int, n: int):
+        self.name, self.param, self.stage, self.rank, self.n = name, param, stage, rank, n
+        self.numel, self.shape = param.numel(), param.shape
+        self.chunk = chunk_size(self.numel, n)
+        self.shard = nn.Parameter(self.take(param.detach()), requires_grad=param.requires_grad)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk (a copy, zero-padded) of a tensor shaped like the parameter."""
+        return self.rows(full)[self.rank].clone()
+
+    def rows(self, full: torch.Tensor) -> torch.Tensor:
+        """A parameter-shaped tensor as (n, chunk): row j is rank j's chunk."""
+        flat = full.reshape(-1)
+        pad = self.n * self.chunk - self.numel
+        return (F.pad(flat, (0, pad)) if pad else flat).view(self.n, self.chunk)
+
+    def whole(self, rows: torch.Tensor) -> torch.Tensor:
+        """The inverse of `rows`: every rank's chunk, in rank order, back in the parameter's
+        shape."""
+        return rows.reshape(-1)[:self.numel].view(self.shape)
+
+
+class _Bucket:
+    def __init__(self, shards: list[Sharded]):
+        self.shards = shards
+        self.width = sum(s.chunk for s in shards)   # this rank's elements in the bucket
+        self.ready: set[int] = set()
+        self.pending = None
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A (.., width) tensor cut into each shard's columns."""
+        return list(torch.split(flat, [s.chunk for s in self.shards], dim=-1))
+
+
+def _buckets(shards: list[Sharded], bucket_bytes: int) -> list[_Bucket]:
+    sizes = [s.n * s.chunk * s.param.element_size() for s in shards]
+    return [_Bucket([shards[i] for i in members]) for members in assign_buckets(sizes, bucket_bytes)]
+
+
+class ZeroSync:
+    """The sharded dense parameters of one model (stages 1 and 2; stage 3 adds sync/zero3.py's
+    units on top). Buckets launch in index order on every rank, as DenseSync's do."""
+
+    def __init__(self, params: list[tuple[str, nn.Parameter, int]], groups, stats: Stats,
+                 bucket_bytes: int, checks=None, on_grad=None):
+        n, rank = groups.world_size, groups.rank
+        self.groups, self.stats, self.checks, self.on_grad = groups, stats, checks, on_grad
+        self.shards = [Sharded(name, p, stage, rank, n) for name, p, stage in params]
+        self.by_name = {s.name: s for s in self.shards}
+        backward_order = list(reversed(self.shards))
+        self.grad_buckets = _buckets([s for s in backward_order if s.stage >= 2], bucket_bytes)
+        self.gather_buckets = _buckets([s for s in backward_order if s.stage in (1, 2)],
+                                       bucket_bytes)
+        self.where = {id(s.param): (b, i) for b, bucket in enumerate(self.grad_buckets)
+                      for i, s in enumerate(bucket.shards)}
+        topo = groups.topology
+        self.remote = [topo.host_of(r) != groups.host for r in range(n)]
+        self.successor_remote = topo.host_of((rank + 1) % n) != groups.host
+        self.next_bucket, self.active = 0, False
+        self.handles = [s.param.register_post_accumulate_grad_hook(PicklesAsNoop(self._on_grad))
+                        for s in self.shards if s.stage >= 2]
+
+    @property
+    def owns_gradients(self) -> bool:
+        """Gradients live on the shards between backward and step (stages 2 and 3)."""
+        return any(s.stage >= 2 for s in self.shards)
+
+    # -- set-up: the optimizer and model see the shards -----------------------------------------
+    def install(self, model: nn.Module, optimizer, changes, param_names: dict) -> None:
+        """The shards take their parameters' places in the optimizer (state converted), and
+        zeroing gradients reaches them."""
+        for s in self.shards:
+            param_names[id(s.shard)] = s.name
+        if optimizer is not None:
+            self._swap_into(optimizer, changes)
+        if self.owns_gradients:
+            user_zero_grad = model.zero_grad
+
+            def zero_grad(set_to_none: bool = True):
+                self.discard()
+                user_zero_grad(set_to_none=set_to_none)
+
+            changes.set_attribute(model, "zero_grad", zero_grad,
+                                  "model.zero_grad (also the shards' gradients)")
+        changes.record("sharded parameters: post-accumulate-grad hooks (reduce-scatter buckets)",
+                       lambda: [handle.remove() for handle in self.handles])
+
+    def _swap_into(self, optimizer, changes) -> None:
+        check_elementwise(optimizer, [s.name for s in self.shards])
+        swap = {id(s.param): s for s in self.shards}
+        before = [list(group["params"]) for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["params"] = [swap[id(p)].shard if id(p) in swap else p for p in group["params"]]
+        for p in [p for p in optimizer.state if id(p) in swap]:
+            optimizer.state[swap[id(p)].shard] = self.shard_state(swap[id(p)].name,
+                                                                  optimizer.state.pop(p))
+
+        def undo():
+            for group, params in zip(optimizer.param_groups, before):
+                group["params"] = params
+            for s in self.shards:
+                optimizer.state.pop(s.shard, None)
+
+        changes.record(f"optimizer: {len(self.shards)} parameters replaced by their shards "
+                       "(ZeRO)", undo)
+
+    # -- backward: stage 2's reduce-scatter buckets ----------------------------------------------
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if self.on_grad is not None and not self.on_grad():
+            return   # a backward without sync: the parameter's .grad accumulates locally
+        self.active = True
+        b, i = self.where[id(p)]
+        self.grad_buckets[b].ready.add(i)
+        while (self.next_bucket < len(self.grad_buckets) and
+               len(self.grad_buckets[self.next_bucket].ready)
+               == len(self.grad_buckets[self.next_bucket].shards)):
+            self._launch(self.grad_buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        parts = []
+        for s in bucket.shards:
+            g = s.param.grad
+            g = torch.zeros_like(s.param) if g is None else g.to_dense() if g.is_sparse else g
+            parts.append(s.rows(g))
+            s.param.grad = None   # it lives in the bucket now
+        flat = torch.cat(parts, dim=1).reshape(-1)
+        if self.checks is not None:
+            self.checks.on_gradients([(s.name, g) for s, g in zip(bucket.shards, parts)], flat)
+        bucket.pending = reduce_scatter_async(flat, self.groups.world, self.stats, "zero",
+                                              self.remote)
+
+    def launch_rest(self) -> None:
+        """End of a synchronised backward: the buckets not launched yet (zeros for parameters
+        that got no gradient on this rank)."""
+        if not self.active:
+            return
+        while self.next_bucket < len(self.grad_buckets):
+            self._launch(self.grad_buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    def wait(self) -> None:
+        """Every shard's `.grad` gains its chunk of the averaged gradient."""
+        if not self.active:
+            return
+        self.active, self.next_bucket = False, 0
+        for bucket in self.grad_buckets:
+            summed = bucket.pending.wait().div_(self.groups.world_size)
+            for s, g in zip(bucket.shards, bucket.split(summed)):
+                s.shard.grad = g if s.shard.grad is None else s.shard.grad.add_(g)
+            bucket.ready.clear()
+            bucket.pending = None
+
+    # -- the step --------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        """Stage 1: each shard's gradient is its chunk of the all-reduced one."""
+        for s in self.shards:
+            if s.stage == 1:
+                g = s.param.grad
+                s.shard.grad = None if g is None else s.take(g.to_dense() if g.is_sparse else g)
+
+    def after_step(self) -> None:
+        """Stages 1 and 2: the updated shards all-gathered into the parameters."""
+        for bucket in self.gather_buckets:
+            part = torch.cat([s.shard.detach() for s in bucket.shards])
+            bucket.pending = all_gather_async(part, self.groups.world, self.stats, "zero",
+                                              self.successor_remote)
+        with torch.no_grad():
+            for bucket in self.gather_buckets:
+                every = bucket.pending.wait().view(self.groups.world_size, bucket.width)
+                bucket.pending = None
+                for s, rows in zip(bucket.shards, bucket.split(every)):
+                    s.param.copy_(s.whole(rows))
+        for s in self.shards:
+            if s.stage == 1:
+                s.shard.grad = None   # rebuilt from the parameter's at the next step
+
+    def discard(self) -> None:
+        """Every gradient dropped: the shards', and stage 1's parameters' (which the
+        optimizer's zero_grad no longer reaches: its groups hold the shards)."""
+        for s in self.shards:
+            s.shard.grad = None
+            if s.stage == 1:
+                s.param.grad = None
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradient chunks this rank owns (stages 2 and 3), for clipping."""
+        return [s.shard.grad for s in self.shards if s.stage >= 2 and s.shard.grad is not None]
+
+    def after_load(self) -> None:
+        """The model's values were loaded into the parameters: the shards follow."""
+        with torch.no_grad():
+            for s in self.shards:
+                s.shard.copy_(s.take(s.param.detach()))
+
+    # -- checkpoints: optimizer state between the shard's layout and the parameter's ------------
+    def shard_state(self, name: str, state: dict) -> dict:
+        s = self.by_name[name]
+        # "step" is a scalar tensor, as is every state of a scalar parameter: told apart by name.
+        return {k: s.take(v) if torch.is_tensor(v) and k != "step" and v.shape == s.shape else v
+                for k, v in state.items()}
+
+    def full_state(self, name: str, state: dict) -> dict:
+        """A shard's optimizer state in the parameter's shape (a collective per tensor)."""
+        s = self.by_name[name]
+        out = {}
+        for k, v in state.items():
+            if torch.is_tensor(v) and k != "step" and v.shape == (s.chunk,):
+                every = all_gather_async(v.detach().contiguous(), self.groups.world, self.stats,
+                                         "checkpoint").wait()
+                out[k] = s.whole(every).clone()
+            else:
+                out[k] = v
+        return out
