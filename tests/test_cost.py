@@ -13,8 +13,8 @@ from tilework.analysis import analyze
 from tilework.cluster import Links, Topology
 from tilework.comm import build_groups
 from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
-                           hot_sync_bytes, ps_expected, ps_table_bytes)
-from tilework.wire import CHECK_WORDS, input_check_bytes
+                           hot_sync_bytes, ps_expected, ps_table_bytes, zero_sync_bytes)
+from tilework.wire import CHECK_WORDS, input_check_bytes, ring_allreduce_bytes
 from tilework.planner import make_plan
 from tilework.testing import spawn
 
@@ -40,22 +40,23 @@ def ids_for(step, rank):
     return torch.randint(0, 50, (3, 4), generator=g), torch.randint(0, 7, (3, 2), generator=g)
 
 
-def _plan(model, mode, world_size, hosts, local_aggregation, hot):
-    """The plan both sides use: the words table's first `hot` rows replicated (sync/hot.py)."""
+def _plan(model, mode, world_size, hosts, local_aggregation, hot, zero=0):
+    """The plan both sides use: the words table's first `hot` rows replicated (sync/hot.py),
+    the dense parameters at ZeRO stage `zero`."""
     topo = Topology.uniform(hosts, world_size // hosts)
     plan = make_plan(analyze(model), world_size, mode, bucket_bytes=BUCKET,
-                     local_aggregation=local_aggregation, topology=topo)
+                     local_aggregation=local_aggregation, topology=topo, zero=zero)
     return dataclasses.replace(plan, params=tuple(
         dataclasses.replace(p, hot_rows=hot) if p.name == "words.weight" and p.method == "ps"
         else p for p in plan.params))
 
 
-def _run(rank, world_size, mode, hosts, local_aggregation, hot=0):
+def _run(rank, world_size, mode, hosts, local_aggregation, hot=0, zero=0):
     model = TwoTables()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
     tilework.parallelize(model, opt, groups=groups,
-                         plan=_plan(model, mode, world_size, hosts, local_aggregation, hot),
+                         plan=_plan(model, mode, world_size, hosts, local_aggregation, hot, zero),
                          log=False)
     measured = []
     for step in range(2):
@@ -67,15 +68,22 @@ def _run(rank, world_size, mode, hosts, local_aggregation, hot=0):
     return measured
 
 
-def predicted(mode, world_size, hosts, local_aggregation, step, hot=0):
+def predicted(mode, world_size, hosts, local_aggregation, step, hot=0, zero=0):
     topo = Topology.uniform(hosts, world_size // hosts)
     model = TwoTables()
-    plan = _plan(model, mode, world_size, hosts, local_aggregation, hot)
+    plan = _plan(model, mode, world_size, hosts, local_aggregation, hot, zero)
     params = dict(model.named_parameters())
-    dense = [p.numel() * 4 for n, p in params.items() if plan.by_name()[n].method == "allreduce"]
+    entries = plan.by_name()
+    # ZeRO stage 1 keeps the all-reduce; 2 reduce-scatters in buckets of its own.
+    dense = [p.numel() * 4 for n, p in params.items()
+             if entries[n].method == "allreduce" and entries[n].zero <= 1]
     # The input check rides the last dense bucket where there is one; else it is an exchange.
     carried = CHECK_WORDS * 4 if dense else 0
-    per_rank = [{"allreduce": 0, "ps": 0, "check": 0 if dense else input_check_bytes(world_size)}
+    sharded = sum(zero_sync_bytes(pp, world_size)[0] for pp in plan.params if pp.zero)
+    sharded -= sum(ring_allreduce_bytes(pp.nbytes, world_size) for pp in plan.params
+                   if pp.zero == 1)   # stage 1's all-reduce is counted with the dense buckets
+    per_rank = [{"allreduce": 0, "ps": 0, "zero": sharded,
+                 "check": 0 if dense else input_check_bytes(world_size)}
                 for _ in range(world_size)]
     for r in range(world_size):
         per_rank[r]["allreduce"] = dense_sync_bytes(dense, BUCKET, world_size, carried)
@@ -100,6 +108,17 @@ def test_counters_equal_the_cost_model(mode, world_size, hosts, local_aggregatio
     measured = spawn(_run, world_size, args=(mode, hosts, local_aggregation), timeout=120)
     for step in range(2):
         expected = predicted(mode, world_size, hosts, local_aggregation, step)
+        got = [{m: b for m, b in measured[r][step].items() if b} for r in range(world_size)]
+        assert got == expected, f"step {step}"
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_counters_equal_the_cost_model_under_zero(zero, world_size):
+    """ZeRO's reduce-scatter and all-gathers, padded to equal chunks, counted as modelled."""
+    measured = spawn(_run, world_size, args=("hybrid", 1, True, 0, zero), timeout=120)
+    for step in range(2):
+        expected = predicted("hybrid", world_size, 1, True, step, 0, zero)
         got = [{m: b for m, b in measured[r][step].items() if b} for r in range(world_size)]
         assert got == expected, f"step {step}"
 
