@@ -28,10 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import tilework
 from tilework import optim
 
-TILEWORK = ("hybrid", "ps", "allreduce", "zero1", "zero2")
+TILEWORK = ("hybrid", "ps", "allreduce", "zero1", "zero2", "zero3")
 # tilework's systems as parallelize's options: the ZeRO ones are hybrid with sharded dense state.
 OPTIONS = {"hybrid": {"mode": "hybrid"}, "ps": {"mode": "ps"}, "allreduce": {"mode": "allreduce"},
-           "zero1": {"zero": 1}, "zero2": {"zero": 2}}
+           "zero1": {"zero": 1}, "zero2": {"zero": 2}, "zero3": {"zero": 3}}
 GLOBAL_BATCH = 8
 STEPS = 4
 ACC_STEPS, K = 3, 3           # accumulation: 3 optimizer steps of K = 3 backward calls each

@@ -1,7 +1,7 @@
 """A single-device training loop trains as in one process, with DistributedDataParallel's
 gradient semantics (issue 10): the same loop, unchanged, under one plain process (the
 reference), under torch's own DistributedDataParallel and under tilework's "hybrid", "ps" and
-"allreduce" modes and hybrid with ZeRO stages 1 and 2, on 2 real gloo ranks. The patterns (tests/ddp_patterns.py): clipping by norm
+"allreduce" modes and hybrid with ZeRO stages 1, 2 and 3, on 2 real gloo ranks. The patterns (tests/ddp_patterns.py): clipping by norm
 and by value, gradient accumulation over K=3 backward calls (plain, `no_sync()`,
 `require_backward_grad_sync = False`), a hand-written update loop without an optimizer, an LR
 scheduler, a state_dict round trip, torch.save(model), a DDP-wrapped submodule, gradients as
@@ -55,7 +55,7 @@ def names_for(system: str, optimizer: str) -> list[str]:
     names = list(TRAINING)
     if optimizer == "sgd":
         # tilework refuses mode="ps" and ZeRO without an optimizer to apply (or shard) updates
-        if system not in ("ps", "zero1", "zero2"):
+        if system not in ("ps", "zero1", "zero2", "zero3"):
             names += MANUAL
         if system == "ddp":
             names += ["clip_norm_dropin", "clip_value_dropin"]
@@ -188,7 +188,7 @@ def test_sync_off_backward_keeps_local_gradients(system, pattern):
             assert_close_tensor(f"rank {rank}: {name}.grad", g, expected[name], TOLERANCE["sgd"])
 
 
-@pytest.mark.parametrize("system", [s for s in SYSTEMS if s not in ("ps", "zero2")])
+@pytest.mark.parametrize("system", [s for s in SYSTEMS if s not in ("ps", "zero2", "zero3")])
 def test_gradients_are_averaged_when_backward_returns(system):
     """Every dense parameter's .grad is the one-process gradient when backward() returns (DDP's
     rule), on every rank; tables that stay parameters (DDP, allreduce) too."""
@@ -201,12 +201,13 @@ def test_gradients_are_averaged_when_backward_returns(system):
             assert_close_tensor(f"rank {rank}: {name}.grad", g, expected[name], TOLERANCE["sgd"])
 
 
-def test_zero2_gradients_live_on_the_shards():
-    """ZeRO stage 2 reduce-scatters: when backward returns each rank holds its chunk of the
-    averaged gradient on the optimizer's shards and the dense parameters' `.grad` is None
+@pytest.mark.parametrize("system", ["zero2", "zero3"])
+def test_zero_gradients_live_on_the_shards(system):
+    """ZeRO stages 2 and 3 reduce-scatter: when backward returns each rank holds its chunk of
+    the averaged gradient on the optimizer's shards and the dense parameters' `.grad` is None
     (README, "what differs"); tilework.clip_grad_norm_ covers the shards (the clip_norm
-    pattern passes for zero2)."""
-    for rank, r in enumerate(ranks("zero2", "sgd", "loop")):
+    pattern passes for them)."""
+    for rank, r in enumerate(ranks(system, "sgd", "loop")):
         assert set(r["grads"]) <= set(P.TABLES), f"rank {rank}: {sorted(r['grads'])} kept a .grad"
 
 

@@ -67,3 +67,114 @@ def measure_density(model: nn.Module, loss_fn, batches) -> dict[str, float]:
             fractions[name].append(0.0 if w.grad is None else row_density(w.grad))
     model.zero_grad(set_to_none=True)
     return {name: sum(f) / len(f) for name, f in fractions.items() if f}
+
+
+# -- activation recompute: which modules, by a rule or by name patterns ------------------------
+
+def recompute_units(model: nn.Module) -> list[str]:
+    """The modules that `recompute="full"` or `"selective"` recomputes when no names are given:
+    the model's repeated blocks.
+
+    Rule: walking `named_modules()` from the root, an `nn.ModuleList` or `nn.Sequential` of at
+    least two children of one class, each owning parameters and none an embedding, is a stack
+    of blocks; its children are the units, and nothing inside them is looked at again (the
+    outermost stack wins). A transformer's layers and a ResNet's residual blocks are such
+    stacks; DLRM's tables (embeddings) and an MLP's Linear/ReLU `Sequential` (two classes) are
+    not. A model without one: the root's direct children that own parameters, have a forward
+    of their own (not a ModuleList/ModuleDict) and are not embeddings.
+    """
+    units: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(u + ".") for u in units):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and _is_stack(module):
+            units += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+    if units:
+        return units
+    return [name for name, child in model.named_children()
+            if _has_forward(child) and not _is_table(child) and any(True for _ in child.parameters())]
+
+
+def _is_stack(container: nn.Module) -> bool:
+    children = list(container.children())
+    return (len(children) >= 2 and len({type(c) for c in children}) == 1
+            and not _is_table(children[0])
+            and all(any(True for _ in c.parameters()) for c in children))
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+
+
+def _is_table(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+
+
+def recompute_choices(model: nn.Module, setting) -> tuple[tuple[str, str], ...]:
+    """(module name, "full" | "selective") for each module `setting` recomputes: "none",
+    "full" or "selective" for every `recompute_units` module, or {glob pattern: policy} over
+    `named_modules()` names (the first pattern matching a module decides; a module inside one
+    already chosen is not chosen again, so "blocks.*" takes the blocks, not their parts).
+    Raises PlanError naming `recompute` and the pattern that matches nothing."""
+    from fnmatch import fnmatchcase
+
+    from .errors import PlanError
+
+    if setting in (None, "none"):
+        return ()
+    if isinstance(setting, str):
+        units = recompute_units(model)
+        if not units:
+            raise PlanError(f"recompute={setting!r}: the model has no blocks to recompute "
+                            "(no repeated blocks, no child with parameters): name modules, "
+                            "recompute={'pattern': 'full'}")
+        return tuple((name, setting) for name in units)
+    chosen: dict[str, str] = {}
+    used: set[str] = set()
+    shadowed: dict[str, str] = {}   # pattern -> a module it matched that was taken already
+    for name, module in model.named_modules():
+        matching = [p for p in setting if fnmatchcase(name, p)]
+        if not name or not matching or not _has_forward(module):
+            continue
+        outer = next((c for c in chosen if name.startswith(c + ".")), None)
+        if outer is None:
+            chosen[name] = setting[matching[0]]
+            used.add(matching[0])
+        for pattern in matching[1:] if outer is None else matching:
+            shadowed.setdefault(pattern, name)
+    for pattern in setting:
+        if pattern in used:
+            continue
+        if pattern in shadowed:
+            raise PlanError(f"recompute: pattern {pattern!r} chooses nothing: what it matches "
+                            f"(e.g. {shadowed[pattern]!r}) an earlier pattern chose already, "
+                            "or sits inside a module chosen whole")
+        names = [n for n, m in model.named_modules() if n and _has_forward(m)]
+        raise PlanError(f"recompute: pattern {pattern!r} matches no module with a forward "
+                        f"(names as model.named_modules() gives them, e.g. "
+                        f"{', '.join(repr(n) for n in names[:4])})")
+    return tuple(chosen.items())
+
+
+def owning_units(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> the unit that ZeRO stage 3 gathers it with: the `recompute_units`
+    block holding it, or "" (the model itself) for the rest."""
+    owner = {name: "" for name, _ in model.named_parameters()}
+    units_of: dict[int, set[str]] = {id(p): set() for p in model.parameters()}
+    for unit in recompute_units(model):   # outermost stacks only: no unit inside another
+        for name, p in model.get_submodule(unit).named_parameters(prefix=unit):
+            units_of[id(p)].add(unit)
+            if name in owner:
+                owner[name] = unit
+    # A parameter shared by two modules (tied weights) is gathered with the model, which is
+    # gathered whenever either runs.
+    for name, p in model.named_parameters():
+        if len(units_of[id(p)]) > 1 or (units_of[id(p)] and _tied_outside(model, p, owner[name])):
+            owner[name] = ""
+    return owner
+
+
+def _tied_outside(model: nn.Module, p: nn.Parameter, unit: str) -> bool:
+    """`p` is also registered under a module outside `unit` (tied to the model's head, say)."""
+    return any(q is p and not name.startswith(unit + ".")
+               for name, q in model.named_parameters(remove_duplicate=False))

@@ -57,11 +57,13 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
 def zero_sync_bytes(plan: ParamPlan, n: int) -> tuple[int, int]:
     """(bytes one rank sends, messages) for a ZeRO parameter's step: its gradient's
     all-reduce (stage 1) or reduce-scatter (2, 3) and the all-gathers of its values (after the
-    step for 1 and 2; before its forward and again before its backward for 3). Exact: padded
+    step for 1 and 2; before its unit's forward and again before its backward for 3). Exact: padded
     to n equal chunks, summed over buckets in any grouping, as the counters count them."""
     chunk = -(-plan.numel // n) * dtype_bytes(plan.dtype)
     gather = all_gather_bytes(chunk, n)
-    gathers = 2 if plan.zero == 3 else 1
+    # Stage 3 gathers before forward and again before backward, but the model's own unit
+    # (sync/zero3.py) stays gathered from its forward to the end of backward.
+    gathers = 2 if plan.zero == 3 and plan.unit else 1
     if plan.zero == 1:
         first, messages = ring_allreduce_bytes(plan.nbytes, n), ALL_REDUCE.messages(n)
     else:

@@ -92,6 +92,7 @@ class ParamPlan(TensorFacts):
     hot_rows: int = 0   # ps tables: rows [0, hot_rows) replicated and all-reduced (sync/hot.py)
     zero: int = 0   # allreduce parameters: ZeRO stage (1: optimizer state sharded, 2: and
     #                 gradients, 3: and values; sync/zero.py)
+    unit: str | None = None   # stage 3: the module whose forward gathers it ("": the model's)
 
     def __post_init__(self):
         dtype_bytes(self.dtype)
@@ -105,11 +106,17 @@ class ParamPlan(TensorFacts):
         if self.zero not in (0, 1, 2, 3) or (self.zero and self.method != "allreduce"):
             raise ValueError(f"{self.name}: zero must be 0..3, and only on an allreduce "
                              f"parameter, got {self.zero!r} ({self.method})")
+        if (self.unit is not None) != (self.zero == 3):
+            raise ValueError(f"{self.name}: a ZeRO-3 parameter names its unit (the module "
+                             f"that gathers it), no other does: zero={self.zero}, "
+                             f"unit={self.unit!r}")
 
     @property
     def placement(self) -> str:
         if self.method == "allreduce":
-            return f"allreduce (replicated)" if not self.zero else ZERO_PLACEMENTS[self.zero]
+            if self.zero == 3:
+                return f"{ZERO_PLACEMENTS[3]}, gathered by {self.unit or 'the model'}"
+            return "allreduce (replicated)" if not self.zero else ZERO_PLACEMENTS[self.zero]
         hot = f"; rows 0..{self.hot_rows - 1} replicated, all-reduced" if self.hot_rows else ""
         return f"ps (rows in {self.partitions} {self.row_map} partitions{hot})"
 

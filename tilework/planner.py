@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from .analysis import ParamInfo, analyze, recompute_choices
+from .analysis import ParamInfo, analyze, owning_units, recompute_choices
 from .cluster import Cluster, Links, Topology
 from .cost import TableTraffic, predict, ps_expected, ps_split, ring_allreduce
 from .errors import PlanError
@@ -46,7 +46,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      config.partitions, config.row_map, config.sparse_reduce,
                      config.local_aggregation, bucket_bytes(config.bucket_mb),
                      config.density_threshold, topology, links, traffic, zero=config.zero,
-                     recompute=recompute_choices(model, config.recompute))
+                     recompute=recompute_choices(model, config.recompute),
+                     units=owning_units(model) if config.zero == 3 else None)
 
 
 def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
@@ -56,7 +57,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               bucket_bytes: int = 25 * 2**20, density_threshold: float = 0.1,
               topology: Topology | None = None, links: Links | None = None,
               traffic: dict[str, TableTraffic] | None = None, zero: int = 0,
-              recompute: tuple[tuple[str, str], ...] = ()) -> Plan:
+              recompute: tuple[tuple[str, str], ...] = (),
+              units: dict[str, str] | None = None) -> Plan:
     if mode not in ("hybrid", "allreduce", "ps"):
         raise PlanError(f"mode: expected 'hybrid', 'allreduce' or 'ps', got {mode!r}")
     if sparse_reduce not in ("mean", "sum"):
@@ -97,7 +99,9 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
             parts = min(wanted or world_size, info.shape[0])
         hot = searched.hot_rows if method == "ps" and searched is not None else 0
         entry = ParamPlan(info.name, info.shape, method, parts, row_map, reason, info.dtype,
-                          info.kind, hot_rows=hot, zero=zero if method == "allreduce" else 0)
+                          info.kind, hot_rows=hot, zero=zero if method == "allreduce" else 0,
+                          unit=(units or {}).get(info.name, "")
+                          if zero == 3 and method == "allreduce" else None)
         params.append(dataclasses.replace(entry, predicted=predict(
             entry, traffic.get(info.name), topology, links, local_aggregation)))
     _refuse_recomputed_tables(recompute, params)

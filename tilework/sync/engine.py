@@ -135,8 +135,10 @@ class Engine:
         successor_remote = topo.host_of((groups.rank + 1) % topo.world_size) != groups.host
         self.checks = InputChecks(groups, self.stats, successor_remote) if check_inputs else None
         stage = {pp.name: pp.zero for pp in self.plan.params if pp.zero}
-        self.zero = ZeroSync([(n, p, stage[n]) for n, p in dense if n in stage], groups,
+        unit = {pp.name: pp.unit for pp in self.plan.params}
+        self.zero = ZeroSync([(n, p, stage[n], unit[n]) for n, p in dense if n in stage], groups,
                              self.stats, self.plan.bucket_bytes, self.checks, self._touched)
+        self.zero.guard = self.guard.call
         self.zero.install(self.model, self.optimizer, self.changes, self.param_names)
         # Stage 1 keeps DDP's all-reduced gradients; 2 and 3 reduce-scatter their own.
         dense = [(n, p) for n, p in dense if stage.get(n, 0) <= 1]
@@ -264,6 +266,7 @@ class Engine:
             for table in self.tables.values():
                 table.coalesce()
             self._unsynced = bool(self.tables or self.served)
+            self.zero.end_backward()
             return
         self._check_server_gradients()  # before the dense sync, which carries the verdict
         self.dense.launch_rest()
@@ -271,6 +274,7 @@ class Engine:
         self._push_servers()            # while the last buckets are reduced
         self.dense.wait()
         self.zero.wait()
+        self.zero.end_backward()
         if self.optimizer is None:  # no step to wait for: this is where the step ends
             if self.checks is not None:
                 self._check_inputs()

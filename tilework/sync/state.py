@@ -210,10 +210,10 @@ def gathered_state(engine, dst: int | None) -> dict:
 def gathered_model_state(engine, gather_to) -> dict:
     """model.state_dict() with the tables gathered to rank `gather_to` (None: every rank;
     "meta": shapes only, no communication)."""
-    for module in engine.table_modules.values():
+    for module in [*engine.table_modules.values(), engine.zero]:
         module.gather_to = gather_to
     try:
         return dict(engine.model.state_dict())
     finally:
-        for module in engine.table_modules.values():
+        for module in [*engine.table_modules.values(), engine.zero]:
             module.gather_to = None

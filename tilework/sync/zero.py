@@ -22,6 +22,8 @@ the padding gets zero gradients and stays zero. Optimizers that need a whole ten
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,8 +54,10 @@ class Sharded:
     """One parameter and this rank's chunk of it: `shard`, an nn.Parameter of `chunk`
     elements that the user's optimizer updates in the parameter's place."""
 
-    def __init__(self, name: str, param: nn.Parameter, stage: int, rank: int, n: int):
+    def __init__(self, name: str, param: nn.Parameter, stage: int, rank: int, n: int,
+                 unit: str | None = None):
         self.name, self.param, self.stage, self.rank, self.n = name, param, stage, rank, n
+        self.unit = unit   # stage 3: the module whose forward gathers it
         self.numel, self.shape = param.numel(), param.shape
         self.chunk = chunk_size(self.numel, n)
         self.shard = nn.Parameter(self.take(param.detach()), requires_grad=param.requires_grad)
@@ -75,8 +79,8 @@ class Sharded:
 
 
 class _Bucket:
-    def __init__(self, shards: list[Sharded]):
-        self.shards = shards
+    def __init__(self, shards: list[Sharded], unit=None):
+        self.shards, self.unit = shards, unit   # a stage-3 unit is freed once it is packed
         self.width = sum(s.chunk for s in shards)   # this rank's elements in the bucket
         self.ready: set[int] = set()
         self.pending = None
@@ -92,27 +96,41 @@ def _buckets(shards: list[Sharded], bucket_bytes: int) -> list[_Bucket]:
 
 
 class ZeroSync:
-    """The sharded dense parameters of one model (stages 1 and 2; stage 3 adds sync/zero3.py's
-    units on top). Buckets launch in index order on every rank, as DenseSync's do."""
+    """The sharded dense parameters of one model (stage 3's units in sync/zero3.py). Buckets
+    launch in index order on every rank, as DenseSync's do."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter, int]], groups, stats: Stats,
-                 bucket_bytes: int, checks=None, on_grad=None):
+    def __init__(self, params: list[tuple[str, nn.Parameter, int, str | None]], groups,
+                 stats: Stats, bucket_bytes: int, checks=None, on_grad=None):
         n, rank = groups.world_size, groups.rank
         self.groups, self.stats, self.checks, self.on_grad = groups, stats, checks, on_grad
-        self.shards = [Sharded(name, p, stage, rank, n) for name, p, stage in params]
+        self.bucket_bytes = bucket_bytes
+        self.shards = [Sharded(name, p, stage, rank, n, unit) for name, p, stage, unit in params]
         self.by_name = {s.name: s for s in self.shards}
-        backward_order = list(reversed(self.shards))
-        self.grad_buckets = _buckets([s for s in backward_order if s.stage >= 2], bucket_bytes)
-        self.gather_buckets = _buckets([s for s in backward_order if s.stage in (1, 2)],
-                                       bucket_bytes)
-        self.where = {id(s.param): (b, i) for b, bucket in enumerate(self.grad_buckets)
-                      for i, s in enumerate(bucket.shards)}
         topo = groups.topology
         self.remote = [topo.host_of(r) != groups.host for r in range(n)]
         self.successor_remote = topo.host_of((rank + 1) % n) != groups.host
         self.next_bucket, self.active = 0, False
-        self.handles = [s.param.register_post_accumulate_grad_hook(PicklesAsNoop(self._on_grad))
-                        for s in self.shards if s.stage >= 2]
+        self.units = None   # stage 3's (sync/zero3.py)
+        self.guard = contextlib.nullcontext   # the engine's CallGuard.call
+        self.gather_to = None   # "meta": a state dict of shapes only, nothing gathered
+
+    def _bucket(self, model: nn.Module, changes) -> None:
+        """Stage 2's gradients in buckets by size, stage 3's by unit; backward's order."""
+        backward_order = list(reversed(self.shards))
+        self.grad_buckets = _buckets([s for s in backward_order if s.stage == 2],
+                                     self.bucket_bytes)
+        if any(s.stage == 3 for s in self.shards):
+            from .zero3 import Units
+            self.units = Units(model, [s for s in self.shards if s.stage == 3], self, changes)
+            self.grad_buckets += [_Bucket(u.shards, u) for u in self.units.in_backward_order()]
+        self.gather_buckets = _buckets([s for s in backward_order if s.stage in (1, 2)],
+                                       self.bucket_bytes)
+        self.where = {id(s.param): (b, i) for b, bucket in enumerate(self.grad_buckets)
+                      for i, s in enumerate(bucket.shards)}
+        handles = [s.param.register_post_accumulate_grad_hook(PicklesAsNoop(self._on_grad))
+                   for s in self.shards if s.stage >= 2]
+        changes.record("sharded parameters: post-accumulate-grad hooks (reduce-scatter buckets)",
+                       lambda: [handle.remove() for handle in handles])
 
     @property
     def owns_gradients(self) -> bool:
@@ -125,8 +143,15 @@ class ZeroSync:
         zeroing gradients reaches them."""
         for s in self.shards:
             param_names[id(s.shard)] = s.name
+        self._bucket(model, changes)
         if optimizer is not None:
             self._swap_into(optimizer, changes)
+        if self.units is not None:
+            changes.hook("model: state_dict post-hook (ZeRO-3 values gathered)",
+                         model.register_state_dict_post_hook(PicklesAsNoop(self._full_values)))
+            changes.hook("model: load_state_dict pre-hook (ZeRO-3 values gathered)",
+                         model.register_load_state_dict_pre_hook(
+                             PicklesAsNoop(lambda *_: self.before_load())))
         if self.owns_gradients:
             user_zero_grad = model.zero_grad
 
@@ -136,8 +161,6 @@ class ZeroSync:
 
             changes.set_attribute(model, "zero_grad", zero_grad,
                                   "model.zero_grad (also the shards' gradients)")
-        changes.record("sharded parameters: post-accumulate-grad hooks (reduce-scatter buckets)",
-                       lambda: [handle.remove() for handle in self.handles])
 
     def _swap_into(self, optimizer, changes) -> None:
         check_elementwise(optimizer, [s.name for s in self.shards])
@@ -179,6 +202,8 @@ class ZeroSync:
             parts.append(s.rows(g))
             s.param.grad = None   # it lives in the bucket now
         flat = torch.cat(parts, dim=1).reshape(-1)
+        if bucket.unit is not None:
+            bucket.unit.free()    # its backward is done
         if self.checks is not None:
             self.checks.on_gradients([(s.name, g) for s, g in zip(bucket.shards, parts)], flat)
         bucket.pending = reduce_scatter_async(flat, self.groups.world, self.stats, "zero",
@@ -192,6 +217,11 @@ class ZeroSync:
         while self.next_bucket < len(self.grad_buckets):
             self._launch(self.grad_buckets[self.next_bucket])
             self.next_bucket += 1
+
+    def end_backward(self) -> None:
+        """Stage 3's values freed, whether the backward synchronised or not."""
+        if self.units is not None:
+            self.units.free_all()
 
     def wait(self) -> None:
         """Every shard's `.grad` gains its chunk of the averaged gradient."""
@@ -214,7 +244,10 @@ class ZeroSync:
                 s.shard.grad = None if g is None else s.take(g.to_dense() if g.is_sparse else g)
 
     def after_step(self) -> None:
-        """Stages 1 and 2: the updated shards all-gathered into the parameters."""
+        """Stages 1 and 2: the updated shards all-gathered into the parameters; stage 3's
+        values, now stale where gathered, freed (the next forward gathers them)."""
+        if self.units is not None:
+            self.units.free_all()
         for bucket in self.gather_buckets:
             part = torch.cat([s.shard.detach() for s in bucket.shards])
             bucket.pending = all_gather_async(part, self.groups.world, self.stats, "zero",
@@ -241,11 +274,35 @@ class ZeroSync:
         """The gradient chunks this rank owns (stages 2 and 3), for clipping."""
         return [s.shard.grad for s in self.shards if s.stage >= 2 and s.shard.grad is not None]
 
+    def before_load(self) -> None:
+        """Stage 3: every value gathered, so a load finds storage to write into (and a
+        non-strict load keeps the values it does not name)."""
+        with self.guard("model.load_state_dict(), which gathers ZeRO-3's values"):
+            for unit in self.units.units:
+                unit.gather()
+
+    def _full_values(self, module, state: dict, prefix: str, metadata) -> None:
+        """model.state_dict(): stage 3's entries hold the full values (a collective)."""
+        with self.guard("model.state_dict(), which gathers ZeRO-3's values"):
+            for unit in self.units.units:
+                was = unit.gathered
+                if self.gather_to != "meta":
+                    unit.gather()
+                for s in unit.shards:
+                    state[prefix + s.name] = (torch.empty(s.shape, dtype=s.param.dtype,
+                                                          device="meta")
+                                              if self.gather_to == "meta" else
+                                              s.param.detach().clone())
+                if not was:
+                    unit.free()
+
     def after_load(self) -> None:
         """The model's values were loaded into the parameters: the shards follow."""
         with torch.no_grad():
             for s in self.shards:
                 s.shard.copy_(s.take(s.param.detach()))
+        if self.units is not None:
+            self.units.free_all()
 
     # -- checkpoints: optimizer state between the shard's layout and the parameter's ------------
     def shard_state(self, name: str, state: dict) -> dict:
