@@ -1,0 +1,197 @@
+"""ZeRO stages 1-3 (sync/zero.py, sync/zero3.py) train the model one process trains.
+
+The reference GPT (two transformer blocks, so stage 3 has two block units and the model's own)
+trains 3 steps on 2 or 4 real gloo ranks, each on its share of a global batch of 8 sequences,
+and as one plain process on the whole batch. Tolerances, relative to each tensor's largest
+magnitude: SGD 1e-5, Adam/AdamW 1e-4 (the ranks' sums reorder the reference's; Adam divides by a
+running norm). Optimizer state is compared as `optimizer.state_dict()` gives it: the plain
+optimizer's layout, whatever the stage. With a server table (the token embedding on the
+parameter server, hybrid with sharded dense state) SGD only: the servers apply Adam lazily to
+the rows looked up, which a dense reference does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tilework
+from tilework import ParallelConfig
+from tilework.errors import ConfigError, PlanError
+from tilework.models.gpt import TinyGPT
+from tilework.testing import spawn
+from tilework.train import checkpoint
+
+STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 8, 8, 50
+TOLERANCE = {"sgd": 1e-5, "adamw": 1e-4, "adam": 1e-4}
+
+
+def new_model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=VOCAB, dim=16, heads=2, layers=2, seq_len=SEQ)
+
+
+def new_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    # eps 1e-4, not 1e-8: the attention's key bias has a gradient that is zero in exact
+    # arithmetic (softmax ignores a constant added to every key), and with a tiny eps Adam
+    # turns its rounding noise into lr-sized steps that depend on the order of the sums.
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, eps=1e-4)
+    return torch.optim.Adam(params, lr=0.01, eps=1e-4)
+
+
+def batch(step: int, rank: int = 0, world_size: int = 1):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    per = GLOBAL_BATCH // world_size
+    part = tokens[rank * per:(rank + 1) * per]
+    return part[:, :-1], part[:, 1:]
+
+
+def train(model, opt, steps, rank=0, world_size=1):
+    losses = []
+    for step in steps:
+        loss = model(*batch(step, rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def reference(optimizer: str, steps=range(STEPS)):
+    model = new_model()
+    opt = new_optimizer(optimizer, model.parameters())
+    losses = train(model, opt, steps)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, opt.state_dict()
+
+
+def _rank(rank, world_size, zero, optimizer, options):
+    model = new_model()
+    opt = new_optimizer(optimizer, model.parameters())
+    tilework.parallelize(model, opt, zero=zero, log=False, **options)
+    losses = train(model, opt, range(STEPS), rank, world_size)
+    held = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
+    opt_state = opt.state_dict()   # a collective: the shards' state gathered whole
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state, "opt": opt_state, "held": held,
+            "stats": tilework.stats(model)["last_step"]}
+
+
+def close(what, got, expected, tol):
+    assert tuple(got.shape) == tuple(expected.shape), f"{what}: shape {tuple(got.shape)}"
+    scale = expected.abs().max().item() + 1e-12
+    worst = (got.double() - expected.double()).abs().max().item() / scale
+    assert worst <= tol, f"{what}: relative difference {worst:.2e} > {tol:.0e}"
+
+
+def check_against_reference(results, optimizer, check_state=True):
+    state, losses, opt_state = reference(optimizer)
+    tol = TOLERANCE[optimizer]
+    for rank, r in enumerate(results):
+        assert set(r["state"]) == set(state)
+        for k, v in state.items():
+            close(f"rank {rank}: {k}", r["state"][k], v, tol)
+        mean = [sum(x) / len(x) for x in zip(*(r["losses"] for r in results))]
+        close("losses", torch.tensor(mean), torch.tensor(losses), tol)
+        if check_state:
+            got = r["opt"]
+            assert got["param_groups"][0]["params"] == opt_state["param_groups"][0]["params"]
+            assert set(got["state"]) == set(opt_state["state"])
+            for i, s in opt_state["state"].items():
+                for key, value in s.items():
+                    close(f"rank {rank}: optimizer {key} of #{i}", got["state"][i][key], value, tol)
+
+
+CASES = [(1, 2, "adamw", {}), (2, 2, "adamw", {}), (3, 2, "adamw", {}), (2, 4, "sgd", {}),
+         (3, 4, "adam", {}),
+         (2, 2, "sgd", {"overrides": {"tokens.weight": "ps"}}),
+         (3, 4, "sgd", {"overrides": {"tokens.weight": "ps"}}),
+         (3, 2, "adamw", {"recompute": "full"})]
+
+
+@pytest.mark.parametrize("zero, world_size, optimizer, options", CASES,
+                         ids=[f"zero{z}-{w}ranks-{o}-{'+'.join(opts) or 'dense'}"
+                              for z, w, o, opts in CASES])
+def test_trains_as_one_process(zero, world_size, optimizer, options):
+    results = spawn(_rank, world_size, args=(zero, optimizer, options), timeout=120)
+    # With a server table its optimizer state lives on the servers, in tilework's row layout.
+    check_against_reference(results, optimizer, check_state="overrides" not in options)
+    if zero == 3:   # between steps a rank holds no full value: only its shards
+        for r in results:
+            held = {n: b for n, b in r["held"].items() if b and n != "tokens.weight"}
+            assert held == {}, f"full values held between steps: {sorted(held)}"
+
+
+def _save_then_resume(rank, world_size, zero, path, steps):
+    model = new_model()
+    opt = new_optimizer("adam", model.parameters())
+    tilework.parallelize(model, opt, zero=zero, log=False)
+    if steps.start > 0:
+        tilework.load(path, model, opt)
+    losses = train(model, opt, steps, rank, world_size)
+    tilework.save(path, model, opt)
+    return losses
+
+
+def test_checkpoint_moves_between_world_sizes_and_stages(tmp_path):
+    """Saved at 2 ranks under stage 3, resumed at 4 under stage 1: as one process."""
+    path = str(tmp_path / "ckpt.pt")
+    spawn(_save_then_resume, 2, args=(3, path, range(0, 2)), timeout=120)
+    spawn(_save_then_resume, 4, args=(1, path, range(2, STEPS)), timeout=120)
+    state, _, opt_state = reference("adam")
+    saved = checkpoint.load(path)["state"]
+    for k, v in state.items():
+        close(k, saved["model"][k], v, TOLERANCE["adam"])
+    plain = new_model()
+    plain.load_state_dict(saved["model"])   # single-device layout: a plain model loads it
+
+
+def _unparallelize(rank, world_size):
+    model = new_model()
+    opt = new_optimizer("adam", model.parameters())
+    tilework.parallelize(model, opt, zero=3, log=False)
+    train(model, opt, range(2), rank, world_size)
+    tilework.unparallelize(model, opt)
+    # A plain model and optimizer again: one more step alone on every rank, on the whole batch.
+    train(model, opt, range(2, 3))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_unparallelize_after_stage_3_gives_back_the_plain_model():
+    results = spawn(_unparallelize, 2, timeout=120)
+    state, _, _ = reference("adam")
+    for k, v in state.items():
+        for r in results:
+            close(k, r[k], v, TOLERANCE["adam"])
+
+
+def test_counted_bytes_by_stage():
+    """What one step sends per rank, by stage, on 2 ranks: stage 1 adds an all-gather to DDP's
+    all-reduce; 2 is DDP's bytes (a reduce-scatter and an all-gather); 3 adds a gather per
+    block unit (the counters equal the cost model exactly: tests/test_cost.py)."""
+    sent = {}
+    for zero in (0, 1, 2, 3):
+        results = spawn(_rank, 2, args=(zero, "sgd", {"check_inputs": False}), timeout=120)
+        sent[zero] = sum(t["sent"] for m, t in results[0]["stats"].items()
+                         if m in ("allreduce", "zero"))
+    params = sum(p.numel() * 4 for p in new_model().parameters())
+    assert sent[0] == params   # ring all-reduce on 2 ranks: 2 (n-1)/n = 1x the bytes
+    assert sent[0] < sent[1] <= 1.5 * sent[0] + 64
+    assert sent[0] <= sent[2] <= sent[0] + 64   # padding to 2 chunks: a few bytes at most
+    assert sent[2] < sent[3] < 1.5 * sent[2] + 64
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ConfigError, match="zero: expected a ZeRO stage 0, 1, 2 or 3, got 4"):
+        ParallelConfig(zero=4)
+    model = new_model()
+    with pytest.raises(PlanError, match="pass the optimizer"):
+        tilework.parallelize(model, None, zero=2, log=False)
+    model = new_model()
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(PlanError, match="LBFGS"):
+        tilework.parallelize(model, lbfgs, zero=1, log=False)
