@@ -86,6 +86,8 @@ def test_missing_cluster_file(tmp_path):
     ('[data]\nscaling = true\n', "data.scaling"),
     ('[train]\nlr = inf\n', "train.lr"),
     ('[parallel]\nbucket_mb = -inf\n', "parallel.bucket_mb"),
+    ('[parallel]\nrecompute = "sometimes"\n', "parallel.recompute"),
+    ('[parallel.recompute]\n"blocks.*" = "half"\n', "parallel.recompute"),
     ('[lm]\nzipf_alpha = nan\n', "lm.zipf_alpha"),
     ('[lm]\nvocab = 9223372036854775808\n', "lm.vocab"),
 ])

@@ -92,14 +92,18 @@ def recompute_units(model: nn.Module) -> list[str]:
     if units:
         return units
     return [name for name, child in model.named_children()
-            if _has_forward(child) and not _is_table(child) and any(True for _ in child.parameters())]
+            if _has_forward(child) and not _is_table(child) and _owns_parameters(child)]
 
 
 def _is_stack(container: nn.Module) -> bool:
     children = list(container.children())
     return (len(children) >= 2 and len({type(c) for c in children}) == 1
             and not _is_table(children[0])
-            and all(any(True for _ in c.parameters()) for c in children))
+            and all(_owns_parameters(c) for c in children))
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def _has_forward(module: nn.Module) -> bool:

@@ -69,7 +69,10 @@ def _describe(tp: Any) -> str:
     if origin is Literal:
         return " or ".join(repr(a) for a in get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(tp) if a is not type(None)) + " (optional)"
+        text = " or ".join(_describe(a) for a in get_args(tp) if a is not type(None))
+        return text + " (optional)" if type(None) in get_args(tp) else text
+    if origin is dict:
+        return f"a table of {_describe(get_args(tp)[1])}"
     if origin is list:
         return f"a list of {_describe(get_args(tp)[0])}"
     if dataclasses.is_dataclass(tp):
