@@ -162,6 +162,7 @@ def _print_report(out: dict, title: str, console) -> None:
                       str(p["partitions"]) if p["method"] == "ps" else "-",
                       f"{p['bytes_sent'] / 1e6:.3f}", f"{p['seconds'] * 1e3:.3f}", p["why"])
     print_table(table, console)
+    console.print(out["recompute"], markup=False)
     t, speedup = out["step_comm_seconds"], out["hybrid_speedup_over_allreduce"]
     console.print(f"predicted communication per step: hybrid {t['hybrid'] * 1e3:.2f} ms, "
                   f"all-AllReduce {t['allreduce'] * 1e3:.2f} ms, all-PS {t['ps'] * 1e3:.2f} ms, "
@@ -178,7 +179,7 @@ def _print_memory(memory: list[dict], console) -> None:
     mb = lambda key: f"{top[key] / 1e6:,.1f}"   # noqa: E731
     parts = ", ".join(f"{key.replace('_', ' ')} {mb(key)}" for key in (
         "parameters", "optimizer_state", "activations", "temporaries", "gradients", "buckets",
-        "step_temporaries"))
+        "step_temporaries", "recompute"))
     console.print(f"estimated memory, busiest rank ({top['rank']}): peak {mb('peak')} MB "
                   f"({parts}; docs/memory.md says how they combine)")
     over = [m for m in memory if m["over_budget"]]

@@ -174,6 +174,7 @@ def report(job: Job, cluster: Cluster) -> dict:
     return {"world_size": n, "hosts": topo.num_hosts,
             "mode": chosen.mode,
             "plan": chosen.as_dict(),
+            "recompute": chosen.recompute_line(),
             "params": [vars(r) | {"shape": list(r.shape),
                                   "why": chosen.by_name()[r.name].reason} for r in rows],
             "step_comm_seconds": times,
