@@ -188,6 +188,8 @@ def test_counted_bytes_by_stage():
 def test_bad_settings_are_named():
     with pytest.raises(ConfigError, match="zero: expected a ZeRO stage 0, 1, 2 or 3, got 4"):
         ParallelConfig(zero=4)
+    with pytest.raises(ConfigError, match="offload: expected a ZeRO stage to offload from"):
+        ParallelConfig(offload="optimizer")
     model = new_model()
     with pytest.raises(PlanError, match="pass the optimizer"):
         tilework.parallelize(model, None, zero=2, log=False)
@@ -195,3 +197,45 @@ def test_bad_settings_are_named():
     lbfgs = torch.optim.LBFGS(model.parameters())
     with pytest.raises(PlanError, match="LBFGS"):
         tilework.parallelize(model, lbfgs, zero=1, log=False)
+
+
+def _offloaded(rank, world_size, zero, offload, directory):
+    import os
+
+    model = new_model()
+    opt = new_optimizer("adamw", model.parameters())
+    tilework.parallelize(model, opt, zero=zero, offload=offload, offload_dir=directory,
+                         log=False)
+    losses = train(model, opt, range(STEPS), rank, world_size)
+    engine = model._tilework_engine
+    mapped = {f"{s.name}.{k}": _file_backed(v) for s in engine.zero.shards
+              for k, v in opt.state[s.shard].items() if k != "step"}
+    shards = {s.name: _file_backed(s.shard) for s in engine.zero.shards}
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "losses": losses, "opt": opt.state_dict(), "mapped": mapped, "shards": shards,
+            "left": os.listdir(directory) and os.listdir(os.path.join(directory,
+                                                                      os.listdir(directory)[0]))}
+
+
+def _file_backed(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory is a mapping of a (deleted) file, as /proc/self/maps lists it."""
+    address = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return "tilework-offload" in line
+    return False
+
+
+@pytest.mark.parametrize("zero, offload", [(2, "optimizer"), (3, "all")])
+def test_offload_to_mapped_files_trains_as_one_process(zero, offload, tmp_path):
+    """On a CPU host offloaded state lives in memory-mapped files (deleted once mapped): the
+    same training, every state tensor (and with "all" every shard) file-backed, no file left."""
+    results = spawn(_offloaded, 2, args=(zero, offload, str(tmp_path)), timeout=120)
+    check_against_reference(results, "adamw")
+    for r in results:
+        assert r["mapped"] and all(r["mapped"].values()), r["mapped"]
+        assert all(r["shards"].values()) == (offload == "all"), r["shards"]
+        assert not r["left"], f"files left behind: {r['left']}"

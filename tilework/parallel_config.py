@@ -51,6 +51,16 @@ class ParallelConfig:
     0 replicated, 1 optimizer state sharded, 2 also gradients, 3 also the values
     (sync/zero.py)."""
 
+    offload: Literal["none", "optimizer", "all"] = "none"
+    """Where ZeRO's shards and optimizer state live (sync/offload.py), with zero >= 1:
+    "optimizer" moves the optimizer state off the compute device (on a GPU to pinned host
+    memory, the step running on the CPU; on a CPU host to memory-mapped files in
+    `offload_dir`), "all" the shards of the values too."""
+
+    offload_dir: str | None = None
+    """Where a CPU host's offloaded state is mapped (default: the temporary directory);
+    the files are unlinked once mapped."""
+
     density_threshold: float = 0.1
     """A dense-layout table whose measured touched-row fraction is below this goes to the
     servers (where no traffic model decides by cost)."""
@@ -73,6 +83,11 @@ class ParallelConfig:
               f"a positive size in MB, got {self.bucket_mb!r}")
         check(self.zero in (0, 1, 2, 3) and not isinstance(self.zero, bool), "zero",
               f"a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        check(self.offload in ("none", "optimizer", "all"), "offload",
+              f"'none', 'optimizer' or 'all', got {self.offload!r}")
+        check(self.offload == "none" or self.zero >= 1, "offload",
+              f"a ZeRO stage to offload from: {self.offload!r} needs zero = 1, 2 or 3 "
+              f"(zero is {self.zero})")
         check(isinstance(self.density_threshold, (int, float))
               and 0 <= self.density_threshold <= 1, "density_threshold",
               f"a fraction from 0 to 1, got {self.density_threshold!r}")

@@ -132,6 +132,8 @@ class Plan:
     mesh: Mesh | None = None   # default: one "world" axis
     # Activation recompute: (module name, "full" | "selective"), applied by sync/recompute.py.
     recompute: tuple[tuple[str, str], ...] = ()
+    offload: Literal["none", "optimizer", "all"] = "none"   # ZeRO's shards (sync/offload.py)
+    offload_dir: str | None = None
 
     def __post_init__(self):
         if self.mesh is None:

@@ -47,7 +47,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      config.local_aggregation, bucket_bytes(config.bucket_mb),
                      config.density_threshold, topology, links, traffic, zero=config.zero,
                      recompute=recompute_choices(model, config.recompute),
-                     units=owning_units(model) if config.zero == 3 else None)
+                     units=owning_units(model) if config.zero == 3 else None,
+                     offload=(config.offload, config.offload_dir))
 
 
 def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
@@ -58,7 +59,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               topology: Topology | None = None, links: Links | None = None,
               traffic: dict[str, TableTraffic] | None = None, zero: int = 0,
               recompute: tuple[tuple[str, str], ...] = (),
-              units: dict[str, str] | None = None) -> Plan:
+              units: dict[str, str] | None = None,
+              offload: tuple[str, str | None] = ("none", None)) -> Plan:
     if mode not in ("hybrid", "allreduce", "ps"):
         raise PlanError(f"mode: expected 'hybrid', 'allreduce' or 'ps', got {mode!r}")
     if sparse_reduce not in ("mean", "sum"):
@@ -106,7 +108,7 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
             entry, traffic.get(info.name), topology, links, local_aggregation)))
     _refuse_recomputed_tables(recompute, params)
     return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes,
-                Mesh.from_topology(topology), recompute)
+                Mesh.from_topology(topology), recompute, *offload)
 
 
 def _refuse_recomputed_tables(recompute, params: list[ParamPlan]) -> None:

@@ -33,8 +33,10 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, foreach=None,
     gradients it is 0 on `device` (torch's own: the CPU), where the caller combines it."""
     if not grads:
         return torch.tensor(0.0, device=device)
+    # Each norm where its gradient is, combined on `device` (offloaded shards' are on the CPU).
     return torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]), norm_type)
+        torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device or g.device)
+                     for g in grads]), norm_type)
 
 
 def clip_by_total_norm(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float,
@@ -47,7 +49,7 @@ def clip_by_total_norm(grads: list[torch.Tensor], total: torch.Tensor, max_norm:
                            "set `error_if_nonfinite=False`")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))
     return total
 
 

@@ -40,6 +40,7 @@ from .changes import Changes, leave_optimizer, replace_module
 from .exchange import pull_tables, push_tables
 from .lookups import Batch
 from .sparse import DenseServed, PSTable, ShardedEmbedding
+from .offload import Offload
 from .zero import ZeroSync
 
 
@@ -137,7 +138,9 @@ class Engine:
         stage = {pp.name: pp.zero for pp in self.plan.params if pp.zero}
         unit = {pp.name: pp.unit for pp in self.plan.params}
         self.zero = ZeroSync([(n, p, stage[n], unit[n]) for n, p in dense if n in stage], groups,
-                             self.stats, self.plan.bucket_bytes, self.checks, self._touched)
+                             self.stats, self.plan.bucket_bytes, self.checks, self._touched,
+                             Offload(self.plan.offload, self.plan.offload_dir, groups.rank,
+                                     groups.device))
         self.zero.guard = self.guard.call
         self.zero.install(self.model, self.optimizer, self.changes, self.param_names)
         # Stage 1 keeps DDP's all-reduced gradients; 2 and 3 reduce-scatter their own.

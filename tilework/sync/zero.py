@@ -32,6 +32,7 @@ from ..comm.counted import Stats, all_gather_async, reduce_scatter_async
 from ..errors import PlanError
 from ..plan import assign_buckets
 from .hooks import PicklesAsNoop
+from .offload import Offload
 
 # Optimizers whose update of an element reads only that element's gradient and state.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
@@ -55,16 +56,25 @@ class Sharded:
     elements that the user's optimizer updates in the parameter's place."""
 
     def __init__(self, name: str, param: nn.Parameter, stage: int, rank: int, n: int,
-                 unit: str | None = None):
+                 unit: str | None = None, place=lambda values: values):
         self.name, self.param, self.stage, self.rank, self.n = name, param, stage, rank, n
         self.unit = unit   # stage 3: the module whose forward gathers it
         self.numel, self.shape = param.numel(), param.shape
         self.chunk = chunk_size(self.numel, n)
-        self.shard = nn.Parameter(self.take(param.detach()), requires_grad=param.requires_grad)
+        # `place`: the shard's home (sync/offload.py): beside the parameter, or offloaded.
+        self.shard = nn.Parameter(place(self.take(param.detach())),
+                                  requires_grad=param.requires_grad)
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk (a copy, zero-padded) of a tensor shaped like the parameter."""
-        return self.rows(full)[self.rank].clone()
+        """This rank's chunk (a copy, zero-padded) of a tensor shaped like the parameter, on
+        the shard's device once the shard exists."""
+        chunk = self.rows(full)[self.rank].clone()
+        home = self.__dict__.get("shard")
+        return chunk if home is None else chunk.to(home.device)
+
+    def values(self) -> torch.Tensor:
+        """The shard's values where the parameter computes (a copy up from offload)."""
+        return self.shard.detach().to(self.param.device)
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:
         """A parameter-shaped tensor as (n, chunk): row j is rank j's chunk."""
@@ -100,11 +110,15 @@ class ZeroSync:
     launch in index order on every rank, as DenseSync's do."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter, int, str | None]], groups,
-                 stats: Stats, bucket_bytes: int, checks=None, on_grad=None):
+                 stats: Stats, bucket_bytes: int, checks=None, on_grad=None,
+                 offload: Offload | None = None):
         n, rank = groups.world_size, groups.rank
         self.groups, self.stats, self.checks, self.on_grad = groups, stats, checks, on_grad
         self.bucket_bytes = bucket_bytes
-        self.shards = [Sharded(name, p, stage, rank, n, unit) for name, p, stage, unit in params]
+        self.offload = offload or Offload("none", None, rank, groups.device)
+        self.shards = [Sharded(name, p, stage, rank, n, unit, self.offload.shard)
+                       for name, p, stage, unit in params]
+        self.optimizer = None
         self.by_name = {s.name: s for s in self.shards}
         topo = groups.topology
         self.remote = [topo.host_of(r) != groups.host for r in range(n)]
@@ -146,6 +160,8 @@ class ZeroSync:
         self._bucket(model, changes)
         if optimizer is not None:
             self._swap_into(optimizer, changes)
+            self.optimizer = optimizer
+            self.offload.prepare(optimizer, self.shards)
         if self.units is not None:
             changes.hook("model: state_dict post-hook (ZeRO-3 values gathered)",
                          model.register_state_dict_post_hook(PicklesAsNoop(self._full_values)))
@@ -231,6 +247,7 @@ class ZeroSync:
         for bucket in self.grad_buckets:
             summed = bucket.pending.wait().div_(self.groups.world_size)
             for s, g in zip(bucket.shards, bucket.split(summed)):
+                g = g.to(s.shard.device)   # down to an offloaded shard
                 s.shard.grad = g if s.shard.grad is None else s.shard.grad.add_(g)
             bucket.ready.clear()
             bucket.pending = None
@@ -248,8 +265,10 @@ class ZeroSync:
         values, now stale where gathered, freed (the next forward gathers them)."""
         if self.units is not None:
             self.units.free_all()
+        if self.optimizer is not None:
+            self.offload.settle(self.optimizer, self.shards)
         for bucket in self.gather_buckets:
-            part = torch.cat([s.shard.detach() for s in bucket.shards])
+            part = torch.cat([s.values() for s in bucket.shards])
             bucket.pending = all_gather_async(part, self.groups.world, self.stats, "zero",
                                               self.successor_remote)
         with torch.no_grad():
@@ -317,8 +336,8 @@ class ZeroSync:
         out = {}
         for k, v in state.items():
             if torch.is_tensor(v) and k != "step" and v.shape == (s.chunk,):
-                every = all_gather_async(v.detach().contiguous(), self.groups.world, self.stats,
-                                         "checkpoint").wait()
+                every = all_gather_async(v.detach().to(s.param.device).contiguous(),
+                                         self.groups.world, self.stats, "checkpoint").wait()
                 out[k] = s.whole(every).clone()
             else:
                 out[k] = v

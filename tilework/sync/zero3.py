@@ -50,7 +50,7 @@ class Unit:
         if self.gathered or self.pending is not None or not self.shards:
             return
         z = self.zero
-        part = torch.cat([s.shard.detach() for s in self.shards])
+        part = torch.cat([s.values() for s in self.shards])
         self.pending = all_gather_async(part, z.groups.world, z.stats, "zero", z.successor_remote)
 
     def gather(self) -> None:
