@@ -211,6 +211,12 @@ class ZeroSync:
             self.next_bucket += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        # At most two buckets in flight: the one before is finished (its flat copies freed)
+        # before this one is packed, or every bucket's copies would be alive at once at the
+        # end of backward, twice the gradients' memory (FSDP2 bounds them the same way).
+        index = self.grad_buckets.index(bucket)
+        if index and self.grad_buckets[index - 1].pending is not None:
+            self._finish(self.grad_buckets[index - 1])
         parts = []
         for s in bucket.shards:
             g = s.param.grad
@@ -245,12 +251,16 @@ class ZeroSync:
             return
         self.active, self.next_bucket = False, 0
         for bucket in self.grad_buckets:
-            summed = bucket.pending.wait().div_(self.groups.world_size)
-            for s, g in zip(bucket.shards, bucket.split(summed)):
-                g = g.to(s.shard.device)   # down to an offloaded shard
-                s.shard.grad = g if s.shard.grad is None else s.shard.grad.add_(g)
+            if bucket.pending is not None:
+                self._finish(bucket)
             bucket.ready.clear()
-            bucket.pending = None
+
+    def _finish(self, bucket: _Bucket) -> None:
+        summed = bucket.pending.wait().div_(self.groups.world_size)
+        bucket.pending = None
+        for s, g in zip(bucket.shards, bucket.split(summed)):
+            g = g.to(s.shard.device)   # down to an offloaded shard
+            s.shard.grad = g if s.shard.grad is None else s.shard.grad.add_(g)
 
     # -- the step --------------------------------------------------------------------------------
     def before_step(self) -> None:
