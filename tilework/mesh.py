@@ -93,3 +93,32 @@ class Mesh:
         if axis not in self.names:
             raise ValueError(f"no mesh axis {axis!r} (axes: {', '.join(self.names)})")
         return self.names.index(axis)
+
+
+PARALLEL_AXES = ("dp", "pp", "cp", "tp")
+
+
+def parallel_mesh(world_size: int, ranks_per_host: int | None = None, tp: int = 1, pp: int = 1,
+                  cp: int = 1) -> Mesh:
+    """dp x pp x cp x tp over `world_size` ranks, dp what the others leave.
+
+    tp varies fastest, so a tensor-parallel group is consecutive ranks: inside one host when tp
+    divides `ranks_per_host` (torchrun numbers ranks host by host). Tensor parallelism talks
+    in every layer, forward and backward; data parallelism once a step, so dp is the axis that
+    crosses hosts (Megatron-LM's rule). Where tp cannot stay inside a host this says so.
+    """
+    for name, size in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
+        if not (isinstance(size, int) and size >= 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+    inner = tp * pp * cp
+    if world_size % inner:
+        raise ValueError(f"tp x pp x cp = {tp} x {pp} x {cp} = {inner} does not divide the "
+                         f"world of {world_size} ranks")
+    if ranks_per_host is not None:
+        if not (isinstance(ranks_per_host, int) and ranks_per_host >= 1):
+            raise ValueError(f"ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
+        if ranks_per_host % tp and tp % ranks_per_host:
+            raise ValueError(f"tp={tp} and {ranks_per_host} ranks per host: a tensor-parallel "
+                             "group would straddle hosts; choose a tp that divides "
+                             f"{ranks_per_host} (or a multiple of it, whole hosts per group)")
+    return Mesh((("dp", world_size // inner), ("pp", pp), ("cp", cp), ("tp", tp)))

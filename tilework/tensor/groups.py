@@ -1,0 +1,73 @@
+"""The process groups of a parallel mesh (dp x pp x cp x tp), built once and passed down.
+
+`new_group` is collective over the world: every rank creates every group of every axis, in one
+order (axes in mesh order, groups in `Mesh.groups` order), and keeps the ones it belongs to.
+Nothing here reads a global group: whatever communicates receives a `MeshGroups` (or one of its
+groups) as an argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..comm.groups import _timeout_of
+from ..mesh import Mesh
+from ..worker_env import WorkerEnv
+
+
+@dataclass(frozen=True, eq=False)
+class MeshGroups:
+    """One rank's groups along each mesh axis (None where the axis has size 1)."""
+
+    mesh: Mesh
+    rank: int
+    groups: dict
+
+    def group(self, axis: str):
+        self.mesh.size_of(axis)   # an unknown axis is named in the error
+        return self.groups[axis]
+
+    def size(self, axis: str) -> int:
+        return self.mesh.size_of(axis)
+
+    def coord(self, axis: str) -> int:
+        return self.mesh.coords(self.rank)[axis]
+
+    def ranks(self, axis: str) -> tuple[int, ...]:
+        """The global ranks of this rank's group along `axis`, in group-rank order."""
+        return next(g for g in self.mesh.groups(axis) if self.rank in g)
+
+
+def build_mesh_groups(mesh: Mesh, world=None, env: WorkerEnv | None = None) -> MeshGroups:
+    """Create every group of every axis of `mesh`; every rank of the world must call this.
+
+    An axis spanning the whole world reuses the world group itself; size-1 groups are None
+    (every counted collective short-circuits on them).
+    """
+    if world is None and not dist.is_initialized():
+        if mesh.size != 1:
+            raise ValueError(f"a mesh of {mesh.size} ranks needs an initialised process group")
+        return MeshGroups(mesh, 0, {axis: None for axis in mesh.names})
+    world = world or dist.group.WORLD
+    if dist.get_world_size(world) != mesh.size:
+        raise ValueError(f"the mesh {mesh} has {mesh.size} ranks but the world has "
+                         f"{dist.get_world_size(world)}")
+    rank = dist.get_rank(world)
+    backend = dist.get_backend(world)
+    # new_group's own default timeout is 30 minutes, whatever the world was given.
+    timeout = _timeout_of(world, backend, env if env is not None else WorkerEnv())
+    mine = {}
+    for axis in mesh.names:
+        mine[axis] = None
+        for ranks in mesh.groups(axis):
+            if len(ranks) == 1:
+                continue
+            if len(ranks) == mesh.size:
+                group = world
+            else:
+                group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+            if rank in ranks:
+                mine[axis] = group
+    return MeshGroups(mesh, rank, mine)
