@@ -3,8 +3,7 @@ activations, the dense all-reduce's bucket copies, and the peak. Pure: the model
 on the meta device (no memory, no process group), so a model too large for this machine can be
 estimated here.
 
-Per rank, for the plan `tilework.plan` makes (ZeRO stages are not built yet: every dense
-parameter is replicated):
+Per rank, for the plan `tilework.plan` makes:
 
 - parameters: dense ones whole; a server table's shard (its rows in `TableLayout`); a dense
   parameter on the servers (mode="ps") whole plus its owner's shard.
@@ -25,19 +24,28 @@ parameter is replicated):
   the optimizer step's: torch's foreach Adam-family steps build about one parameter-sized
   intermediate (`step_temporaries`), the others none.
 
-The peak is parameters + optimizer state + the largest of (activations + temporaries) at the
-end of forward, (gradients + buckets + recompute) at the end of backward and (gradients + the
-step's temporaries) during the step.
+ZeRO (sync/zero.py), per dense parameter at stage z, with chunk = its 1/n share padded:
+stages 1 and 2 hold the parameter whole plus its shard (the optimizer's master copy), stage 3
+the shard only; gradients are whole at 0 and 1 (plus the shard's at the step under 1) and a
+chunk at 2 and 3; optimizer state is per chunk from stage 1. Stages 2 and 3 keep two
+reduce-scatter buckets in flight, each a padded flat copy sent and one received. Stage 3's
+`gathered` values are a transient of forward and backward: the model's own unit whole, plus
+the largest block unit whole and its prefetched successor's all-gather buffer. Offloaded state
+and shards (sync/offload.py: memory-mapped files on a CPU host) are `offloaded`, outside the
+peak: the kernel may write them out under pressure.
+
+The peak is parameters + optimizer state + the largest of (activations + temporaries +
+gathered) at the end of forward, (gradients + the larger of buckets and recompute + gathered)
+in backward and (gradients + the step's temporaries) during the step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .meta_forward import meta_forward
 
 # Optimizer state, in elements per updated element; torch's Adam family and Adagrad also keep
 # a float32 step counter per parameter tensor.
@@ -57,11 +65,16 @@ class MemoryEstimate:
     temporaries: int
     step_temporaries: int
     recompute: int = 0   # backward's rebuild of the largest recomputed module's activations
+    gathered: int = 0    # ZeRO-3's full values while their units run
+    offloaded: int = 0   # in memory-mapped files (not in the peak)
 
     @property
     def peak(self) -> int:
-        forward = self.activations + self.temporaries
-        backward = self.gradients + self.buckets + self.recompute
+        forward = self.activations + self.temporaries + self.gathered
+        # The rebuilt activations live while a module's backward runs; the largest buckets are
+        # in flight last, once recomputing is over (the first-registered parameters' gradients
+        # come last): the two are not summed.
+        backward = self.gradients + max(self.buckets, self.recompute) + self.gathered
         step = self.gradients + self.step_temporaries
         return self.parameters + self.optimizer_state + max(forward, backward, step)
 
@@ -82,171 +95,6 @@ def optimizer_kind(optimizer) -> str:
     if kind not in STATE_PER_ELEMENT:
         raise ValueError(f"optimizer: expected one of {', '.join(STATE_PER_ELEMENT)}, got {kind!r}")
     return kind
-
-
-@dataclass(frozen=True)
-class ForwardFacts:
-    activations: int              # bytes autograd saves (parameters excluded), output included
-    largest: int                  # the largest of them
-    lookups: dict[str, int]       # ids each embedding table is asked for
-    recomputed: int = 0           # the largest recomputed module's activations, rebuilt in backward
-
-
-def meta_forward(model: nn.Module, example_inputs: tuple, recompute=()) -> ForwardFacts:
-    """One forward of `example_inputs` on the meta device: what autograd saves (a storage saved
-    twice counts once), or for the modules in `recompute` (`Plan.recompute`) what their
-    checkpoint keeps, and how many ids each table looks up."""
-    from .analysis import embedding_modules
-
-    meta_model = _on_meta(model)
-    seen = _Kept({_storage(p) for p in [*meta_model.parameters(), *meta_model.buffers()]})
-    lookups: dict[str, int] = {}
-    units = [_Accounted(meta_model.get_submodule(name), policy, seen)
-             for name, policy in recompute]
-
-    def count(name, args):
-        lookups[name] = lookups.get(name, 0) + args[0].numel()
-
-    handles = [m.register_forward_pre_hook(lambda m, args, name=name: count(name, args))
-               for name, m in embedding_modules(meta_model).items()]
-    inputs = tuple(x.to("meta") if torch.is_tensor(x) else x for x in example_inputs)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(seen.add, lambda t: t), _WorstCaseUnique(), \
-                _FusedAttention():
-            out = meta_model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    outs = [out] if torch.is_tensor(out) else [o for o in (out or ()) if torch.is_tensor(o)]
-    for o in outs:
-        seen.add(o)
-    inside = [n for unit in units for n in unit.saved_inside]
-    return ForwardFacts(sum(seen.values()), max([*seen.values(), *inside], default=0), lookups,
-                        max((r for unit in units for r in unit.rebuilt), default=0))
-
-
-class _Kept(dict):
-    """Storage -> bytes of the tensors counted, parameters' and buffers' left out. Each
-    storage counted is held until the forward's facts are taken: a meta storage has no data
-    pointer, so its key is its address, which a later tensor would reuse once it is freed."""
-
-    def __init__(self, params: set[int]):
-        super().__init__()
-        self.params, self._held = params, []
-
-    def add(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage(t)
-        if key not in self.params and key not in self:
-            self[key] = t.untyped_storage().nbytes()
-            self._held.append(t.untyped_storage())
-        return t
-
-
-class _Accounted:
-    """A recomputed module's forward in the meta run, counting what torch's checkpoint keeps:
-    its tensor inputs (what the recompute starts from) and, under "selective", every output
-    of a `SAVED_OPS` op (selective checkpointing caches them whether or not backward reads
-    them). The checkpoint's own saved-tensor hooks hide both from the model-wide hook, so they
-    are counted here; what autograd saves inside and is not kept is `rebuilt` in backward."""
-
-    def __init__(self, module: nn.Module, policy: str, kept: _Kept):
-        self.forward, self.policy, self.kept = module.forward, policy, kept
-        self.rebuilt: list[int] = []        # per call
-        self.saved_inside: list[int] = []   # sizes, for the largest saved tensor
-        module.forward = self   # on the meta copy only
-
-    def __call__(self, *args, **kwargs):
-        import contextlib
-
-        from torch.utils._pytree import tree_leaves
-
-        for t in tree_leaves((args, kwargs)):
-            if torch.is_tensor(t):
-                self.kept.add(t)
-        inside = _Kept(self.kept.params)
-        outputs = _KeptOutputs(self.kept) if self.policy == "selective" \
-            else contextlib.nullcontext()
-        with torch.autograd.graph.saved_tensors_hooks(inside.add, lambda t: t), outputs:
-            out = self.forward(*args, **kwargs)
-        self.rebuilt.append(sum(n for s, n in inside.items() if s not in self.kept))
-        self.saved_inside += inside.values()
-        return out
-
-
-class _KeptOutputs(TorchDispatchMode):
-    def __init__(self, kept: _Kept):
-        super().__init__()
-        self.kept = kept
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_leaves
-
-        from .sync.recompute import SAVED_OPS
-
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in SAVED_OPS:
-            for t in tree_leaves(out):
-                if torch.is_tensor(t):
-                    self.kept.add(t)
-        return out
-
-
-class _FusedAttention:
-    """Attention as a fused kernel, as CPU and GPU runs take it: on the meta device torch picks
-    the math path, which saves the probabilities (batch x heads x tokens^2) that no fused
-    kernel keeps. `F.scaled_dot_product_attention` is swapped for the meta forward's length:
-    nn.MultiheadAttention calls it from inside torch, where no TorchFunctionMode can follow
-    without re-entering itself; other devices' calls go to torch's own unchanged."""
-
-    def __enter__(self):
-        self.torch_own = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = self._attention
-
-    def __exit__(self, *exc):
-        F.scaled_dot_product_attention = self.torch_own
-
-    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                   scale=None, enable_gqa=False):
-        if query.device.type != "meta" or enable_gqa:
-            return self.torch_own(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                  enable_gqa=enable_gqa)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-class _WorstCaseUnique(TorchDispatchMode):
-    """torch.unique on the meta device, which has no kernel for it (its output's length
-    depends on the values): every element distinct, the upper bound."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        x = args[0] if args else None
-        if func in _UNIQUE and torch.is_tensor(x) and x.device.type == "meta":
-            flat = x.reshape(-1)
-            return (torch.empty_like(flat),
-                    torch.empty(x.shape, dtype=torch.long, device="meta"),
-                    torch.empty(flat.shape, dtype=torch.long, device="meta"))
-        return func(*args, **kwargs)
-
-
-_UNIQUE = {torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default}
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata   # the storage itself: views of one count once
-
-
-def _on_meta(model: nn.Module) -> nn.Module:
-    """The model with every parameter and buffer on the meta device; the user's is untouched
-    and never copied (a deep copy whose memo maps each tensor to an empty meta one)."""
-    import copy
-
-    memo = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        empty = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) \
-            else empty
-    return copy.deepcopy(model, memo)
 
 
 def estimate_memory(model: nn.Module, config=None, example_inputs: tuple = (), cluster=None,
@@ -271,16 +119,13 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
     kind = optimizer_kind(optimizer)
     per_element = STATE_PER_ELEMENT[kind]
     facts = meta_forward(model, example_inputs, plan.recompute)
-    dense = [pp.nbytes for pp in plan.of("allreduce")]
-    dense_state = per_element * sum(dense) + STEP_COUNTER_BYTES.get(kind, 0) * len(dense)
+    zero = zero_figures(plan, per_element, STEP_COUNTER_BYTES.get(kind, 0))
     served = [(pp, TableLayout(pp, plan.world_size, device="meta").shard_sizes)
               for pp in plan.of("ps")]
-    # Flat bucket copies of the dense gradients (a lone large parameter is reduced in place).
-    buckets = sum(dense) if plan.world_size > 1 and len(dense) > 1 else 0
-    step = sum(dense) if kind in ("adam", "adamw") else 0
+    step = max(zero.updated if kind in ("adam", "adamw") else 0, zero.after_step)
     out = []
     for rank in range(plan.world_size) if ranks is None else ranks:
-        params, grads, state = sum(dense), sum(dense), dense_state
+        params, grads, state = zero.parameters, zero.gradients, zero.state
         for pp, sizes in served:
             shard = sizes[rank] * pp.row_bytes
             if pp.is_table:
@@ -289,6 +134,63 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
             else:   # mode="ps": a replica to compute with, the shard its owner updates
                 params, grads = params + pp.nbytes + shard, grads + pp.nbytes
             state += per_element * shard
-        out.append(MemoryEstimate(rank, params, grads, state, facts.activations, buckets,
-                                  2 * facts.largest, step, facts.recomputed))
+        out.append(MemoryEstimate(rank, params, grads, state, facts.activations, zero.buckets,
+                                  2 * facts.largest, step, facts.recomputed, zero.gathered,
+                                  zero.offloaded))
     return out
+
+
+@dataclass(frozen=True)
+class DenseFigures:
+    """The all-reduced parameters' bytes on every rank (alike on all), ZeRO stages included."""
+
+    parameters: int
+    gradients: int
+    state: int
+    buckets: int
+    gathered: int
+    offloaded: int
+    updated: int   # what the optimizer updates: its step's intermediates scale with it
+    after_step: int = 0   # stages 1 and 2: the all-gather of the updated shards
+
+
+def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
+    """Per rank, for the plan's all-reduced parameters (the module docstring's rules)."""
+    from .plan import assign_buckets
+
+    n = plan.world_size
+    dense = plan.of("allreduce")
+    chunk = {pp.name: -(-pp.numel // n) * (pp.nbytes // max(1, pp.numel)) for pp in dense}
+    # Offloaded state leaves the computing memory: mapped files on a CPU host, pinned host
+    # memory beside a GPU (where "optimizer" also moves the shards: not modelled here).
+    files = plan.offload != "none"
+    params = grads = state = offloaded = 0
+    for pp in dense:
+        shard = chunk[pp.name] if pp.zero else 0
+        params += (pp.nbytes if pp.zero < 3 else 0) + (0 if plan.offload == "all" else shard)
+        grads += pp.nbytes if pp.zero <= 1 else chunk[pp.name]
+        grads += shard if pp.zero == 1 else 0
+        held = per_element * (shard if pp.zero else pp.nbytes) + counter_bytes
+        state += 0 if (pp.zero and files) else held
+        offloaded += (held if pp.zero and files else 0) + (shard if plan.offload == "all" else 0)
+    replicated = [pp.nbytes for pp in dense if pp.zero <= 1]
+    # Flat all-reduce copies (a lone large parameter is reduced in place, sync/dense.py).
+    buckets = sum(replicated) if n > 1 and len(replicated) > 1 else 0
+    scattered = [pp for pp in reversed(dense) if pp.zero == 2]
+    sizes = [chunk[pp.name] * n for pp in scattered]
+    flat = [sum(sizes[i] for i in b) for b in assign_buckets(sizes, plan.bucket_bytes)]
+    units: dict[str, int] = {}
+    for pp in dense:
+        if pp.zero == 3:
+            units[pp.unit] = units.get(pp.unit, 0) + chunk[pp.name] * n
+    flat += [size for name, size in reversed(units.items())]
+    # A bucket in flight is sent and received whole (gloo's all-to-all) while the next one's
+    # gradients accumulate; the one before is finished before it is packed (sync/zero.py).
+    buckets += max((2 * a + b for a, b in zip(flat, flat[1:] + [0])), default=0) if n > 1 else 0
+    blocks = [size for name, size in units.items() if name]
+    gathered = units.get("", 0) + 2 * max(blocks, default=0)
+    updated = sum(chunk[pp.name] if pp.zero else pp.nbytes for pp in dense)
+    # After the step, stages 1 and 2 gather every bucket at once: the shards' copy and the
+    # gathered values.
+    after_step = sum(chunk[pp.name] * (n + 1) for pp in dense if pp.zero in (1, 2)) if n > 1 else 0
+    return DenseFigures(params, grads, state, buckets, gathered, offloaded, updated, after_step)

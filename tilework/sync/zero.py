@@ -228,6 +228,7 @@ class ZeroSync:
             bucket.unit.free()    # its backward is done
         if self.checks is not None:
             self.checks.on_gradients([(s.name, g) for s, g in zip(bucket.shards, parts)], flat)
+        del parts   # views of the gradients: freed before the receive buffer is made
         bucket.pending = reduce_scatter_async(flat, self.groups.world, self.stats, "zero",
                                               self.remote)
 
