@@ -1,0 +1,100 @@
+"""Replay a pipeline schedule with per-stage compute times and alpha-beta links: step time,
+each rank's busy time and bubble, the bytes each rank sends, and the timeline.
+
+    sim = simulate(one_f_one_b(4, 8), forward_s=[1e-3] * 4, link=Link(100, 5),
+                   activation_bytes=mb * seq * dim * 4)
+    sim.step_s, sim.bubble
+
+The replay is schedule.replay, the one the validator runs: a rank takes its actions in order; an
+action starts when the rank is free and its input has arrived, `alpha + bytes / beta` after the
+sending action ended when the stages are on different ranks (cost.seconds with SEND_RECV's one
+message); sends do not hold the sender. Transfers do not contend for a link, and compute does
+not slow while a rank sends: an accelerator with its own copy engines and NIC. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..cluster import Link
+from ..cost import seconds
+from ..wire import SEND_RECV
+from .schedule import Action, Schedule, replay
+
+
+@dataclass(frozen=True)
+class Simulation:
+    step_s: float
+    busy_s: tuple[float, ...]          # per rank: seconds computing
+    sent_bytes: tuple[int, ...]        # per rank: activations and gradients sent
+    timeline: tuple[tuple[int, float, float, Action], ...] = field(repr=False)
+
+    @property
+    def bubbles(self) -> tuple[float, ...]:
+        """Per rank, the fraction of the step it idles."""
+        return tuple(1.0 - b / self.step_s if self.step_s else 0.0 for b in self.busy_s)
+
+    @property
+    def bubble(self) -> float:
+        """The ranks' mean idle fraction: (p - 1) / (m + p - 1) for GPipe and 1F1B with equal
+        stages and free links."""
+        return sum(self.bubbles) / len(self.bubbles)
+
+
+def p2p_bytes(schedule: Schedule, activation_bytes: int) -> list[int]:
+    """Per rank, the bytes one step sends: an F's output to the next stage and a B's input
+    gradient to the previous one, when that stage is on another rank (every boundary carries
+    `activation_bytes`, the activation of one microbatch). The runtime's counters show these."""
+    sent = [0] * schedule.pp
+    for r, actions in enumerate(schedule.ranks):
+        for a in actions:
+            peer = _peer(schedule, a)
+            if peer is not None and schedule.rank_of(peer) != r:
+                sent[r] += SEND_RECV.sent(activation_bytes, 2)
+    return sent
+
+
+def _peer(schedule: Schedule, a: Action) -> int | None:
+    """The stage an action sends to, if any."""
+    if a.kind == "F" and a.stage < schedule.stages - 1:
+        return a.stage + 1
+    if a.kind == "B" and a.stage > 0:
+        return a.stage - 1
+    return None
+
+
+def durations(schedule: Schedule, forward_s: Sequence[float],
+              backward_s: Sequence[float] | None = None,
+              weight_s: Sequence[float] | None = None) -> dict[str, list[float]]:
+    """Per kind, per stage seconds. Backward defaults to twice the forward (two matmuls per
+    forward one); when the schedule splits it, W takes `weight_s` (default half the backward)
+    and B the rest."""
+    if len(forward_s) != schedule.stages:
+        raise ValueError(f"forward_s has {len(forward_s)} entries for {schedule.stages} stages")
+    backward = list(backward_s) if backward_s is not None else [2 * f for f in forward_s]
+    weight = list(weight_s) if weight_s is not None else [b / 2 for b in backward]
+    if len(backward) != schedule.stages or len(weight) != schedule.stages:
+        raise ValueError(f"backward_s and weight_s need {schedule.stages} entries")
+    split = any(a.kind == "W" for actions in schedule.ranks for a in actions)
+    return {"F": list(forward_s),
+            "B": [b - w for b, w in zip(backward, weight)] if split else backward,
+            "W": weight}
+
+
+def simulate(schedule: Schedule, forward_s: Sequence[float],
+             backward_s: Sequence[float] | None = None, link: Link | None = None,
+             activation_bytes: int = 0, weight_s: Sequence[float] | None = None) -> Simulation:
+    """Replay `schedule` with these per-stage seconds (see `durations`) and, between stages on
+    different ranks, `link` (None: free) carrying `activation_bytes` per microbatch boundary."""
+    times = durations(schedule, forward_s, backward_s, weight_s)
+    hop = 0.0 if link is None else seconds(SEND_RECV.sent(activation_bytes, 2), link,
+                                           SEND_RECV.messages(2))
+    done = replay(schedule, lambda a: times[a.kind][a.stage], lambda src, dst: hop)
+    busy = [0.0] * schedule.pp
+    for r, start, end in done.values():
+        busy[r] += end - start
+    timeline = tuple(sorted(((r, s, e, a) for a, (r, s, e) in done.items()),
+                            key=lambda t: (t[0], t[1])))
+    return Simulation(max((e for _, _, e in done.values()), default=0.0), tuple(busy),
+                      tuple(p2p_bytes(schedule, activation_bytes)), timeline)
