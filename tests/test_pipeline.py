@@ -6,13 +6,18 @@ the bytes the simulator counts."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tilework.cluster import Link
+from tilework.models.gpt import TinyGPT
 from tilework.pipeline.schedule import (Action, Schedule, build, gpipe, in_flight,
                                         interleaved_1f1b, one_f_one_b, split_backward, validate)
+from tilework.pipeline.runtime import PipelineRunner
 from tilework.pipeline.simulate import p2p_bytes, simulate
+from tilework.pipeline.stages import balance, split_stages
+from tilework.testing import spawn
 
 pp_m = st.integers(1, 6).flatmap(lambda p: st.tuples(st.just(p), st.integers(1, 12)))
 
@@ -97,3 +102,113 @@ def test_links_delay_each_hop_between_ranks_and_bytes_are_counted_per_boundary()
     # interleaved: every F but the last stage's and every B but stage 0's crosses ranks
     s = interleaved_1f1b(2, 4, 2)
     assert p2p_bytes(s, 10) == [(3 * 4 + 3 * 4) * 10 // 2] * 2
+
+
+# -- the runtime: the GPT trained through each schedule equals one process --------------------
+
+STEPS, BATCH, SEQ, VOCAB, DIM = 3, 8, 8, 50, 16
+
+
+def new_gpt(layers: int = 4):
+    torch.manual_seed(0)
+    return TinyGPT(vocab=VOCAB, dim=DIM, heads=2, layers=layers, seq_len=SEQ)
+
+
+def gpt_batch(step: int):
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def one_process():
+    model = new_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*gpt_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _train(rank, schedule):
+    model = new_gpt()
+    stages = split_stages(model, schedule.stages)
+    runner = PipelineRunner({s: stages[s] for s in schedule.stages_of(rank)}, schedule)
+    opt = torch.optim.SGD(runner.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = runner.step(*gpt_batch(step))
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    mine = {id(p) for p in runner.parameters()}
+    params = {k: v.detach().clone() for k, v in model.named_parameters() if id(v) in mine}
+    traffic = runner.stats.last_step["pipeline"]
+    return {"losses": losses, "params": params, "sent": traffic.sent,
+            "received": traffic.received, "timeline": [str(a) for a, _, _ in runner.timeline]}
+
+
+def _pipeline_rank(rank, world_size, schedules):
+    """Every schedule in one world (a spawn costs seconds), and one refused construction."""
+    out = {s.name: _train(rank, s) for s in schedules}
+    try:
+        PipelineRunner({}, schedules[0])
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+PP2 = [gpipe(2, 4), one_f_one_b(2, 4), interleaved_1f1b(2, 4, 2), split_backward(one_f_one_b(2, 4))]
+PP4 = [gpipe(4, 4), one_f_one_b(4, 4)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return one_process()
+
+
+@pytest.fixture(scope="module")
+def pipelines():
+    return {2: spawn(_pipeline_rank, 2, args=(PP2,)), 4: spawn(_pipeline_rank, 4, args=(PP4,))}
+
+
+@pytest.mark.parametrize("schedule", PP2 + PP4, ids=lambda s: f"{s.name}-pp{s.pp}")
+def test_each_schedule_trains_the_gpt_as_one_process_does(schedule, reference, pipelines):
+    """Forward (losses) and backward (parameters after 3 SGD steps) against one process on the
+    whole batch, within 1e-5 relative: microbatches reorder the gradients' sums."""
+    losses, params = reference
+    out = [rank[schedule.name] for rank in pipelines[schedule.pp]]
+    assert out[-1]["losses"] == pytest.approx(losses, rel=1e-5)
+    assert all(o["losses"] == [None] * STEPS for o in out[:-1])
+    got = {k: v for o in out for k, v in o["params"].items()}
+    assert sorted(got) == sorted(params)
+    for name, value in params.items():
+        scale = value.abs().max().item()
+        assert (got[name] - value).abs().max().item() <= 1e-5 * scale, name
+    # the schedule is what ran, and its bytes are what the simulator counts
+    assert [o["timeline"] for o in out] == [[str(a) for a in acts] for acts in schedule.ranks]
+    expected = p2p_bytes(schedule, (BATCH // schedule.microbatches) * SEQ * DIM * 4)
+    assert [o["sent"] for o in out] == expected == [o["received"] for o in out]
+
+
+def test_a_rank_given_the_wrong_stages_is_told_which_it_runs(pipelines):
+    assert pipelines[2][1]["refused"] == ("rank 1 runs stages [1] of this schedule, "
+                                          "got modules for []")
+
+
+def test_stages_are_balanced_by_cost_and_chain_to_the_models_own_loss():
+    assert balance([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert balance([1, 1, 1, 1], 2, last=2) == [range(0, 3), range(3, 4)]   # the head is heavy
+    assert balance([5, 1, 1, 1, 1, 5], 3) == [range(0, 1), range(1, 5), range(5, 6)]
+    with pytest.raises(ValueError, match="cannot cut 2 blocks into 3 stages"):
+        balance([1, 1], 3)
+    model = new_gpt()
+    tokens, targets = gpt_batch(0)
+    x = tokens
+    stages = split_stages(model, 3)
+    for stage in stages[:-1]:
+        x = stage(x)
+    assert torch.equal(stages[-1](x, targets), model(tokens, targets))   # same arithmetic
+    assert sum(len(s.index_range) for s in stages) == 4
