@@ -37,6 +37,17 @@ Family = Literal["sgd", "adagrad", "adam", "adamw"]
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SparseAdam)
 
 
+def row_optimizer(optimizer: torch.optim.Optimizer, name: str, param, lazy: bool):
+    """A factory of the RowOptimizer that applies `optimizer`'s rule, with the hyperparameters
+    of `param`'s group read at each step (a scheduler's changes reach the servers), to a
+    shard of `param`'s rows."""
+    index = next(i for i, g in enumerate(optimizer.param_groups)
+                 if any(q is param for q in g["params"]))
+    family = family_of(optimizer, optimizer.param_groups[index], name)
+    return lambda shard: RowOptimizer(family, lambda: optimizer.param_groups[index], shard,
+                                      lazy=lazy)
+
+
 def family_of(optimizer: torch.optim.Optimizer, group: dict, param_name: str) -> Family:
     """Which row-wise rule reproduces `optimizer` for a parameter; refuses what none can, with the
     override that keeps the parameter off the servers."""

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..comm.counted import Stats, all_gather
 from ..wire import CHECK_WORDS
+from .hooks import PicklesAsNoop
 
 DIGESTS = (CHECK_WORDS - 1) // 2
 from ..errors import IdOutOfRange, InputError
@@ -57,6 +58,21 @@ class InputChecks:
         self.steps = 0
         self.carried: list[float] | None = None  # the summed words of the last synced backward
         self.dirty = False  # something was recorded since those words were taken
+
+    def install(self, model, embeddings: dict, changes) -> None:
+        """The hooks that feed these checks: the model's inputs and output, and the ids each
+        of `embeddings` is asked for."""
+        rank = self.groups.rank
+        changes.hook("model: forward pre-hook (input checks)", model.register_forward_pre_hook(
+            PicklesAsNoop(lambda m, args, kwargs: self.on_forward(args, kwargs)),
+            with_kwargs=True))
+        changes.hook("model: forward hook (input checks)", model.register_forward_hook(
+            PicklesAsNoop(lambda m, args, out: self.on_output(out))))
+        for name, module in embeddings.items():
+            changes.hook(f"{name}: forward pre-hook (ids in range)",
+                         module.register_forward_pre_hook(PicklesAsNoop(
+                             lambda m, args, name=name: check_ids(name, args[0],
+                                                                  m.num_embeddings, rank))))
 
     # -- during the step (local) ---------------------------------------------------------------
     def on_forward(self, args, kwargs) -> None:

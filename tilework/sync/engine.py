@@ -9,6 +9,8 @@ After `Engine(...)` the user's model and optimizer work as under DistributedData
 - dense parameters on the servers (mode="ps") stay as replicas: their gradient goes to its
   owners at the end of backward (`.grad` is then None), the step updates the owners' rows and
   pulls them back.
+- dense parameters at a ZeRO stage (sync/zero.py) have their shards stand in for them in the
+  optimizer; stage 2 and 3 gradients are reduce-scattered onto the shards, 3's values gathered.
 `no_sync()` and DDP's `require_backward_grad_sync` keep a backward local. No training-loop
 change is needed; clipping that must include the tables is `tilework.clip_grad_norm_`.
 """
@@ -26,9 +28,9 @@ from ..comm.counted import Stats, broadcast
 from ..wire import ring_allreduce_bytes
 from ..comm.guard import CallGuard
 from ..errors import InputError, PlanError, use_allreduce_hint
-from ..optim.rowwise import RowOptimizer, family_of
+from ..optim.rowwise import row_optimizer
 from ..plan import Plan
-from .checks import InputChecks, check_ids
+from .checks import InputChecks
 from .dense import DenseSync
 from .clip import clip_norm_with_servers, clip_value_with_servers
 from .hooks import PicklesAsNoop, plain_no_sync
@@ -111,14 +113,15 @@ class Engine:
             elif pp.name in self.embeddings:
                 check_not_tied(model, pp.name, p)
                 table = PSTable(pp, p.data, groups, self.stats, plan.local_aggregation,
-                                plan.sparse_reduce, self._row_optimizer(pp.name, p, lazy=True))
+                                plan.sparse_reduce, row_optimizer(self.optimizer, pp.name, p, lazy=True))
                 table.on_grad, table.guard = self._touched, self.guard
                 module = ShardedEmbedding(table, self.embeddings[pp.name], self.lookups)
                 replace_module(self.changes, model, pp.name, module, self.embeddings[pp.name])
                 self.tables[pp.name], self.table_modules[pp.name] = table, module
             else:
                 self.served[pp.name] = DenseServed(pp, p, groups, self.stats,
-                                                   self._row_optimizer(pp.name, p, lazy=False))
+                                                   row_optimizer(self.optimizer, pp.name, p,
+                                                                 lazy=False))
                 self.changes.hook(f"{pp.name}: post-accumulate-grad hook (served by the servers)",
                                   p.register_post_accumulate_grad_hook(
                                       PicklesAsNoop(self._served_grad)))
@@ -151,8 +154,9 @@ class Engine:
                                on_grad=self._touched)
         self.changes.record("dense parameters: post-accumulate-grad hooks (all-reduce buckets)",
                             lambda: [handle.remove() for handle in self.dense.handles])
-        if self.checks is not None:
-            self._install_checks(self.embeddings)
+        if self.checks is not None:   # server tables check their ids before the pull
+            self.checks.install(self.model, {n: m for n, m in self.embeddings.items()
+                                             if n not in self.tables}, self.changes)
         # Per backward: whether it synchronises, and whether its end callback is queued.
         self._callback_queued, self._sync_this_backward = False, True
         self._unsynced = False    # server gradients left local by a backward without sync
@@ -212,29 +216,6 @@ class Engine:
 
     def __reduce__(self):  # torch.save(model): the saved model is a plain one
         return (_no_engine, ())
-
-    # -- set-up helpers ------------------------------------------------------------------------
-    def _row_optimizer(self, name, p, lazy):
-        optimizer = self.optimizer
-        index = next(i for i, g in enumerate(optimizer.param_groups)
-                     if any(q is p for q in g["params"]))
-        family = family_of(optimizer, optimizer.param_groups[index], name)
-        return lambda shard: RowOptimizer(family, lambda: optimizer.param_groups[index], shard,
-                                          lazy=lazy)
-
-    def _install_checks(self, embeddings: dict[str, nn.Module]) -> None:
-        checks, rank, changes = self.checks, self.groups.rank, self.changes
-        changes.hook("model: forward pre-hook (input checks)", self.model.register_forward_pre_hook(
-            PicklesAsNoop(lambda m, args, kwargs: checks.on_forward(args, kwargs)),
-            with_kwargs=True))
-        changes.hook("model: forward hook (input checks)", self.model.register_forward_hook(
-            PicklesAsNoop(lambda m, args, out: checks.on_output(out))))
-        for name, module in embeddings.items():
-            if name not in self.tables:  # server tables check their ids before the pull
-                changes.hook(f"{name}: forward pre-hook (ids in range)",
-                             module.register_forward_pre_hook(PicklesAsNoop(
-                                 lambda m, args, name=name: check_ids(name, args[0],
-                                                                      m.num_embeddings, rank))))
 
     # -- the gradient's way: backward, its end, the step ----------------------------------------
     @contextlib.contextmanager
