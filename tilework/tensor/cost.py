@@ -1,0 +1,78 @@
+"""Bytes one rank sends per training step under a layout, per mesh axis: pure arithmetic from
+the plan and the batch shape, the figures `regions.py` and `apply.average_gradients` count
+(tests hold them equal). Collectives are costed by `wire.py`, the table the counters read.
+
+Per token and per style, with T = batch x sequence tokens on a rank and w the width its region
+moves (without sequence parallelism | with it):
+
+    entering a region (colwise, heads, vocab_head)   all-reduce T*w backward
+                                                     | all-gather T/tp*w fwd, reduce-scatter T*w bwd
+    leaving a region (rowwise, heads, vocab_embedding) all-reduce T*w forward
+                                                     | reduce-scatter T*w fwd, all-gather T/tp*w bwd
+    vocab_head's cross-entropy                       all-reduce T (max) and 2T (target, sum exp)
+    sequence parallelism only: each 'sequence' norm parameter's and each row-parallel bias's
+    gradient all-reduced; a 'sequence' position table all-gathers its rows' gradients, one
+    sequence's worth (the table is looked up once per sequence and broadcast over the batch).
+
+It assumes every region's input needs a gradient (true past the embeddings of a language
+model; a first colwise layer on raw data skips its backward all-reduce).
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from ..wire import all_gather_bytes, all_to_all_bytes, ring_allreduce_bytes
+from .layout import LayoutPlan, Placement
+
+
+def _region(tokens: int, width: int, n: int, sp: bool, item: int) -> int:
+    """Entering or leaving a region: mirror images, the same collectives."""
+    if sp:
+        return all_gather_bytes(tokens // n * width * item, n) + \
+            all_to_all_bytes(tokens * width * item, n)
+    return ring_allreduce_bytes(tokens * width * item, n)
+
+
+def _placement_bytes(p: Placement, batch: int, seq: int, n: int, sp: bool, item: int) -> int:
+    tokens = batch * seq
+    shapes = {name: shape for name, shape, _ in p.params}
+    if p.style == "colwise":
+        return _region(tokens, p.width, n, sp, item)
+    if p.style == "vocab_head":
+        return _region(tokens, p.width, n, sp, item) + ring_allreduce_bytes(tokens * item, n) \
+            + ring_allreduce_bytes(2 * tokens * item, n)
+    if p.style == "rowwise":
+        bias = ring_allreduce_bytes(p.width * item, n) if sp and "bias" in shapes else 0
+        return _region(tokens, p.width, n, sp, item) + bias
+    if p.style == "heads":
+        bias = ring_allreduce_bytes(p.width * item, n) if sp else 0
+        return _region(tokens, p.width, n, sp, item) + _region(tokens, p.width, n, sp, item) + bias
+    if p.style == "vocab_embedding":
+        return _region(tokens, p.width, n, sp, item)
+    if p.style == "sequence" and sp:
+        if p.kind == "Embedding":
+            return all_gather_bytes(seq // n * p.width * item, n)
+        return sum(ring_allreduce_bytes(prod(shape) * item, n) for shape in shapes.values())
+    return 0
+
+
+def tp_step_bytes(plan: LayoutPlan, batch: int, seq: int, itemsize: int = 4) -> int:
+    """What one rank sends over the tp axis in one step, forward and backward, on a batch of
+    `batch` sequences of `seq` tokens (its dp share)."""
+    if plan.tp == 1:
+        return 0
+    return sum(_placement_bytes(p, batch, seq, plan.tp, plan.sequence_parallel, itemsize)
+               for p in plan.placements)
+
+
+def dp_step_bytes(plan: LayoutPlan, dp: int, itemsize: int = 4) -> int:
+    """What one rank sends over the dp axis in one step: its shards' gradients, one flat
+    all-reduce (apply.average_gradients)."""
+    return ring_allreduce_bytes(sum(prod(s) for s in plan.local_shapes().values()) * itemsize, dp)
+
+
+def step_bytes(plan: LayoutPlan, batch: int, seq: int, dp: int = 1,
+               itemsize: int = 4) -> dict[str, int]:
+    return {"tp": tp_step_bytes(plan, batch, seq, itemsize),
+            "dp": dp_step_bytes(plan, dp, itemsize)}
