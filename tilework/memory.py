@@ -30,13 +30,15 @@ the shard only; gradients are whole at 0 and 1 (plus the shard's at the step und
 chunk at 2 and 3; optimizer state is per chunk from stage 1. Stages 2 and 3 keep two
 reduce-scatter buckets in flight, each a padded flat copy sent and one received. Stage 3's
 `gathered` values are a transient of forward and backward: the model's own unit whole, plus
-the largest block unit whole and its prefetched successor's all-gather buffer. Offloaded state
+the largest block unit whole and its prefetched successor's all-gather buffer; the model's own
+unit is reduce-scattered last, alone (`last_flight`). Offloaded state
 and shards (sync/offload.py: memory-mapped files on a CPU host) are `offloaded`, outside the
 peak: the kernel may write them out under pressure.
 
 The peak is parameters + optimizer state + the largest of (activations + temporaries +
-gathered) at the end of forward, (gradients + the larger of buckets and recompute + gathered)
-in backward and (gradients + the step's temporaries) during the step.
+gathered) at the end of forward, gradients + the larger of (gathered + the larger of buckets
+and recompute) and the last flight in backward, and (gradients + the step's temporaries)
+during the step.
 """
 
 from __future__ import annotations
@@ -67,14 +69,16 @@ class MemoryEstimate:
     recompute: int = 0   # backward's rebuild of the largest recomputed module's activations
     gathered: int = 0    # ZeRO-3's full values while their units run
     offloaded: int = 0   # in memory-mapped files (not in the peak)
+    last_flight: int = 0   # ZeRO-3: the model's own unit's reduce-scatter, the last of backward
 
     @property
     def peak(self) -> int:
         forward = self.activations + self.temporaries + self.gathered
-        # The rebuilt activations live while a module's backward runs; the largest buckets are
-        # in flight last, once recomputing is over (the first-registered parameters' gradients
-        # come last): the two are not summed.
-        backward = self.gradients + max(self.buckets, self.recompute) + self.gathered
+        # While the blocks run backward: their gathered values, and either a module's rebuilt
+        # activations or a bucket in flight (a bucket is launched once its module's backward,
+        # recompute included, is done). Then, alone, the model's own unit's reduce-scatter.
+        backward = self.gradients + max(self.gathered + max(self.buckets, self.recompute),
+                                        self.last_flight)
         step = self.gradients + self.step_temporaries
         return self.parameters + self.optimizer_state + max(forward, backward, step)
 
@@ -136,7 +140,7 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
             state += per_element * shard
         out.append(MemoryEstimate(rank, params, grads, state, facts.activations, zero.buckets,
                                   2 * facts.largest, step, facts.recomputed, zero.gathered,
-                                  zero.offloaded))
+                                  zero.offloaded, zero.last_flight))
     return out
 
 
@@ -152,6 +156,7 @@ class DenseFigures:
     offloaded: int
     updated: int   # what the optimizer updates: its step's intermediates scale with it
     after_step: int = 0   # stages 1 and 2: the all-gather of the updated shards
+    last_flight: int = 0  # stage 3: the model's own unit's reduce-scatter, after the blocks'
 
 
 def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
@@ -183,14 +188,18 @@ def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
     for pp in dense:
         if pp.zero == 3:
             units[pp.unit] = units.get(pp.unit, 0) + chunk[pp.name] * n
-    flat += [size for name, size in reversed(units.items())]
+    flat += [size for name, size in reversed(units.items()) if name]
     # A bucket in flight is sent and received whole (gloo's all-to-all) while the next one's
     # gradients accumulate; the one before is finished before it is packed (sync/zero.py).
     buckets += max((2 * a + b for a, b in zip(flat, flat[1:] + [0])), default=0) if n > 1 else 0
     blocks = [size for name, size in units.items() if name]
     gathered = units.get("", 0) + 2 * max(blocks, default=0)
+    # The model's own unit is reduce-scattered last, its values freed as it is packed: sent and
+    # received whole, alone.
+    last_flight = 2 * units.get("", 0) if n > 1 else 0
     updated = sum(chunk[pp.name] if pp.zero else pp.nbytes for pp in dense)
     # After the step, stages 1 and 2 gather every bucket at once: the shards' copy and the
     # gathered values.
     after_step = sum(chunk[pp.name] * (n + 1) for pp in dense if pp.zero in (1, 2)) if n > 1 else 0
-    return DenseFigures(params, grads, state, buckets, gathered, offloaded, updated, after_step)
+    return DenseFigures(params, grads, state, buckets, gathered, offloaded, updated, after_step,
+                        last_flight)
