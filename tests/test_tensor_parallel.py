@@ -8,9 +8,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tilework.comm.counted import Stats
 from tilework.mesh import parallel_mesh
-from tilework.tensor import TensorParallel, apply_layout, vocab_parallel_cross_entropy
+from tilework.models.gpt import TinyGPT
+from tilework.tensor import (GPT_LAYOUT, TensorParallel, apply_layout, average_gradients,
+                             full_state_dict, layout_for, load_full_state_dict, plan_layout,
+                             step_bytes, vocab_parallel_cross_entropy)
 from tilework.tensor.groups import build_mesh_groups
+from tilework.tensor.loss import ShardedLogits
 from tilework.tensor.shards import unshard
 from tilework.testing import spawn
 
@@ -35,7 +40,7 @@ def test_parallel_mesh_refuses(kwargs, message):
         parallel_mesh(**kwargs)
 
 
-def _groups_rank(rank, world_size):
+def _groups_check(rank, world_size):
     groups = build_mesh_groups(parallel_mesh(world_size, 2, tp=2))
     sums = {}
     for axis in ("tp", "dp"):
@@ -45,8 +50,8 @@ def _groups_rank(rank, world_size):
     return sums, groups.group("pp") is None, groups.ranks("tp")
 
 
-def test_mesh_groups_are_built_once_per_axis():
-    results = spawn(_groups_rank, 4, timeout=60)
+def test_mesh_groups_are_built_once_per_axis(four_ranks):
+    results = [r["groups"] for r in four_ranks]
     assert [r[0] for r in results] == [{"tp": 1, "dp": 2}, {"tp": 1, "dp": 4},
                                        {"tp": 5, "dp": 2}, {"tp": 5, "dp": 4}]
     assert all(r[1] for r in results)
@@ -173,7 +178,7 @@ def _check_cross_entropy(tp):
     return errors
 
 
-def _primitives_rank(rank, world_size, names):
+def _primitives(rank, world_size, names):
     errors = {}
     for sp in (False, True):
         tp = TensorParallel(dist.group.WORLD, rank, world_size, sp)
@@ -183,8 +188,164 @@ def _primitives_rank(rank, world_size, names):
     return errors
 
 
-@pytest.mark.parametrize("tp_size, names", [(2, list(PRIMITIVES)), (4, ["heads", "mlp"])])
-def test_primitives_forward_and_backward_equal_one_process(tp_size, names):
-    for rank, errors in enumerate(spawn(_primitives_rank, tp_size, args=(names,), timeout=120)):
-        worst = {k: v for k, v in errors.items() if not v <= TOL}
+@pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
+def test_primitives_forward_and_backward_equal_one_process(ranks, request):
+    for rank, r in enumerate(request.getfixturevalue(ranks)):
+        worst = {k: v for k, v in r["primitives"].items() if not v <= TOL}
         assert not worst, f"rank {rank}: {worst}"
+
+
+# -- the reference GPT trained at (dp, tp) against one process ---------------------------------
+
+STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 8, 8, 52
+GPT_TOL = 1e-5   # SGD; the tp sums and the dp all-reduce reorder additions (seen: <= 1.2e-6)
+
+
+def new_gpt(device=None) -> TinyGPT:
+    torch.manual_seed(0)
+    with torch.device(device or "cpu"):
+        return TinyGPT(vocab=VOCAB, dim=16, heads=4, layers=2, seq_len=SEQ)
+
+
+def gpt_batch(step: int, part: int = 0, parts: int = 1):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    per = GLOBAL_BATCH // parts
+    tokens = tokens[part * per:(part + 1) * per]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def gpt_reference():
+    model = new_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*gpt_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _gpt_rank(rank, world_size, tp_size, sp):
+    groups = build_mesh_groups(parallel_mesh(world_size, world_size, tp=tp_size))
+    stats = Stats()
+    tp = TensorParallel.from_mesh(groups, stats, sequence_parallel=sp)
+    model = new_gpt()
+    plan = apply_layout(model, layout_for(model), tp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*gpt_batch(step, groups.coord("dp"), groups.size("dp")))
+        loss.backward()
+        average_gradients(model, groups.group("dp"), stats)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        stats.end_step()
+    state = full_state_dict(model, plan, tp)
+    # and back: a fresh split model loads the one-process checkpoint and gives it back
+    again = new_gpt()
+    again_plan = apply_layout(again, layout_for(again), tp)
+    load_full_state_dict(again, again_plan, tp, state)
+    same = all(torch.equal(v, state[k]) for k, v in full_state_dict(again, again_plan, tp).items())
+    step_bytes = {m: t.sent for m, t in stats.last_step.items()}
+    return {"losses": losses, "state": state, "bytes": step_bytes, "round_trip": same,
+            "dp": groups.coord("dp")}
+
+
+@pytest.mark.parametrize("ranks, sp", [("two_ranks", False), ("two_ranks", True),
+                                      ("four_ranks", True)],
+                         ids=["dp1-tp2", "dp1-tp2-sp", "dp2-tp2-sp"])
+def test_gpt_trains_as_one_process(ranks, sp, request):
+    results = [r["gpt"][sp] for r in request.getfixturevalue(ranks)]
+    world_size, tp_size = len(results), 2
+    losses, state = gpt_reference()
+    dp = world_size // tp_size
+    for rank, r in enumerate(results):
+        assert r["round_trip"]
+        assert set(r["state"]) == set(state)
+        for k, v in state.items():
+            assert _relative(r["state"][k], v) <= GPT_TOL, f"rank {rank}: {k}"
+    for step in range(STEPS):
+        mean = sum(r["losses"][step] for r in results) / world_size   # tp ranks agree
+        assert abs(mean - losses[step]) <= GPT_TOL * abs(losses[step]), f"step {step}"
+    plan = plan_layout(new_gpt("meta"), GPT_LAYOUT, tp_size, sp)   # pure: a meta model
+    expected = step_bytes(plan, GLOBAL_BATCH // dp, SEQ, dp)
+    for r in results:
+        assert r["bytes"] == {axis: b for axis, b in expected.items() if b}
+
+
+# -- what a layout refuses, by name ----------------------------------------------------------
+
+@pytest.mark.parametrize("model, layout, tp, sp, message", [
+    (nn.Sequential(nn.Linear(16, 6)), {"0": "colwise"}, 4, False,
+     "cannot apply 'colwise' to '0' .*out_features=6 does not split over tp=4"),
+    (nn.Sequential(nn.Linear(6, 16)), {"0": "rowwise"}, 4, False, "in_features=6"),
+    (nn.Sequential(nn.Conv1d(4, 4, 3)), {"0": "colwise"}, 2, False,
+     "splits an nn.Linear, this is Conv1d"),
+    (nn.Sequential(nn.MultiheadAttention(16, 2)), {"0": "heads"}, 2, False, "batch_first=False"),
+    (nn.Sequential(nn.MultiheadAttention(16, 2, batch_first=True)), {"0": "heads"}, 4, False,
+     "2 heads do not split over tp=4"),
+    (nn.Sequential(nn.Embedding(10, 4, padding_idx=0)), {"0": "vocab_embedding"}, 2, False,
+     "padding_idx"),
+    (nn.Sequential(nn.Linear(4, 4)), {"*.fc1": "colwise"}, 2, False, "matches no module"),
+    (nn.Sequential(nn.Linear(4, 4)), {"0": "diagonal"}, 2, False, "unknown style 'diagonal'"),
+    (nn.Sequential(nn.Linear(4, 4)), {"0": "colwise", "[0]": "rowwise"}, 2, False,
+     "patterns '0' and '\\[0\\]'"),
+    (nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), {"0": "colwise"}, 2, True,
+     "not named: 1"),
+    (nn.Sequential(nn.Sequential(nn.Linear(4, 4))), {"0": "replicate", "0.0": "colwise"}, 2,
+     False, "'0.0.weight' is named twice"),
+    (new_gpt("meta"), GPT_LAYOUT, 3, False, "'tokens'.*52 rows do not split over tp=3"),
+])
+def test_layout_refuses_by_name(model, layout, tp, sp, message):
+    with pytest.raises(ValueError, match=message):
+        plan_layout(model, layout, tp, sp)
+
+
+def test_built_in_layouts():
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 8),
+                        nn.Linear(8, 8))
+    assert layout_for(mlp) == {"0": "colwise", "3": "rowwise"}
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, batch_first=True), 2,
+                                    norm=nn.LayerNorm(16), enable_nested_tensor=False)
+    layout = layout_for(encoder)
+    assert layout["layers.1.self_attn"] == "heads" and layout["norm"] == "sequence"
+    assert len(plan_layout(encoder, layout, 2, True).placements) == 11
+    assert layout_for(new_gpt("meta")) == GPT_LAYOUT
+    with pytest.raises(ValueError, match="no built-in layout fits Conv1d"):
+        layout_for(nn.Conv1d(2, 2, 1))
+
+
+def test_split_logits_refuse_what_would_read_a_part_of_the_vocabulary():
+    logits = ShardedLogits.wrap(torch.randn(4, 26), TensorParallel(None, 0, 2), 0)
+    assert logits.reshape(2, 2, 26).shape == (2, 2, 26)
+    assert isinstance(logits.reshape(-1, logits.shape[-1]), ShardedLogits)
+    with pytest.raises(TypeError, match="softmax on logits split over the vocabulary"):
+        logits.softmax(-1)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        F.cross_entropy(logits, torch.zeros(4, dtype=torch.long), label_smoothing=0.1)
+
+
+# -- one world per size for the whole file: each spawn costs seconds on a loaded machine ------
+
+def _suite(rank, world_size):
+    """Everything a world of `world_size` ranks checks, in one start."""
+    if world_size == 2:
+        return {"primitives": _primitives(rank, world_size, list(PRIMITIVES)),
+                "gpt": {sp: _gpt_rank(rank, world_size, 2, sp) for sp in (False, True)}}
+    return {"groups": _groups_check(rank, world_size),
+            "primitives": _primitives(rank, world_size, ["heads", "mlp"]),
+            "gpt": {True: _gpt_rank(rank, world_size, 2, True)}}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return spawn(_suite, 2, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return spawn(_suite, 4, timeout=120)
