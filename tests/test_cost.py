@@ -40,23 +40,25 @@ def ids_for(step, rank):
     return torch.randint(0, 50, (3, 4), generator=g), torch.randint(0, 7, (3, 2), generator=g)
 
 
-def _plan(model, mode, world_size, hosts, local_aggregation, hot, zero=0):
+def _plan(model, mode, world_size, hosts, local_aggregation, hot, zero=0, scope="world"):
     """The plan both sides use: the words table's first `hot` rows replicated (sync/hot.py),
     the dense parameters at ZeRO stage `zero`."""
     topo = Topology.uniform(hosts, world_size // hosts)
     plan = make_plan(analyze(model), world_size, mode, bucket_bytes=BUCKET,
-                     local_aggregation=local_aggregation, topology=topo, zero=zero)
+                     local_aggregation=local_aggregation, topology=topo, zero=zero,
+                     zero_scope=scope)
     return dataclasses.replace(plan, params=tuple(
         dataclasses.replace(p, hot_rows=hot) if p.name == "words.weight" and p.method == "ps"
         else p for p in plan.params))
 
 
-def _run(rank, world_size, mode, hosts, local_aggregation, hot=0, zero=0):
+def _run(rank, world_size, mode, hosts, local_aggregation, hot=0, zero=0, scope="world"):
     model = TwoTables()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
     tilework.parallelize(model, opt, groups=groups,
-                         plan=_plan(model, mode, world_size, hosts, local_aggregation, hot, zero),
+                         plan=_plan(model, mode, world_size, hosts, local_aggregation, hot, zero,
+                                    scope),
                          log=False)
     measured = []
     for step in range(2):
@@ -68,10 +70,10 @@ def _run(rank, world_size, mode, hosts, local_aggregation, hot=0, zero=0):
     return measured
 
 
-def predicted(mode, world_size, hosts, local_aggregation, step, hot=0, zero=0):
+def predicted(mode, world_size, hosts, local_aggregation, step, hot=0, zero=0, scope="world"):
     topo = Topology.uniform(hosts, world_size // hosts)
     model = TwoTables()
-    plan = _plan(model, mode, world_size, hosts, local_aggregation, hot, zero)
+    plan = _plan(model, mode, world_size, hosts, local_aggregation, hot, zero, scope)
     params = dict(model.named_parameters())
     entries = plan.by_name()
     # ZeRO stage 1 keeps the all-reduce; 2 reduce-scatters in buckets of its own.
@@ -79,7 +81,7 @@ def predicted(mode, world_size, hosts, local_aggregation, step, hot=0, zero=0):
              if entries[n].method == "allreduce" and entries[n].zero <= 1]
     # The input check rides the last dense bucket where there is one; else it is an exchange.
     carried = CHECK_WORDS * 4 if dense else 0
-    sharded = sum(zero_sync_bytes(pp, world_size)[0] for pp in plan.params if pp.zero)
+    sharded = sum(zero_sync_bytes(pp, world_size, hosts)[0] for pp in plan.params if pp.zero)
     sharded -= sum(ring_allreduce_bytes(pp.nbytes, world_size) for pp in plan.params
                    if pp.zero == 1)   # stage 1's all-reduce is counted with the dense buckets
     per_rank = [{"allreduce": 0, "ps": 0, "zero": sharded,
@@ -121,6 +123,17 @@ def test_counters_equal_the_cost_model_under_zero(zero, world_size):
     for step in range(2):
         expected = predicted("hybrid", world_size, 1, True, step, 0, zero)
         got = [{m: b for m, b in measured[r][step].items() if b} for r in range(world_size)]
+        assert got == expected, f"step {step}"
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_counters_equal_the_cost_model_under_zero_in_each_host(zero):
+    """zero_scope="host": reduce-scatter and gathers inside each of 2 hosts, and each chunk's
+    all-reduce across them."""
+    measured = spawn(_run, 4, args=("hybrid", 2, True, 0, zero, "host"), timeout=120)
+    for step in range(2):
+        expected = predicted("hybrid", 4, 2, True, step, 0, zero, "host")
+        got = [{m: b for m, b in measured[r][step].items() if b} for r in range(4)]
         assert got == expected, f"step {step}"
 
 

@@ -70,9 +70,15 @@ def reference(optimizer: str, steps=range(STEPS)):
 
 
 def _rank(rank, world_size, zero, optimizer, options):
+    from tilework.cluster import Topology
+    from tilework.comm import build_groups
+
     model = new_model()
     opt = new_optimizer(optimizer, model.parameters())
-    tilework.parallelize(model, opt, zero=zero, log=False, **options)
+    options = dict(options)
+    hosts = options.pop("hosts", 1)   # emulated: ranks split into equal hosts
+    groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
+    tilework.parallelize(model, opt, zero=zero, log=False, groups=groups, **options)
     losses = train(model, opt, range(STEPS), rank, world_size)
     held = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
     opt_state = opt.state_dict()   # a collective: the shards' state gathered whole
@@ -110,7 +116,9 @@ CASES = [(1, 2, "adamw", {}), (2, 2, "adamw", {}), (3, 2, "adamw", {}), (2, 4, "
          (3, 4, "adam", {}),
          (2, 2, "sgd", {"overrides": {"tokens.weight": "ps"}}),
          (3, 4, "sgd", {"overrides": {"tokens.weight": "ps"}}),
-         (3, 2, "adamw", {"recompute": "full"})]
+         (3, 2, "adamw", {"recompute": "full"}),
+         (2, 4, "adamw", {"zero_scope": "host", "hosts": 2}),
+         (3, 4, "sgd", {"zero_scope": "host", "hosts": 2, "overrides": {"tokens.weight": "ps"}})]
 
 
 @pytest.mark.parametrize("zero, world_size, optimizer, options", CASES,

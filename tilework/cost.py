@@ -54,28 +54,34 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
 
 # -- ZeRO: exact replay of sync/zero.py -----------------------------------------------------------
 
-def zero_sync_bytes(plan: ParamPlan, n: int) -> tuple[int, int]:
-    """(bytes one rank sends, messages) for a ZeRO parameter's step: its gradient's
-    all-reduce (stage 1) or reduce-scatter (2, 3) and the all-gathers of its values (after the
-    step for 1 and 2; before its unit's forward and again before its backward for 3). Exact: padded
-    to n equal chunks, summed over buckets in any grouping, as the counters count them."""
-    chunk = -(-plan.numel // n) * dtype_bytes(plan.dtype)
-    gather = all_gather_bytes(chunk, n)
+def zero_sync_bytes(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:
+    """(bytes one rank sends, messages) for a ZeRO parameter's step on n ranks in `hosts`
+    equal hosts: its gradient's all-reduce (stage 1) or reduce-scatter (2, 3) and the
+    all-gathers of its values (after the step for 1 and 2; before its unit's forward and again
+    before its backward for 3). With `zero_scope="host"` the shards are over a host's ranks and
+    each chunk of the gradient is then all-reduced across hosts. Exact: padded to equal chunks,
+    summed over buckets in any grouping, as the counters count them."""
+    scope = n // hosts if plan.zero_scope == "host" and hosts > 1 else n
+    chunk = -(-plan.numel // scope) * dtype_bytes(plan.dtype)
+    gather = all_gather_bytes(chunk, scope)
     # Stage 3 gathers before forward and again before backward, but the model's own unit
     # (sync/zero3.py) stays gathered from its forward to the end of backward.
     gathers = 2 if plan.zero == 3 and plan.unit else 1
     if plan.zero == 1:
         first, messages = ring_allreduce_bytes(plan.nbytes, n), ALL_REDUCE.messages(n)
     else:
-        first, messages = REDUCE_SCATTER.sent(chunk * n, n), REDUCE_SCATTER.messages(n)
-    return first + gathers * gather, messages + gathers * ALL_GATHER.messages(n)
+        first, messages = REDUCE_SCATTER.sent(chunk * scope, scope), REDUCE_SCATTER.messages(scope)
+        if scope < n:   # the chunk's copies, one per host, summed
+            first += ring_allreduce_bytes(chunk, n // scope)
+            messages += ALL_REDUCE.messages(n // scope)
+    return first + gathers * gather, messages + gathers * ALL_GATHER.messages(scope)
 
 
 def zero_sharded(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
     n = topology.world_size
     if n == 1:
         return Cost(0, 0.0)
-    sent, messages = zero_sync_bytes(plan, n)
+    sent, messages = zero_sync_bytes(plan, n, topology.num_hosts)
     return Cost(sent, seconds(sent, link_for(topology, links), messages))
 
 

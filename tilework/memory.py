@@ -165,7 +165,10 @@ def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
 
     n = plan.world_size
     dense = plan.of("allreduce")
-    chunk = {pp.name: -(-pp.numel // n) * (pp.nbytes // max(1, pp.numel)) for pp in dense}
+    local = plan.mesh.size_of("local") if "local" in plan.mesh.names else n
+    over = {pp.name: local if pp.zero_scope == "host" else n for pp in dense}   # shards over
+    chunk = {pp.name: -(-pp.numel // over[pp.name]) * (pp.nbytes // max(1, pp.numel))
+             for pp in dense}
     # Offloaded state leaves the computing memory: mapped files on a CPU host, pinned host
     # memory beside a GPU (where "optimizer" also moves the shards: not modelled here).
     files = plan.offload != "none"
@@ -182,12 +185,12 @@ def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
     # Flat all-reduce copies (a lone large parameter is reduced in place, sync/dense.py).
     buckets = sum(replicated) if n > 1 and len(replicated) > 1 else 0
     scattered = [pp for pp in reversed(dense) if pp.zero == 2]
-    sizes = [chunk[pp.name] * n for pp in scattered]
+    sizes = [chunk[pp.name] * over[pp.name] for pp in scattered]
     flat = [sum(sizes[i] for i in b) for b in assign_buckets(sizes, plan.bucket_bytes)]
     units: dict[str, int] = {}
     for pp in dense:
         if pp.zero == 3:
-            units[pp.unit] = units.get(pp.unit, 0) + chunk[pp.name] * n
+            units[pp.unit] = units.get(pp.unit, 0) + chunk[pp.name] * over[pp.name]
     flat += [size for name, size in reversed(units.items()) if name]
     # A bucket in flight is sent and received whole (gloo's all-to-all) while the next one's
     # gradients accumulate; the one before is finished before it is packed (sync/zero.py).
@@ -200,6 +203,7 @@ def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
     updated = sum(chunk[pp.name] if pp.zero else pp.nbytes for pp in dense)
     # After the step, stages 1 and 2 gather every bucket at once: the shards' copy and the
     # gathered values.
-    after_step = sum(chunk[pp.name] * (n + 1) for pp in dense if pp.zero in (1, 2)) if n > 1 else 0
+    after_step = sum(chunk[pp.name] * (over[pp.name] + 1) for pp in dense
+                     if pp.zero in (1, 2)) if n > 1 else 0
     return DenseFigures(params, grads, state, buckets, gathered, offloaded, updated, after_step,
                         last_flight)

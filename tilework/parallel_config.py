@@ -51,6 +51,11 @@ class ParallelConfig:
     0 replicated, 1 optimizer state sharded, 2 also gradients, 3 also the values
     (sync/zero.py)."""
 
+    zero_scope: Literal["world", "host"] = "world"
+    """Over which ranks ZeRO shards: all of them, or each host's (sharded inside a host,
+    replicated across hosts, as FSDP2's HSDP: the gathers stay on the fast links and only a
+    chunk's all-reduce crosses hosts)."""
+
     offload: Literal["none", "optimizer", "all"] = "none"
     """Where ZeRO's shards and optimizer state live (sync/offload.py), with zero >= 1:
     "optimizer" moves the optimizer state off the compute device (on a GPU to pinned host
@@ -83,6 +88,8 @@ class ParallelConfig:
               f"a positive size in MB, got {self.bucket_mb!r}")
         check(self.zero in (0, 1, 2, 3) and not isinstance(self.zero, bool), "zero",
               f"a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        check(self.zero_scope in ("world", "host"), "zero_scope",
+              f"'world' or 'host', got {self.zero_scope!r}")
         check(self.offload in ("none", "optimizer", "all"), "offload",
               f"'none', 'optimizer' or 'all', got {self.offload!r}")
         check(self.offload == "none" or self.zero >= 1, "offload",

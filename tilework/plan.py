@@ -93,6 +93,7 @@ class ParamPlan(TensorFacts):
     zero: int = 0   # allreduce parameters: ZeRO stage (1: optimizer state sharded, 2: and
     #                 gradients, 3: and values; sync/zero.py)
     unit: str | None = None   # stage 3: the module whose forward gathers it ("": the model's)
+    zero_scope: Literal["world", "host"] = "world"   # shards over all ranks, or each host's
 
     def __post_init__(self):
         dtype_bytes(self.dtype)
@@ -114,9 +115,10 @@ class ParamPlan(TensorFacts):
     @property
     def placement(self) -> str:
         if self.method == "allreduce":
+            where = " in each host" if self.zero_scope == "host" else ""
             if self.zero == 3:
-                return f"{ZERO_PLACEMENTS[3]}, gathered by {self.unit or 'the model'}"
-            return "allreduce (replicated)" if not self.zero else ZERO_PLACEMENTS[self.zero]
+                return f"{ZERO_PLACEMENTS[3]}{where}, gathered by {self.unit or 'the model'}"
+            return "allreduce (replicated)" if not self.zero else ZERO_PLACEMENTS[self.zero] + where
         hot = f"; rows 0..{self.hot_rows - 1} replicated, all-reduced" if self.hot_rows else ""
         return f"ps (rows in {self.partitions} {self.row_map} partitions{hot})"
 

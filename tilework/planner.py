@@ -48,7 +48,7 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      config.density_threshold, topology, links, traffic, zero=config.zero,
                      recompute=recompute_choices(model, config.recompute),
                      units=owning_units(model) if config.zero == 3 else None,
-                     offload=(config.offload, config.offload_dir))
+                     offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope)
 
 
 def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
@@ -60,7 +60,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               traffic: dict[str, TableTraffic] | None = None, zero: int = 0,
               recompute: tuple[tuple[str, str], ...] = (),
               units: dict[str, str] | None = None,
-              offload: tuple[str, str | None] = ("none", None)) -> Plan:
+              offload: tuple[str, str | None] = ("none", None),
+              zero_scope: str = "world") -> Plan:
     if mode not in ("hybrid", "allreduce", "ps"):
         raise PlanError(f"mode: expected 'hybrid', 'allreduce' or 'ps', got {mode!r}")
     if sparse_reduce not in ("mean", "sum"):
@@ -77,6 +78,10 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
     if topology.world_size != world_size:
         raise PlanError(f"topology has {topology.world_size} ranks, expected {world_size}")
     links, traffic = links or Links(), traffic or {}
+    if zero and zero_scope == "host" and len({len(h) for h in topology.hosts}) > 1:
+        raise PlanError(f"zero_scope: 'host' shards inside each host, which needs hosts of one "
+                        f"size; these have {[len(h) for h in topology.hosts]} ranks (use "
+                        f"zero_scope='world')")
     params = []
     for info in infos:
         method, reason = _rule(info, mode, density_threshold)
@@ -103,7 +108,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
         entry = ParamPlan(info.name, info.shape, method, parts, row_map, reason, info.dtype,
                           info.kind, hot_rows=hot, zero=zero if method == "allreduce" else 0,
                           unit=(units or {}).get(info.name, "")
-                          if zero == 3 and method == "allreduce" else None)
+                          if zero == 3 and method == "allreduce" else None,
+                          zero_scope=zero_scope if zero and method == "allreduce" else "world")
         params.append(dataclasses.replace(entry, predicted=predict(
             entry, traffic.get(info.name), topology, links, local_aggregation)))
     _refuse_recomputed_tables(recompute, params)

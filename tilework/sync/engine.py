@@ -138,12 +138,11 @@ class Engine:
         groups, topo = self.groups, self.groups.topology
         successor_remote = topo.host_of((groups.rank + 1) % topo.world_size) != groups.host
         self.checks = InputChecks(groups, self.stats, successor_remote) if check_inputs else None
-        stage = {pp.name: pp.zero for pp in self.plan.params if pp.zero}
-        unit = {pp.name: pp.unit for pp in self.plan.params}
-        self.zero = ZeroSync([(n, p, stage[n], unit[n]) for n, p in dense if n in stage], groups,
-                             self.stats, self.plan.bucket_bytes, self.checks, self._touched,
+        entry, stage = self.plan.by_name(), {p.name: p.zero for p in self.plan.params if p.zero}
+        self.zero = ZeroSync([(n, p, stage[n], entry[n].unit) for n, p in dense if n in stage],
+                             groups, self.stats, self.plan.bucket_bytes, self.checks, self._touched,
                              Offload(self.plan.offload, self.plan.offload_dir, groups.rank,
-                                     groups.device))
+                                     groups.device), {entry[n].zero_scope for n in stage})
         self.zero.guard = self.guard.call
         self.zero.install(self.model, self.optimizer, self.changes, self.param_names)
         # Stage 1 keeps DDP's all-reduced gradients; 2 and 3 reduce-scatter their own.

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.counted import Stats, all_gather_async, reduce_scatter_async
+from ..comm.counted import Stats, all_gather_async, all_reduce_async, reduce_scatter_async
 from ..errors import PlanError
 from ..plan import assign_buckets
 from .hooks import PicklesAsNoop
@@ -111,18 +111,30 @@ class ZeroSync:
 
     def __init__(self, params: list[tuple[str, nn.Parameter, int, str | None]], groups,
                  stats: Stats, bucket_bytes: int, checks=None, on_grad=None,
-                 offload: Offload | None = None):
-        n, rank = groups.world_size, groups.rank
+                 offload: Offload | None = None, scopes: set[str] = frozenset()):
         self.groups, self.stats, self.checks, self.on_grad = groups, stats, checks, on_grad
         self.bucket_bytes = bucket_bytes
-        self.offload = offload or Offload("none", None, rank, groups.device)
+        topo = groups.topology
+        # scope "host" (FSDP2's HSDP): shards over one host's ranks, replicated across hosts,
+        # whose copies of a gradient chunk are summed by an all-reduce over the host's peers.
+        if len(scopes) > 1:
+            raise PlanError(f"ZeRO shards every parameter over one scope, the plan mixes "
+                            f"{sorted(scopes)}")
+        if "host" in scopes and topo.num_hosts > 1:
+            self.shard_group, self.replicas = groups.intra, groups.inter
+            n, rank = len(topo.hosts[groups.host]), groups.local_rank
+            peers = list(topo.hosts[groups.host])
+        else:
+            self.shard_group, self.replicas = groups.world, None
+            n, rank, peers = groups.world_size, groups.rank, list(range(groups.world_size))
+        self.shard_size = n
+        self.offload = offload or Offload("none", None, groups.rank, groups.device)
         self.shards = [Sharded(name, p, stage, rank, n, unit, self.offload.shard)
                        for name, p, stage, unit in params]
         self.optimizer = None
         self.by_name = {s.name: s for s in self.shards}
-        topo = groups.topology
-        self.remote = [topo.host_of(r) != groups.host for r in range(n)]
-        self.successor_remote = topo.host_of((rank + 1) % n) != groups.host
+        self.remote = [topo.host_of(r) != groups.host for r in peers]
+        self.successor_remote = topo.host_of(peers[(rank + 1) % n]) != groups.host
         self.next_bucket, self.active = 0, False
         self.units = None   # stage 3's (sync/zero3.py)
         self.guard = contextlib.nullcontext   # the engine's CallGuard.call
@@ -229,7 +241,7 @@ class ZeroSync:
         if self.checks is not None:
             self.checks.on_gradients([(s.name, g) for s, g in zip(bucket.shards, parts)], flat)
         del parts   # views of the gradients: freed before the receive buffer is made
-        bucket.pending = reduce_scatter_async(flat, self.groups.world, self.stats, "zero",
+        bucket.pending = reduce_scatter_async(flat, self.shard_group, self.stats, "zero",
                                               self.remote)
 
     def launch_rest(self) -> None:
@@ -257,7 +269,12 @@ class ZeroSync:
             bucket.ready.clear()
 
     def _finish(self, bucket: _Bucket) -> None:
-        summed = bucket.pending.wait().div_(self.groups.world_size)
+        summed = bucket.pending.wait()
+        if self.replicas is not None:   # every byte of it crosses hosts
+            work = all_reduce_async(summed, self.replicas, self.stats, "zero", True)
+            if work is not None:
+                work.wait()
+        summed.div_(self.groups.world_size)
         bucket.pending = None
         for s, g in zip(bucket.shards, bucket.split(summed)):
             g = g.to(s.shard.device)   # down to an offloaded shard
@@ -280,11 +297,11 @@ class ZeroSync:
             self.offload.settle(self.optimizer, self.shards)
         for bucket in self.gather_buckets:
             part = torch.cat([s.values() for s in bucket.shards])
-            bucket.pending = all_gather_async(part, self.groups.world, self.stats, "zero",
+            bucket.pending = all_gather_async(part, self.shard_group, self.stats, "zero",
                                               self.successor_remote)
         with torch.no_grad():
             for bucket in self.gather_buckets:
-                every = bucket.pending.wait().view(self.groups.world_size, bucket.width)
+                every = bucket.pending.wait().view(self.shard_size, bucket.width)
                 bucket.pending = None
                 for s, rows in zip(bucket.shards, bucket.split(every)):
                     s.param.copy_(s.whole(rows))
@@ -348,7 +365,7 @@ class ZeroSync:
         for k, v in state.items():
             if torch.is_tensor(v) and k != "step" and v.shape == (s.chunk,):
                 every = all_gather_async(v.detach().to(s.param.device).contiguous(),
-                                         self.groups.world, self.stats, "checkpoint").wait()
+                                         self.shard_group, self.stats, "checkpoint").wait()
                 out[k] = s.whole(every).clone()
             else:
                 out[k] = v

@@ -51,7 +51,7 @@ class Unit:
             return
         z = self.zero
         part = torch.cat([s.values() for s in self.shards])
-        self.pending = all_gather_async(part, z.groups.world, z.stats, "zero", z.successor_remote)
+        self.pending = all_gather_async(part, z.shard_group, z.stats, "zero", z.successor_remote)
 
     def gather(self) -> None:
         """The full values in the parameters (waiting for a prefetch under way)."""
@@ -61,7 +61,7 @@ class Unit:
         if self.pending is None:   # no parameters
             self.gathered = True
             return
-        every = self.pending.wait().view(self.zero.groups.world_size, self.width)
+        every = self.pending.wait().view(self.zero.shard_size, self.width)
         self.pending = None
         with torch.no_grad():
             for s, rows in zip(self.shards, torch.split(every, [s.chunk for s in self.shards],
