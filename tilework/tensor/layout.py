@@ -30,10 +30,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from . import attention
-from .shards import local_shape, shard
-from .layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbedding,
-                     SequenceParallelLayerNorm, VocabParallelEmbedding, VocabParallelHead)
-from .regions import TensorParallel
+from .shards import local_shape
 
 # style -> parameter name -> spec (shards.py); names not listed are replicated
 SPECS = {

@@ -73,11 +73,13 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
                                         input._start, ignore_index, reduction)
 
 
-# Views that keep the vocabulary as the last dimension, and queries that read no values.
+# Views and casts that keep the vocabulary as the last dimension (checked), and what computes
+# nothing from the values (shape queries, hooks, display).
 _PASS = {torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.flatten, torch.Tensor.contiguous,
-         torch.reshape, torch.flatten}
+         torch.Tensor.float, torch.Tensor.to, torch.Tensor.detach, torch.reshape, torch.flatten}
 _QUERIES = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
-            torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.__format__}
+            torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.__repr__,
+            torch.Tensor.__format__}
 
 
 class ShardedLogits(torch.Tensor):
@@ -103,5 +105,6 @@ class ShardedLogits(torch.Tensor):
                 if out.shape[-1] == me.shape[-1]:
                     return ShardedLogits.wrap(out, me._tp, me._start)
         raise TypeError(f"{getattr(func, '__name__', func)} on logits split over the vocabulary "
-                        "(tensor parallel, style 'vocab_head'): only views and F.cross_entropy "
-                        "are supported; give the head the style 'replicate' to keep it whole")
+                        "(tensor parallel, style 'vocab_head'): only views that keep the "
+                        "vocabulary last, and F.cross_entropy, are supported; give the head "
+                        "the style 'replicate' to keep it whole")
