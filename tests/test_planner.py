@@ -83,22 +83,29 @@ def test_too_few_partitions_cost_more():
     assert times[0] > times[1] > times[2] and times[3] > times[4] > times[5]
 
 
-def test_planning_a_thousand_hosts_with_a_hundred_tables_takes_under_a_second():
-    import time
-
+def test_planning_a_thousand_hosts_with_a_hundred_tables_costs_few_candidates(monkeypatch):
+    """At 8,000 ranks, no process group: the search costs each table's partition candidates
+    and splits, a number that does not grow with the ranks (a count, not a time: timed
+    assertions fail on a loaded machine; about 0.5 s on an idle one here)."""
+    from tilework import planner as planner_module
     from tilework.cluster import Links, Topology
     from tilework.cost import TableTraffic
+    from tilework.planner import partition_candidates
 
     topo = Topology.uniform(1000, 8)
     with torch.device("meta"):
         model = DLRM([100_000 + 1000 * i for i in range(100)], embed_dim=64)
-    start = time.perf_counter()
+    calls = []
+    costed = planner_module.ps_expected
+    monkeypatch.setattr(planner_module, "ps_expected",
+                        lambda *a, **k: calls.append(1) or costed(*a, **k))
     infos = analyze(model)
     traffic = {i.name: TableTraffic.zipf(i.shape[0], 512, topo) for i in infos if i.is_table}
     plan = make_plan(infos, topo.world_size, topology=topo, links=Links(), traffic=traffic)
-    elapsed = time.perf_counter() - start
     assert len(plan.of("ps")) == 100
-    assert elapsed < 1.0, f"{elapsed:.2f} s"
+    per_table = max(len(partition_candidates(topo.world_size, i.shape[0])) for i in infos)
+    assert len(calls) <= 100 * per_table
+    assert per_table <= 64   # candidates, not ranks
 
 
 def test_tilework_plan_cli(tmp_path):
