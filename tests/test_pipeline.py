@@ -14,9 +14,12 @@ from tilework.cluster import Link
 from tilework.models.gpt import TinyGPT
 from tilework.pipeline.schedule import (Action, Schedule, build, gpipe, in_flight,
                                         interleaved_1f1b, one_f_one_b, split_backward, validate)
+from tilework.pipeline import megatron
+from tilework.pipeline.megatron import TABLE1
 from tilework.pipeline.runtime import PipelineRunner
 from tilework.pipeline.simulate import p2p_bytes, simulate
 from tilework.pipeline.stages import balance, split_stages
+from tilework.pipeline.timeline import draw
 from tilework.testing import spawn
 
 pp_m = st.integers(1, 6).flatmap(lambda p: st.tuples(st.just(p), st.integers(1, 12)))
@@ -55,6 +58,19 @@ def test_1f1b_holds_fewer_microbatches_than_gpipe(args):
     pp, m = args
     assert in_flight(gpipe(pp, m)) == [m] * pp
     assert in_flight(one_f_one_b(pp, m)) == [min(pp - r, m) for r in range(pp)]
+
+
+@given(pp_m, st.lists(st.floats(0.1, 2.0), min_size=6, max_size=6))
+def test_ranks_sharing_processors_slow_down_only_when_more_compute_than_there_are(args, f):
+    """Processor sharing: with a processor per rank the replay is the plain one; with one
+    processor for all, the step is all the work done back to back."""
+    pp, m = args
+    s = one_f_one_b(pp, m)
+    alone = simulate(s, f[:pp])
+    assert simulate(s, f[:pp], processors=pp).timeline == alone.timeline
+    assert simulate(s, f[:pp], processors=1).step_s == pytest.approx(3 * m * sum(f[:pp]))
+    if pp > 2:
+        assert alone.step_s <= simulate(s, f[:pp], processors=2).step_s + 1e-12
 
 
 def test_the_printer_draws_ranks_by_time_with_idle_slots():
@@ -212,3 +228,25 @@ def test_stages_are_balanced_by_cost_and_chain_to_the_models_own_loss():
         x = stage(x)
     assert torch.equal(stages[-1](x, targets), model(tokens, targets))   # same arithmetic
     assert sum(len(s.index_range) for s in stages) == 4
+
+
+def test_megatron_table1_rows_and_the_calibrated_simulator():
+    """Table 1's rows reproduce their published aggregate PFLOP/s; the compute rate calibrated
+    on the first row (no tensor or pipeline parallelism) predicts it exactly; a pipelined row
+    has a bubble, interleaving shrinks it."""
+    published = {1.7: 4.4, 39.1: 70.8, 1008.0: 502.0}
+    for run in TABLE1:
+        assert run.d * run.t * run.p == run.gpus
+        if run.params_b in published:
+            assert run.tflops * run.gpus / 1e3 == pytest.approx(published[run.params_b], rel=0.01)
+    hw = megatron.calibrate(TABLE1[0], megatron.Hardware())
+    assert megatron.predict(TABLE1[0], hw)["tflops"] == pytest.approx(TABLE1[0].tflops, rel=1e-6)
+    row = TABLE1[4]   # 39.1B: t=8, p=2, d=32
+    plain, inter = megatron.predict(row, hw), megatron.predict(row, hw, v=2)
+    assert plain["m"] == 48 and 0 < inter["bubble"] < plain["bubble"]
+
+
+def test_timelines_draw_as_a_png(tmp_path):
+    sim = simulate(one_f_one_b(2, 3), [1e-3, 1e-3])
+    path = draw({"simulated": sim.timeline}, tmp_path / "t.png", "1f1b")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

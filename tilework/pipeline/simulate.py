@@ -15,12 +15,12 @@ not slow while a rank sends: an accelerator with its own copy engines and NIC. P
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..cluster import Link
 from ..cost import seconds
 from ..wire import SEND_RECV
-from .schedule import Action, Schedule, replay
+from .schedule import Action, Schedule, inputs_of, replay
 
 
 @dataclass(frozen=True)
@@ -82,15 +82,73 @@ def durations(schedule: Schedule, forward_s: Sequence[float],
             "W": weight}
 
 
+def shared_replay(schedule: Schedule, duration: Callable[[Action], float],
+                  delay: Callable[[Action, Action], float], processors: int
+                  ) -> dict[Action, tuple[int, float, float]]:
+    """`schedule.replay` for ranks that share `processors` processors (more ranks than cores):
+    while k ranks compute, each advances at min(1, processors / k) of its own speed, as a
+    scheduler shares cores between busy processes. Advances from event to event (an action
+    ending, an input arriving), so it is exact for that model."""
+    pending = {r: 0 for r in range(schedule.pp)}   # rank -> index of its next action
+    running: dict[int, list] = {}                  # rank -> [action, start, work left]
+    done: dict[Action, tuple[int, float, float]] = {}
+    now = 0.0
+    while True:
+        wake = _start_ready(schedule, pending, running, done, delay, duration, now)
+        if not running:
+            if wake == float("inf"):
+                break
+            now = wake
+            continue
+        rate = min(1.0, processors / len(running))
+        least = min(item[2] for item in running.values())
+        until = min(now + least / rate, wake)
+        for r, item in list(running.items()):
+            item[2] -= (until - now) * rate
+            if item[2] <= 1e-12 * max(1.0, least):
+                done[item[0]] = (r, item[1], until)
+                del running[r]
+                pending[r] += 1
+        now = until
+    stuck = [r for r, i in pending.items() if i < len(schedule.ranks[r])]
+    if stuck:   # the same lists deadlock in `replay`, which names where
+        replay(schedule, duration, delay)
+    return done
+
+
+def _start_ready(schedule, pending, running, done, delay, duration, now) -> float:
+    """Start every idle rank whose next action's inputs have arrived by `now`; return the
+    earliest later arrival (inf if none)."""
+    wake = float("inf")
+    for r, i in pending.items():
+        if r in running or i >= len(schedule.ranks[r]):
+            continue
+        a = schedule.ranks[r][i]
+        deps = inputs_of(a, schedule.stages)
+        if any(d not in done for d in deps):
+            continue
+        arrive = max([done[d][2] + (delay(d, a) if done[d][0] != r else 0.0) for d in deps],
+                     default=0.0)
+        if arrive <= now:
+            running[r] = [a, now, duration(a)]
+        else:
+            wake = min(wake, arrive)
+    return wake
+
+
 def simulate(schedule: Schedule, forward_s: Sequence[float],
              backward_s: Sequence[float] | None = None, link: Link | None = None,
-             activation_bytes: int = 0, weight_s: Sequence[float] | None = None) -> Simulation:
+             activation_bytes: int = 0, weight_s: Sequence[float] | None = None,
+             processors: int | None = None) -> Simulation:
     """Replay `schedule` with these per-stage seconds (see `durations`) and, between stages on
-    different ranks, `link` (None: free) carrying `activation_bytes` per microbatch boundary."""
+    different ranks, `link` (None: free) carrying `activation_bytes` per microbatch boundary.
+    `processors`: fewer than the ranks share them (`shared_replay`); None: one per rank."""
     times = durations(schedule, forward_s, backward_s, weight_s)
     hop = 0.0 if link is None else seconds(SEND_RECV.sent(activation_bytes, 2), link,
                                            SEND_RECV.messages(2))
-    done = replay(schedule, lambda a: times[a.kind][a.stage], lambda src, dst: hop)
+    args = (schedule, lambda a: times[a.kind][a.stage], lambda src, dst: hop)
+    shared = processors is not None and processors < schedule.pp
+    done = shared_replay(*args, processors) if shared else replay(*args)
     busy = [0.0] * schedule.pp
     for r, start, end in done.values():
         busy[r] += end - start

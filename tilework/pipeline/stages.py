@@ -61,8 +61,8 @@ def balance(costs: Sequence[float], parts: int, first: float = 0.0, last: float 
 
 class GPTStage(nn.Module):
     """One stage of TinyGPT (tilework/models/gpt.py): forward(x, targets) takes token ids (first
-    stage) or the previous stage's activation and returns its activation, or the mean loss over
-    the microbatch on the last stage."""
+    stage) or the previous stage's activation and returns its activation; the last stage returns
+    the microbatch's mean loss (its logits without targets)."""
 
     def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
         super().__init__()
@@ -86,6 +86,8 @@ class GPTStage(nn.Module):
         if not self.last:
             return x
         logits = self.head(self.norm(x))
+        if targets is None:   # a runtime that computes the loss itself (torch's schedules)
+            return logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def boundary_like(self, tokens: torch.Tensor) -> torch.Tensor:
