@@ -41,7 +41,7 @@ class Shape:
     def batch(self, step: int):
         g = torch.Generator().manual_seed(step)
         tokens = torch.randint(0, self.vocab, (self.microbatch * self.microbatches, self.seq + 1),
-                               generator=g)
+                               generator=g, device="cpu")   # the benchmark runs gloo on the CPU
         return tokens[:, :-1], tokens[:, 1:]
 
     @property
@@ -51,7 +51,8 @@ class Shape:
 
 def time_stage(stage, tokens, targets, dim: int, repeats: int = 5) -> tuple[float, float]:
     """Median forward and backward seconds of one stage on one microbatch (after one warm-up)."""
-    x = tokens if stage.first else torch.randn(*tokens.shape, dim, requires_grad=True)
+    x = tokens if stage.first else torch.randn(*tokens.shape, dim, requires_grad=True,
+                                               device=tokens.device)
     f, b = [], []
     for i in range(repeats + 1):
         start = time.perf_counter()
