@@ -3,6 +3,7 @@ schedules on the same stages (issue 14 item 4).
 
     .venv/bin/python bench/pipeline_schedules.py [--rounds 5] [--pp 2,4] [--out FILE]
         [--pictures DIR] [--no-torch] [--quick]
+    .venv/bin/python bench/pipeline_schedules.py --paper    # Megatron-LM's Table 1, simulated
 
 For pp in {2, 4}: GPipe, 1F1B and interleaved 1F1B (v = 2) run by tilework's PipelineRunner on
 pp real gloo ranks (one thread each), the GPT of tilework/bench/pipeline_runs.Shape, 8
@@ -46,48 +47,53 @@ def _world(rank, world_size, shape, rounds, torch_peer):
     return {"link": (link.bandwidth_gbps, link.latency_us), "runs": runs}
 
 
-def measured(runs: list[dict], pp: int) -> tuple[float, float, list]:
-    """Median step seconds over rounds, the bubble of the median round (1 - the ranks' mean
-    busy time / step), and that round's timeline as (rank, start, end, action) rows."""
-    order = sorted(range(len(runs)), key=lambda i: runs[i]["step_s"])
-    mid = runs[order[len(order) // 2]]
-    busy = [sum(e - s for _, s, e in tl) for tl in mid["timelines"]]
-    rows = [(r, s, e, a) for r, tl in enumerate(mid["timelines"]) for a, s, e in tl]
-    return mid["step_s"], 1 - sum(busy) / pp / mid["step_s"], rows
-
-
-def predicted(got: dict, schedule, link, shape: Shape):
-    """The simulator on the stages' median forward and backward seconds over rounds, the ranks
-    sharing this machine's cores."""
-    per_round = [r[schedule.stages] for r in got["runs"]["stages"]]
-    fwd = [statistics.median(r[s][0] for r in per_round) for s in range(schedule.stages)]
-    bwd = [statistics.median(r[s][1] for r in per_round) for s in range(schedule.stages)]
+def one_round(run: dict, stage_times: dict, schedule, link, shape: Shape) -> dict:
+    """A round's measured step and bubble (1 - the ranks' mean busy time / step) beside the
+    simulator's on that round's stage times, the ranks sharing this machine's cores (paired by
+    round: the machine's load drifts between rounds)."""
+    fwd = [stage_times[s][0] for s in range(schedule.stages)]
+    bwd = [stage_times[s][1] for s in range(schedule.stages)]
     sim = simulate(schedule, fwd, bwd, link, shape.activation_bytes,
                    processors=len(os.sched_getaffinity(0)))
-    return sim, fwd, bwd
+    busy = [sum(e - s for _, s, e in tl) for tl in run["timelines"]]
+    return {"measured_s": run["step_s"], "predicted_s": sim.step_s, "sim": sim,
+            "measured_bubble": 1 - sum(busy) / len(busy) / run["step_s"],
+            "predicted_bubble": sim.bubble, "forward_s": fwd, "backward_s": bwd,
+            "timeline": [(r, s, e, a) for r, tl in enumerate(run["timelines"]) for a, s, e in tl]}
+
+
+def _median(rounds: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
 
 
 def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path | None):
+    """Medians over rounds of each quantity and of the per-round ratios."""
     from tilework.cluster import Link
 
     got = spawn(_world, pp, args=(shape, rounds, torch_peer), timeout=1800)[0]
-    link = Link(*got["link"])
-    rows = []
+    link, rows = Link(*got["link"]), []
     for name in NAMES:
         schedule = build(name, pp, shape.microbatches, V)
-        sim, fwd, bwd = predicted(got, schedule, link, shape)
-        step, bubble, timeline = measured(got["runs"][f"ours/{name}"], pp)
-        row = {"pp": pp, "schedule": schedule.name, "measured_s": step, "predicted_s": sim.step_s,
-               "measured_bubble": bubble, "predicted_bubble": sim.bubble,
-               "link_gbps": link.bandwidth_gbps, "link_latency_us": link.latency_us,
-               "stage_forward_s": fwd, "stage_backward_s": bwd}
+        paired = [one_round(run, stages[schedule.stages], schedule, link, shape)
+                  for run, stages in zip(got["runs"][f"ours/{name}"], got["runs"]["stages"])]
+        for r in paired:
+            r["step_ratio"] = r["measured_s"] / r["predicted_s"]
+            r["bubble_ratio"] = r["measured_bubble"] / r["predicted_bubble"]
+        row = {"pp": pp, "schedule": schedule.name, "link_gbps": link.bandwidth_gbps,
+               "link_latency_us": link.latency_us,
+               **{k: _median(paired, k) for k in ("measured_s", "predicted_s", "step_ratio",
+                                                   "measured_bubble", "predicted_bubble",
+                                                   "bubble_ratio")},
+               "rounds": [{k: v for k, v in r.items() if k not in ("sim", "timeline")}
+                          for r in paired]}
         if torch_peer:
             row["torch_s"] = statistics.median(r["step_s"] for r in got["runs"][f"torch/{name}"])
         rows.append(row)
         if pictures:
-            draw({"simulated": sim.timeline, "measured (median round)": timeline},
+            mid = sorted(paired, key=lambda r: r["step_ratio"])[len(paired) // 2]
+            draw({"simulated": mid["sim"].timeline, "measured": mid["timeline"]},
                  pictures / f"pipeline-{schedule.name}-pp{pp}.png",
-                 f"{schedule.name}, pp={pp}, m={shape.microbatches}")
+                 f"{schedule.name}, pp={pp}, m={shape.microbatches} (the median round)")
     return rows
 
 
@@ -101,9 +107,28 @@ def table(rows: list[dict]) -> str:
                 else "- | -")
         lines.append(
             f"| {r['pp']} | {r['schedule']} | {r['measured_s'] * 1e3:.1f} | "
-            f"{r['predicted_s'] * 1e3:.1f} | {r['measured_s'] / r['predicted_s']:.2f} | "
+            f"{r['predicted_s'] * 1e3:.1f} | {r['step_ratio']:.2f} | "
             f"{r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | "
-            f"{r['measured_bubble'] / r['predicted_bubble']:.2f} | {peer} |")
+            f"{r['bubble_ratio']:.2f} | {peer} |")
+    return "\n".join(lines)
+
+
+def paper_table() -> str:
+    """The simulator's throughput for Megatron-LM's Table 1 beside the published figures."""
+    from tilework.pipeline.megatron import table as megatron_table
+
+    rows = megatron_table()
+    lines = [f"Compute rate calibrated on the 1.7B row: {rows[0]['hw_tflops']:.1f} TFLOP/s per GPU.",
+             "", "| params (B) | t | p | d | batch | m | published TFLOP/s | 1F1B: predicted | "
+             "ratio | bubble | interleaved (v): predicted | ratio | bubble |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        run, a, b = r["run"], r["1f1b"], r["interleaved"]
+        inter = (f"({r['v']}) {b['tflops']:.0f} | {b['tflops'] / run.tflops:.2f} | "
+                 f"{b['bubble']:.3f}" if r["v"] > 1 else "- | - | -")
+        lines.append(f"| {run.params_b:g} | {run.t} | {run.p} | {r['d']} | {run.batch} | "
+                     f"{r['m']} | {run.tflops:g} | {a['tflops']:.0f} | {a['tflops'] / run.tflops:.2f}"
+                     f" | {a['bubble']:.3f} | {inter} |")
     return "\n".join(lines)
 
 
@@ -115,7 +140,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small model, 3 rounds")
     p.add_argument("--out", type=Path)
     p.add_argument("--pictures", type=Path, help="a folder for measured/simulated timelines")
+    p.add_argument("--paper", action="store_true",
+                   help="only the paper-scale table (Megatron-LM's Table 1), no ranks")
     a = p.parse_args(argv)
+    if a.paper:
+        print(paper_table())
+        return 0
     torch.set_num_threads(1)
     shape = Shape(dim=64, layers=8, seq=16, vocab=256) if a.quick else Shape()
     rounds = 3 if a.quick else a.rounds

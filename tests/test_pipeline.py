@@ -73,6 +73,25 @@ def test_ranks_sharing_processors_slow_down_only_when_more_compute_than_there_ar
         assert alone.step_s <= simulate(s, f[:pp], processors=2).step_s + 1e-12
 
 
+@pytest.mark.parametrize("pp, m, v", [(2, 4, 2), (4, 8, 2), (2, 8, 3), (4, 16, 4)])
+def test_interleaved_orders_equal_torchs_schedule(pp, m, v):
+    """torch.distributed.pipelining's ScheduleInterleaved1F1B computes the same per-rank orders
+    (its private order builder, read without a process group; skipped if it moves). With m == pp
+    the two differ: Megatron, which we follow, then runs every forward first."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    order = getattr(schedules.ScheduleInterleaved1F1B, "_calculate_single_rank_operations", None)
+    if order is None:
+        pytest.skip("torch's interleaved order builder moved")
+    fake = SimpleNamespace(n_local_stages=v, pp_group_size=pp, _n_microbatches=m,
+                           microbatches_per_round=pp)
+    ours = interleaved_1f1b(pp, m, v)
+    for r in range(pp):
+        assert [str(a) for a in order(fake, r) if a is not None] == [str(a) for a in ours.ranks[r]]
+
+
 def test_the_printer_draws_ranks_by_time_with_idle_slots():
     text = str(one_f_one_b(2, 3))
     assert text.splitlines()[2:] == ["rank 0 0F0 0F1   . 0B0 0F2 0B1   . 0B2",
