@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tilework.cluster import Link
+from tilework.comm.counted import Traffic
 from tilework.models.gpt import TinyGPT
 from tilework.pipeline.schedule import (Action, Schedule, build, gpipe, in_flight,
                                         interleaved_1f1b, one_f_one_b, split_backward, validate)
@@ -180,7 +181,7 @@ def _train(rank, schedule):
         losses.append(None if loss is None else loss.item())
     mine = {id(p) for p in runner.parameters()}
     params = {k: v.detach().clone() for k, v in model.named_parameters() if id(v) in mine}
-    traffic = runner.stats.last_step["pipeline"]
+    traffic = runner.stats.last_step.get("pipeline", Traffic())
     return {"losses": losses, "params": params, "sent": traffic.sent,
             "received": traffic.received, "timeline": [str(a) for a, _, _ in runner.timeline]}
 
@@ -226,6 +227,15 @@ def test_each_schedule_trains_the_gpt_as_one_process_does(schedule, reference, p
     assert [o["timeline"] for o in out] == [[str(a) for a in acts] for acts in schedule.ranks]
     expected = p2p_bytes(schedule, (BATCH // schedule.microbatches) * SEQ * DIM * 4)
     assert [o["sent"] for o in out] == expected == [o["received"] for o in out]
+
+
+def test_one_rank_runs_every_stage_without_a_process_group(reference):
+    """pp = 1 with two stages: the stages hand activations and gradients over in place."""
+    losses, params = reference
+    got = _train(0, interleaved_1f1b(1, 4, 2))
+    assert got["losses"] == pytest.approx(losses, rel=1e-5) and got["sent"] == 0
+    for name, value in params.items():
+        assert (got["params"][name] - value).abs().max().item() <= 1e-5 * value.abs().max().item()
 
 
 def test_a_rank_given_the_wrong_stages_is_told_which_it_runs(pipelines):

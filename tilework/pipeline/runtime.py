@@ -33,11 +33,14 @@ class PipelineRunner:
     def __init__(self, stages: Mapping[int, nn.Module], schedule: Schedule, group=None,
                  stats: Stats | None = None):
         validate(schedule)
-        self.group = group if group is not None else dist.group.WORLD
-        if dist.get_world_size(self.group) != schedule.pp:
-            raise ValueError(f"the schedule is for {schedule.pp} ranks, the group has "
-                             f"{dist.get_world_size(self.group)}")
-        self.rank = dist.get_rank(self.group)
+        # One rank sends nothing: no group needed (a mesh's size-1 axis has None for a group).
+        self.group, self.rank = None, 0
+        if schedule.pp > 1:
+            self.group = group if group is not None else dist.group.WORLD
+            if dist.get_world_size(self.group) != schedule.pp:
+                raise ValueError(f"the schedule is for {schedule.pp} ranks, the group has "
+                                 f"{dist.get_world_size(self.group)}")
+            self.rank = dist.get_rank(self.group)
         if sorted(stages) != schedule.stages_of(self.rank):
             raise ValueError(f"rank {self.rank} runs stages {schedule.stages_of(self.rank)} of "
                              f"this schedule, got modules for {sorted(stages)}")
