@@ -168,8 +168,10 @@ class Run:
     def visible_grads(self, model):
         """Every parameter the model still has, with its gradient as the user sees it."""
         out = {}
+        from tilework.sync.zero import ShardedGradient
+
         for name, p in self.inner(model).named_parameters():
-            if p.grad is not None:
+            if p.grad is not None and not isinstance(p.grad, ShardedGradient):
                 g = p.grad.coalesce().to_dense() if p.grad.is_sparse else p.grad
                 out[name] = g.detach().clone()
         return out

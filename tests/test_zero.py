@@ -247,3 +247,37 @@ def test_offload_to_mapped_files_trains_as_one_process(zero, offload, tmp_path):
         assert r["mapped"] and all(r["mapped"].values()), r["mapped"]
         assert all(r["shards"].values()) == (offload == "all"), r["shards"]
         assert not r["left"], f"files left behind: {r['left']}"
+
+
+def _torch_clip_under_zero(rank, world_size, zero):
+    model = new_model()
+    opt = new_optimizer("sgd", model.parameters())
+    tilework.parallelize(model, opt, zero=zero, log=False)
+    out = {}
+    for step in range(2):   # two synchronised backwards: the stand-ins must not get in the way
+        model(*batch(step, rank, world_size)).backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out["torch_clip"] = None
+    except PlanError as e:
+        out["torch_clip"] = str(e)
+    out["norm"] = float(tilework.clip_grad_norm_(model, 1e9))
+    opt.step()
+    opt.zero_grad()
+    out["after_zero_grad"] = [n for n, p in model.named_parameters() if p.grad is not None]
+    return out
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_torch_clipping_is_refused_in_one_line_where_gradients_are_sharded(zero):
+    """nanoGPT's `torch.nn.utils.clip_grad_norm_(model.parameters(), c)` would clip nothing
+    under stage 2/3 (the gradients are on the shards): it raises, naming the drop-in; the
+    drop-in sees the whole gradient (two accumulated backwards, norm as one process's)."""
+    model = new_model()
+    for step in range(2):
+        model(*batch(step)).backward()
+    expected = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    for r in spawn(_torch_clip_under_zero, 2, args=(zero,), timeout=120):
+        assert r["torch_clip"] is not None and "tilework.clip_grad_norm_" in r["torch_clip"]
+        assert r["norm"] == pytest.approx(expected, rel=1e-5)
+        assert r["after_zero_grad"] == []

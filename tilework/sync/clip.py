@@ -15,9 +15,11 @@ from ..comm.counted import all_reduce
 def coalesced_grads(params) -> list[torch.Tensor]:
     """Each gradient, sparse ones coalesced in place and given as their rows (what clipping
     must see: a row id may appear several times in an uncoalesced gradient)."""
+    from .zero import ShardedGradient
+
     out = []
     for p in params:
-        if p.grad is None:
+        if p.grad is None or isinstance(p.grad, ShardedGradient):   # on the shards: see ZeRO
             continue
         if p.grad.is_sparse:
             p.grad = p.grad.coalesce()

@@ -40,6 +40,31 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
 
 
+class ShardedGradient(torch.Tensor):
+    """A stage 2/3 parameter's `.grad` after backward: a stand-in of the gradient's shape
+    whose every use raises, naming the fix. With None there, torch's own
+    `clip_grad_norm_(model.parameters(), c)` (nanoGPT's line) would silently clip nothing."""
+
+    @staticmethod
+    def __new__(cls, param: nn.Parameter, name: str, stage: int):
+        stand_in = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype,
+                                                       device=param.device)
+        stand_in.param_name, stand_in.stage = name, stage
+        return stand_in
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        stand_in = next(a for a in args if isinstance(a, ShardedGradient))
+        raise PlanError(f"{stand_in.param_name}.grad: under zero={stand_in.stage} each rank "
+                        "holds only its chunk of this gradient, on the optimizer's shard, so "
+                        "torch's own clipping and reads of .grad cannot see it: use "
+                        "tilework.clip_grad_norm_(model, max_norm) / clip_grad_value_, or zero=1, "
+                        "which keeps DDP's .grad")
+
+    def __repr__(self):
+        return f"ShardedGradient({self.param_name}, zero={self.stage})"
+
+
 def chunk_size(numel: int, n: int) -> int:
     return -(-numel // n)
 
@@ -189,6 +214,8 @@ class ZeroSync:
 
             changes.set_attribute(model, "zero_grad", zero_grad,
                                   "model.zero_grad (also the shards' gradients)")
+            changes.hook("model: forward pre-hook (ZeRO's .grad stand-ins dropped)",
+                         model.register_forward_pre_hook(PicklesAsNoop(self.drop_stand_ins)))
 
     def _swap_into(self, optimizer, changes) -> None:
         check_elementwise(optimizer, [s.name for s in self.shards])
@@ -234,7 +261,7 @@ class ZeroSync:
             g = s.param.grad
             g = torch.zeros_like(s.param) if g is None else g.to_dense() if g.is_sparse else g
             parts.append(s.rows(g))
-            s.param.grad = None   # it lives in the bucket now
+            s.param.grad = ShardedGradient(s.param, s.name, s.stage)   # it lives in the bucket
         flat = torch.cat(parts, dim=1).reshape(-1)
         if bucket.unit is not None:
             bucket.unit.free()    # its backward is done
@@ -314,7 +341,14 @@ class ZeroSync:
         optimizer's zero_grad no longer reaches: its groups hold the shards)."""
         for s in self.shards:
             s.shard.grad = None
-            if s.stage == 1:
+            if s.stage == 1 or isinstance(s.param.grad, ShardedGradient):
+                s.param.grad = None
+
+    def drop_stand_ins(self, *_) -> None:
+        """Before a forward: the next backward accumulates into `.grad`, which a stand-in
+        would refuse (the chunks stay on the shards)."""
+        for s in self.shards:
+            if isinstance(s.param.grad, ShardedGradient):
                 s.param.grad = None
 
     def gradients(self) -> list[torch.Tensor]:
