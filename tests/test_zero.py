@@ -281,3 +281,21 @@ def test_torch_clipping_is_refused_in_one_line_where_gradients_are_sharded(zero)
         assert r["torch_clip"] is not None and "tilework.clip_grad_norm_" in r["torch_clip"]
         assert r["norm"] == pytest.approx(expected, rel=1e-5)
         assert r["after_zero_grad"] == []
+
+
+def _compiled(rank, world_size, zero):
+    model = new_model()
+    opt = new_optimizer("sgd", model.parameters())
+    tilework.parallelize(model, opt, zero=zero, log=False)
+    compiled = torch.compile(model, backend="aot_eager")
+    losses = train(compiled, opt, range(2), rank, world_size)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def test_torch_compile_under_stage_3_trains_as_eager():
+    results = spawn(_compiled, 2, args=(3,), timeout=300)
+    state, losses, _ = reference("sgd", range(2))
+    for k, v in state.items():
+        close(k, results[0]["state"][k], v, TOLERANCE["sgd"])
+    mean = [sum(x) / 2 for x in zip(*(r["losses"] for r in results))]
+    close("losses", torch.tensor(mean), torch.tensor(losses), TOLERANCE["sgd"])

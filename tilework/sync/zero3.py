@@ -112,6 +112,9 @@ class Units:
         return [u for u in reversed(self.units) if u.shards]
 
     # -- forward ---------------------------------------------------------------------------------
+    # Outside torch.compile's graphs: collectives and storage resizing are not for dynamo to
+    # trace (a compiled model graph-breaks around each unit, as around a table's lookup).
+    @torch.compiler.disable
     def _before_forward(self, unit: Unit) -> None:
         with self.zero.guard(f"the all-gather of {unit.name or 'the model'}'s values (ZeRO-3)"):
             self._gather_for_forward(unit)
@@ -129,6 +132,7 @@ class Units:
         if following is not None:
             following.launch()
 
+    @torch.compiler.disable
     def _after_forward(self, unit: Unit, output) -> None:
         if in_backward():
             return
