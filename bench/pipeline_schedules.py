@@ -16,6 +16,9 @@ Schedule1F1B and ScheduleInterleaved1F1B run the same stage modules in the same 
 step time beside ours. pp = 4 puts 4 ranks on however many cores the machine has: where they
 are fewer, ranks that compute at once share them and the measured times grow past the
 simulator's, which gives every rank its own processor (the table says how many cores).
+This machine is shared: before each round the benchmark waits (--max-wait seconds at most) until
+other processes keep fewer than --quiet-cores cores busy, and it reports the cores they used
+during each round (/proc/stat less our ranks' own CPU time), since their load is not modelled.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ NAMES = ("gpipe", "1f1b", "interleaved")
 V = 2
 
 
-def _world(rank, world_size, shape, rounds, torch_peer):
+def _world(rank, world_size, shape, rounds, torch_peer, quiet):
     link = link_fit(rank, world_size, shape.activation_bytes)
-    runs = run_rank(rank, world_size, shape, list(NAMES), V, rounds, torch_peer)
+    runs = run_rank(rank, world_size, shape, list(NAMES), V, rounds, torch_peer, quiet)
     return {"link": (link.bandwidth_gbps, link.latency_us), "runs": runs}
 
 
@@ -66,24 +69,26 @@ def _median(rounds: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rounds)
 
 
-def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path | None):
+def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path | None,
+            quiet: tuple[float, float]):
     """Medians over rounds of each quantity and of the per-round ratios."""
     from tilework.cluster import Link
 
-    got = spawn(_world, pp, args=(shape, rounds, torch_peer), timeout=1800)[0]
+    got = spawn(_world, pp, args=(shape, rounds, torch_peer, quiet), timeout=3600)[0]
     link, rows = Link(*got["link"]), []
     for name in NAMES:
         schedule = build(name, pp, shape.microbatches, V)
         paired = [one_round(run, stages[schedule.stages], schedule, link, shape)
                   for run, stages in zip(got["runs"][f"ours/{name}"], got["runs"]["stages"])]
-        for r in paired:
+        for r, background in zip(paired, got["runs"]["background"]):
+            r["background_cores"] = background
             r["step_ratio"] = r["measured_s"] / r["predicted_s"]
             r["bubble_ratio"] = r["measured_bubble"] / r["predicted_bubble"]
         row = {"pp": pp, "schedule": schedule.name, "link_gbps": link.bandwidth_gbps,
                "link_latency_us": link.latency_us,
                **{k: _median(paired, k) for k in ("measured_s", "predicted_s", "step_ratio",
                                                    "measured_bubble", "predicted_bubble",
-                                                   "bubble_ratio")},
+                                                   "bubble_ratio", "background_cores")},
                "rounds": [{k: v for k, v in r.items() if k not in ("sim", "timeline")}
                           for r in paired]}
         if torch_peer:
@@ -99,8 +104,8 @@ def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path
 
 def table(rows: list[dict]) -> str:
     lines = ["| pp | schedule | measured step (ms) | predicted (ms) | ratio | measured bubble | "
-             "predicted bubble | ratio | torch's step (ms) | ours / torch's |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "predicted bubble | ratio | torch's step (ms) | ours / torch's | others' cores |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         torch_s = r.get("torch_s")
         peer = (f"{torch_s * 1e3:.1f} | {r['measured_s'] / torch_s:.2f}" if torch_s
@@ -109,7 +114,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['pp']} | {r['schedule']} | {r['measured_s'] * 1e3:.1f} | "
             f"{r['predicted_s'] * 1e3:.1f} | {r['step_ratio']:.2f} | "
             f"{r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | "
-            f"{r['bubble_ratio']:.2f} | {peer} |")
+            f"{r['bubble_ratio']:.2f} | {peer} | {r['background_cores']:.2f} |")
     return "\n".join(lines)
 
 
@@ -140,6 +145,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small model, 3 rounds")
     p.add_argument("--out", type=Path)
     p.add_argument("--pictures", type=Path, help="a folder for measured/simulated timelines")
+    p.add_argument("--quiet-cores", type=float, default=0.3,
+                   help="before each round, wait until other processes use fewer cores")
+    p.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for that")
     p.add_argument("--paper", action="store_true",
                    help="only the paper-scale table (Megatron-LM's Table 1), no ranks")
     a = p.parse_args(argv)
@@ -151,7 +159,8 @@ def main(argv=None) -> int:
     rounds = 3 if a.quick else a.rounds
     rows = []
     for pp in (int(x) for x in a.pp.split(",")):
-        rows += measure(shape, pp, rounds, not a.no_torch, a.pictures)
+        rows += measure(shape, pp, rounds, not a.no_torch, a.pictures,
+                        (a.quiet_cores, a.max_wait))
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores; shape {shape}")
     print(table(rows))

@@ -9,6 +9,8 @@ its actions' compute intervals in the runner's timeline (after the input arrived
 
 from __future__ import annotations
 
+import os
+import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -155,12 +157,51 @@ def _stage_round(timers: dict) -> dict[int, dict[int, tuple[float, float]]]:
     return out
 
 
+def _machine_busy_s() -> float:
+    """CPU seconds all of this machine's cores have spent busy since boot (/proc/stat)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")   # less idle, iowait
+
+
+def _own_cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)   # every thread, gloo's too
+    return use.ru_utime + use.ru_stime
+
+
+class Background:
+    """Cores other processes keep busy (the machine's busy time less our ranks', per second),
+    over a stretch every rank brackets with `start()` and `stop()`."""
+
+    def start(self) -> None:
+        dist.barrier()
+        self.wall, self.machine, self.own = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
+
+    def stop(self) -> float:
+        own = torch.tensor([_own_cpu_s() - self.own], dtype=torch.float64, device="cpu")
+        dist.all_reduce(own)
+        return (_machine_busy_s() - self.machine - own.item()) / (time.perf_counter() - self.wall)
+
+
+def wait_for_quiet(cores: float, max_wait_s: float) -> float:
+    """Wait (up to `max_wait_s`) until other processes keep fewer than `cores` cores busy over a
+    second; returns the last second's figure. Every rank calls it."""
+    meter, deadline = Background(), time.perf_counter() + max_wait_s
+    while True:
+        meter.start()
+        time.sleep(1.0)
+        busy = meter.stop()
+        if busy < cores or time.perf_counter() > deadline:
+            return busy
+
+
 def run_rank(rank: int, world_size: int, shape: Shape, names: list[str], v: int,
-             rounds: int, torch_peer: bool) -> dict:
-    """Build every system, warm each up, then per round: every rank times its own stages on one
-    microbatch (the simulator's compute, under the machine's load of the moment), then one step
-    of each system (interleaved, so drifts hit all alike). Returns
-    {"stages": per round `_stage_round`, "<system>/<schedule>": per round `_timed`}."""
+             rounds: int, torch_peer: bool, quiet: tuple[float, float] = (0.3, 60.0)) -> dict:
+    """Build every system, warm each up, then per round: wait for a quiet machine (`quiet`:
+    cores other processes may use, seconds to wait at most), every rank times its own stages on
+    one microbatch (the simulator's compute), then one step of each system (interleaved, so
+    drifts hit all alike). Returns {"stages": per round `_stage_round`, "background": per round
+    the cores others used, "<system>/<schedule>": per round `_timed`}."""
     systems = {}
     for name in names:
         systems[f"ours/{name}"] = _ours(shape, name, world_size, v)
@@ -172,11 +213,15 @@ def run_rank(rank: int, world_size: int, shape: Shape, names: list[str], v: int,
     for step, params in systems.values():
         for _ in range(2):
             _timed(step, params, tokens, targets)
-    out: dict = {key: [] for key in [*systems, "stages"]}
+    out: dict = {key: [] for key in [*systems, "stages", "background"]}
+    meter = Background()
     for _ in range(rounds):
+        wait_for_quiet(*quiet)
+        meter.start()
         out["stages"].append(_stage_round(timers))
         for key, (step, params) in systems.items():
             out[key].append(_timed(step, params, tokens, targets))
+        out["background"].append(meter.stop())
     return out
 
 
