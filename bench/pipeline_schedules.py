@@ -2,23 +2,23 @@
 schedules on the same stages (issue 14 item 4).
 
     .venv/bin/python bench/pipeline_schedules.py [--rounds 5] [--pp 2,4] [--out FILE]
-        [--pictures DIR] [--no-torch] [--quick]
+        [--pictures DIR] [--no-torch] [--quick] [--quiet-cores 0.3] [--max-wait 60]
     .venv/bin/python bench/pipeline_schedules.py --paper    # Megatron-LM's Table 1, simulated
 
 For pp in {2, 4}: GPipe, 1F1B and interleaved 1F1B (v = 2) run by tilework's PipelineRunner on
 pp real gloo ranks (one thread each), the GPT of tilework/bench/pipeline_runs.Shape, 8
-microbatches. Measured: the median step time over rounds and the bubble (1 - the ranks' mean
-busy time / step). Predicted: pipeline.simulate replaying the same schedule with each stage's
-forward and backward seconds timed on its rank in the same rounds (all ranks at once, one
-microbatch, so under the machine's load of the moment) and the send/recv link fitted in the same
-world (calibrate.time_points). torch.distributed.pipelining's ScheduleGPipe,
-Schedule1F1B and ScheduleInterleaved1F1B run the same stage modules in the same rounds: their
-step time beside ours. pp = 4 puts 4 ranks on however many cores the machine has: where they
-are fewer, ranks that compute at once share them and the measured times grow past the
-simulator's, which gives every rank its own processor (the table says how many cores).
-This machine is shared: before each round the benchmark waits (--max-wait seconds at most) until
-other processes keep fewer than --quiet-cores cores busy, and it reports the cores they used
-during each round (/proc/stat less our ranks' own CPU time), since their load is not modelled.
+microbatches. Measured, per round: the step (barrier to the last rank's return) and the bubble
+(1 - the ranks' mean busy time / step, busy from the runner's timeline). Predicted, per round:
+pipeline.simulate replaying the same schedule with each stage's forward and backward seconds
+timed on its rank in that round (one microbatch, one rank at a time), the send/recv link fitted
+in the same world (calibrate.time_points), and the ranks sharing the machine's cores
+(`processors`: pp = 4 puts 4 ranks on 2 cores here). The table gives medians over rounds and
+of the per-round ratios. torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
+ScheduleInterleaved1F1B run the same stage modules in the same rounds: their step time beside
+ours. The machine may be shared: before each round the benchmark waits (--max-wait seconds at
+most) until other processes keep fewer than --quiet-cores cores busy, and reports the cores
+they used during each round (/proc/stat less our ranks' own CPU time): their load is not
+modelled.
 """
 
 from __future__ import annotations
