@@ -62,18 +62,7 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               units: dict[str, str] | None = None,
               offload: tuple[str, str | None] = ("none", None),
               zero_scope: str = "world") -> Plan:
-    if mode not in ("hybrid", "allreduce", "ps"):
-        raise PlanError(f"mode: expected 'hybrid', 'allreduce' or 'ps', got {mode!r}")
-    if sparse_reduce not in ("mean", "sum"):
-        raise PlanError(f"sparse_reduce: expected 'mean' or 'sum', got {sparse_reduce!r}")
-    overrides = dict(overrides or {})
-    known = {i.name for i in infos}
-    for name, method in overrides.items():
-        if name not in known:
-            raise PlanError(f"override for {name!r}: no such trainable parameter "
-                            f"(parameters: {', '.join(sorted(known))})")
-        if method not in ("allreduce", "ps"):
-            raise PlanError(f"override for {name!r}: expected 'allreduce' or 'ps', got {method!r}")
+    overrides = _checked(infos, mode, sparse_reduce, overrides)
     topology = topology or Topology.from_sizes([world_size])
     if topology.world_size != world_size:
         raise PlanError(f"topology has {topology.world_size} ranks, expected {world_size}")
@@ -115,6 +104,23 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
     _refuse_recomputed_tables(recompute, params)
     return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes,
                 Mesh.from_topology(topology), recompute, *offload)
+
+
+def _checked(infos: list[ParamInfo], mode, sparse_reduce, overrides) -> dict[str, Method]:
+    """The settings make_plan reads by name, checked; the overrides as a dict."""
+    if mode not in ("hybrid", "allreduce", "ps"):
+        raise PlanError(f"mode: expected 'hybrid', 'allreduce' or 'ps', got {mode!r}")
+    if sparse_reduce not in ("mean", "sum"):
+        raise PlanError(f"sparse_reduce: expected 'mean' or 'sum', got {sparse_reduce!r}")
+    overrides = dict(overrides or {})
+    known = {i.name for i in infos}
+    for name, method in overrides.items():
+        if name not in known:
+            raise PlanError(f"override for {name!r}: no such trainable parameter "
+                            f"(parameters: {', '.join(sorted(known))})")
+        if method not in ("allreduce", "ps"):
+            raise PlanError(f"override for {name!r}: expected 'allreduce' or 'ps', got {method!r}")
+    return overrides
 
 
 def _refuse_recomputed_tables(recompute, params: list[ParamPlan]) -> None:

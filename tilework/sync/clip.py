@@ -15,7 +15,7 @@ from ..comm.counted import all_reduce
 def coalesced_grads(params) -> list[torch.Tensor]:
     """Each gradient, sparse ones coalesced in place and given as their rows (what clipping
     must see: a row id may appear several times in an uncoalesced gradient)."""
-    from .zero import ShardedGradient
+    from .shards import ShardedGradient
 
     out = []
     for p in params:
