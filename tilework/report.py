@@ -88,20 +88,23 @@ def param_costs(plan: Plan, traffic, cluster: Cluster) -> list[Row]:
     for pp in plan.params:
         t = traffic.get(pp.name)
         c = predict(pp, t, topo, links, plan.local_aggregation) or dense_served(pp, topo, links)
-        rows.append(Row(pp.name, pp.shape, t.per_rank / pp.shape[0] if t else None, pp.method,
+        method = pp.method if not pp.zero else \
+            f"zero-{pp.zero}" + ("/host" if pp.zero_scope == "host" else "")
+        rows.append(Row(pp.name, pp.shape, t.per_rank / pp.shape[0] if t else None, method,
                         pp.partitions, c.bytes_sent, c.seconds))
     return rows
 
 
 def step_seconds(plan: Plan, traffic, cluster: Cluster) -> float:
-    """Communication seconds per step: dense parameters bucketed together, tables one by one."""
+    """Communication seconds per step: replicated dense parameters bucketed together, tables
+    and ZeRO-sharded parameters one by one."""
     topo, links = cluster.topology(), cluster.links
-    dense = sum(pp.nbytes for pp in plan.of("allreduce"))
+    dense = sum(pp.nbytes for pp in plan.of("allreduce") if not pp.zero)
     total = 0.0
     if dense:
         total += ring_allreduce(dense, topo, links, math.ceil(dense / plan.bucket_bytes)).seconds
     return total + sum(r.seconds for r in param_costs(plan, traffic, cluster)
-                       if r.method == "ps")
+                       if r.method == "ps" or r.method.startswith("zero"))
 
 
 def job_cluster(topology: Topology, cluster: Cluster | None) -> Cluster:
