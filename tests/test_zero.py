@@ -299,3 +299,32 @@ def test_torch_compile_under_stage_3_trains_as_eager():
         close(k, results[0]["state"][k], v, TOLERANCE["sgd"])
     mean = [sum(x) / 2 for x in zip(*(r["losses"] for r in results))]
     close("losses", torch.tensor(mean), torch.tensor(losses), TOLERANCE["sgd"])
+
+
+def _outside_forward(rank, world_size):
+    model = new_model()
+    opt = new_optimizer("sgd", model.parameters())
+    tilework.parallelize(model, opt, zero=3, log=False)
+    train(model, opt, range(1), rank, world_size)
+    tokens = batch(5)[0]
+    with torch.no_grad():   # the model's own unit's modules called directly, not forward
+        out = model.head(model.norm(model.tokens(tokens)))
+        with tilework.full_parameters(model):   # parameters read directly, no module called
+            direct = model.norm(model.tokens(tokens)) @ model.head.weight.t() + model.head.bias
+    held = {n for n, p in model.named_parameters() if p.untyped_storage().nbytes()}
+    return out, direct, held
+
+
+def test_stage_3_values_gathered_for_calls_outside_forward():
+    """An evaluation method that calls the model's modules itself (a perplexity, a generate)
+    finds the values of the model's own unit gathered, and they are freed again after; one
+    that reads parameters directly does so inside tilework.full_parameters(model)."""
+    model = new_model()
+    opt = new_optimizer("sgd", model.parameters())
+    train(model, opt, range(1))
+    with torch.no_grad():
+        expected = model.head(model.norm(model.tokens(batch(5)[0])))
+    for out, direct, held in spawn(_outside_forward, 2, timeout=120):
+        close("outside forward", out, expected, 1e-5)
+        close("read directly in tilework.full_parameters", direct, expected, 1e-5)
+        assert held == set(), held

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,17 @@ def unparallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise PlanError("unparallelize: this optimizer is not the one parallelize was given")
     engine.undo()
     return model, engine.optimizer
+
+
+def full_parameters(model: nn.Module):
+    """A context in which every ZeRO-3 parameter holds its full values (FSDP's
+    `summon_full_params`): for code that reads parameters directly rather than through a
+    module's forward (`x @ self.head.weight.t()` in an evaluation method). A collective: every
+    rank enters it. Outside ZeRO-3 (or without tilework) it does nothing."""
+    engine = getattr(model, "_tilework_engine", None)
+    if engine is None or engine.zero.units is None:
+        return contextlib.nullcontext()
+    return engine.zero.full_values()
 
 
 def stats(model: nn.Module) -> dict[str, Any]:

@@ -284,6 +284,19 @@ class ZeroSync:
             for unit in self.units.units:
                 unit.gather()
 
+    @contextlib.contextmanager
+    def full_values(self):
+        """Every stage-3 value gathered inside, freed after (tilework.full_parameters)."""
+        with self.guard("tilework.full_parameters(), which gathers ZeRO-3's values"):
+            for unit in self.units.units:
+                unit.gather()
+        self.units.pinned = True
+        try:
+            yield
+        finally:
+            self.units.pinned = False
+            self.units.free_all()
+
     def _full_values(self, module, state: dict, prefix: str, metadata) -> None:
         """model.state_dict(): stage 3's entries hold the full values (a collective)."""
         with self.guard("model.state_dict(), which gathers ZeRO-3's values"):

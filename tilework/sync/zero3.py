@@ -95,6 +95,7 @@ class Units:
         self.root = self.units[0]
         self.order: list[Unit] = []   # forward order, recorded once
         self.recorded = False
+        self.pinned = False   # inside tilework.full_parameters: nothing is freed
         for unit in self.units:
             changes.hook(f"{unit.name or 'model'}: forward pre-hook (ZeRO-3 gather)",
                          unit.module.register_forward_pre_hook(
@@ -103,8 +104,35 @@ class Units:
                          unit.module.register_forward_hook(
                              PicklesAsNoop(lambda m, a, out, unit=unit:
                                            self._after_forward(unit, out))))
+        self._hook_root_owners(model, changes)
         changes.record("ZeRO-3: full values back in the parameters' storage", self.materialize)
         self.free_all()
+
+    def _hook_root_owners(self, model: nn.Module, changes) -> None:
+        """The model's own unit is gathered by the model's forward; a method other than forward
+        (an evaluation's `perplexity`, a `generate`) may call the modules that own its
+        parameters directly: they gather it too (and free it again under no_grad)."""
+        mine = {id(s.param) for s in self.root.shards}
+        self.in_model = False   # inside the model's forward, which manages the unit itself
+        for name, module in model.named_modules():
+            if module is not model and any(id(p) in mine for p in module.parameters(recurse=False)):
+                changes.hook(f"{name}: forward hooks (ZeRO-3: the model's unit used directly)",
+                             module.register_forward_pre_hook(PicklesAsNoop(self._root_used)))
+                changes.hook(f"{name}: forward hook (ZeRO-3)",
+                             module.register_forward_hook(PicklesAsNoop(self._root_done)))
+
+    @torch.compiler.disable
+    def _root_used(self, *_) -> None:
+        if not self.in_model and not in_backward() and not self.root.gathered:
+            with self.zero.guard("the all-gather of the model's own values (ZeRO-3, a call "
+                                 "outside its forward)"):
+                self.root.gather()
+
+    @torch.compiler.disable
+    def _root_done(self, *_) -> None:
+        # With grad on, backward needs the values: the end of backward frees them.
+        if not (self.in_model or self.pinned or in_backward() or torch.is_grad_enabled()):
+            self.root.free()
 
     def in_backward_order(self) -> list[Unit]:
         """The units with parameters, each one gradient bucket: the root's last (its
@@ -124,7 +152,7 @@ class Units:
             unit.gather()
             return
         if unit is self.root:
-            self.recorded = bool(self.order)
+            self.recorded, self.in_model = bool(self.order), True
         elif not self.recorded and unit not in self.order:
             self.order.append(unit)
         unit.gather()
@@ -136,12 +164,14 @@ class Units:
     def _after_forward(self, unit: Unit, output) -> None:
         if in_backward():
             return
+        if unit is self.root:
+            self.in_model = False
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, unit=unit: self._before_backward(unit), mode="any")
-        if unit is not self.root or not torch.is_grad_enabled():
+        if (unit is not self.root or not torch.is_grad_enabled()) and not self.pinned:
             unit.free()
 
     def _next(self, unit: Unit, step: int) -> Unit | None:

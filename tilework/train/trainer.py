@@ -20,7 +20,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .. import optim
+from .. import full_parameters, optim
 from ..data import ShardedBatches
 from . import checkpoint
 from .job import Job
@@ -156,7 +156,10 @@ class _Log:
         self.window_start, self.window_steps = 0.0, 0
 
     def evaluate(self, step: int) -> None:
-        values = self.work.evaluate(self.model)
+        # Evaluation methods read parameters directly (the LM's perplexity): under ZeRO-3 they
+        # are gathered for it.
+        with full_parameters(self.model):
+            values = self.work.evaluate(self.model)
         self.result.evals.append({"step": step, **values})
         shown = "  ".join(f"{k} {v:,.2f}" for k, v in values.items())
         self.console.print(f"[bold]eval[/] step {step}: {shown}")
