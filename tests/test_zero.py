@@ -328,3 +328,33 @@ def test_stage_3_values_gathered_for_calls_outside_forward():
         close("outside forward", out, expected, 1e-5)
         close("read directly in tilework.full_parameters", direct, expected, 1e-5)
         assert held == set(), held
+
+
+def test_tilework_train_job_at_stage_3_with_offload_trains_as_stage_0(tmp_path):
+    """A job file's `[parallel] zero = 3, offload = "optimizer"` under `tilework train -n 2`:
+    the same losses, evaluation and final checkpoint as the replicated run (its evaluation
+    reads parameters directly, so the trainer gathers them for it)."""
+    import json
+    import subprocess
+    import sys
+
+    finals = {}
+    for name, parallel in [("replicated", ""), ("zero3", 'zero = 3\noffload = "optimizer"\n')]:
+        out = tmp_path / name
+        job = tmp_path / f"{name}.toml"
+        job.write_text(f'workload = "lm"\n[lm]\ncorpus = "zipf"\nvocab = 400\nembed_dim = 8\n'
+                       f'hidden = 8\nseq_len = 6\nzipf_tokens = 5000\nnum_sampled = 24\n'
+                       f'[data]\nbatch_size = 8\n[train]\nsteps = 4\noptimizer = "adam"\n'
+                       f'lr = 0.01\nlog_every = 2\ncheckpoint_every = 4\nout_dir = "{out}"\n'
+                       f'[parallel]\n{parallel}')
+        r = subprocess.run([sys.executable, "-m", "tilework", "train", str(job), "-n", "2"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        finals[name] = ([row.get("loss", row.get("ppl")) for row in rows],
+                        checkpoint.load(checkpoint.latest(out / "checkpoints"))["state"]["model"])
+    (metrics, state), (metrics3, state3) = finals["replicated"], finals["zero3"]
+    assert len(metrics) == len(metrics3) >= 3   # losses and evaluations
+    assert metrics3 == pytest.approx(metrics, rel=1e-4)
+    for k, v in state.items():
+        close(k, state3[k], v, TOLERANCE["adam"])
