@@ -1,0 +1,310 @@
+"""The largest GPT that trains under a memory cap (issue 13): DDP, ZeRO-3 and ZeRO-3 with
+offload, with torch FSDP2 beside them as the reference peer.
+
+    python bench/zero_capacity.py [--cap-gib 1.5] [--out FILE.md] [--png FILE.png]
+
+Both ranks run in one memory cgroup of their own, from their exec on (the Python interpreter,
+torch and gloo included: what a machine with that much memory would have to hold), with swap off
+for it, so going over the cap is a real out-of-memory kill. cgroup v2 where its memory controller
+is enabled (memory.max, memory.swap.max = 0); else cgroup v1 (memory.limit_in_bytes and
+memory.memsw.limit_in_bytes both at the cap), as on the machine these figures come from. The
+group is made inside this process's own memory cgroup, so every limit above it still applies,
+and removed at the end. Needs root; without a writable memory cgroup it says why and stops.
+
+A trial builds the GPT (6 layers, vocabulary 8192, width a multiple of 64, a head per 64) on 2
+ranks and trains 3 AdamW steps (2 sequences of 64 tokens per rank); it fits if both ranks finish,
+and is over the cap if the cgroup's OOM-kill count rose. Per system, the width doubles from 256
+until a trial fails, then bisection finds the largest width that fits, up to --max-dim.
+ZeRO-3 + offload is ParallelConfig(offload="all"): the shards and AdamW's state live in
+memory-mapped files (sync/offload.py), whose pages the kernel may write out under the cap.
+Every system is searched twice: with glibc's allocator as it comes, and with its mmap threshold
+fixed (ALLOCATORS below), since on a CPU host what a sharded system frees between uses only
+leaves the resident set, and so the cap, if the allocator hands it back.
+
+The default cap, 1.5 GiB for both ranks, is small enough that a trial takes seconds on 2 cores,
+and leaves about 1 GiB beside the two interpreters (torch, gloo and tilework imported, about
+0.25 GiB each charged to the group, measured with a width-64 GPT) for a model of tens of
+millions of parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+LAYERS, STEPS = 6, 3
+SYSTEMS = ("ddp", "fsdp2", "zero3", "zero3-offload")
+# The workers' allocator: glibc as it comes, and with a fixed mmap threshold, so that every
+# block of 64 KiB or more is its own mapping, handed back when freed. glibc's default threshold
+# rises (up to 32 MB) with each such block freed, after which what a system frees between uses
+# (gathered values, gradient buckets) stays in the heap instead.
+ALLOCATORS = {"default": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+LEGEND = {"default": "glibc malloc as it comes", "mmap64k": "glibc mmap threshold fixed at 64 KiB"}
+
+
+class MemoryCap:
+    """A memory cgroup with `limit` bytes and no swap, inside this process's own; `join` is a
+    preexec_fn that moves a starting worker into it."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.version, parent = _own_memory_cgroup()
+        self.path = os.path.join(parent, f"tilework-capacity-{os.getpid()}")
+        os.mkdir(self.path)
+        try:
+            if self.version == 2:
+                self._write("memory.max", limit)
+                self._write("memory.swap.max", 0)
+            else:
+                self._write("memory.limit_in_bytes", limit)
+                self._write("memory.memsw.limit_in_bytes", limit)
+        except OSError:
+            os.rmdir(self.path)
+            raise
+
+    def _write(self, name: str, value) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(str(value))
+
+    def _read(self, name: str) -> str:
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def join(self) -> None:
+        self._write("cgroup.procs", os.getpid())
+
+    def oom_kills(self) -> int:
+        text = self._read("memory.events" if self.version == 2 else "memory.oom_control")
+        return next(int(line.split()[1]) for line in text.splitlines()
+                    if line.startswith("oom_kill "))
+
+    def reset_peak(self) -> None:
+        try:
+            self._write("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes", 0)
+        except OSError:
+            pass   # memory.peak is resettable from Linux 6.12 on
+
+    def peak(self) -> int | None:
+        try:
+            return int(self._read("memory.peak" if self.version == 2
+                                  else "memory.max_usage_in_bytes"))
+        except OSError:
+            return None
+
+    def remove(self) -> None:
+        os.rmdir(self.path)
+
+
+def _own_memory_cgroup() -> tuple[int, str]:
+    """(cgroup version, the directory of this process's memory cgroup)."""
+    with open("/proc/self/cgroup") as f:
+        entries = [line.rstrip("\n").split(":", 2) for line in f]
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        controllers = os.path.join(root, "cgroup.controllers")
+        if os.path.exists(controllers) and "memory" in open(controllers).read().split():
+            path = next(p for i, c, p in entries if i == "0")
+            own = os.path.join(root, path.lstrip("/"))
+            if "memory" not in open(os.path.join(own, "cgroup.subtree_control")).read().split():
+                raise OSError(f"cgroup v2: {own} does not delegate the memory controller")
+            return 2, own
+    for _, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            return 1, os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
+    raise OSError("no memory cgroup controller is mounted")
+
+
+# -- one trial ------------------------------------------------------------------------------------
+
+def worker(system: str, dim: int, port: int) -> None:
+    """One rank of a trial (run as `zero_capacity.py --worker ...` by `trial`)."""
+    import torch
+    import torch.distributed as dist
+
+    from tilework.bench.zero_peers import Shape, batch, build, train_step
+
+    torch.set_num_threads(1)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    shape = Shape(dim=dim, layers=LAYERS)
+    model, opt = build(system, shape)
+    for step in range(STEPS):
+        train_step(model, opt, batch(shape, step, rank, world_size))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def trial(cap: MemoryCap, system: str, dim: int, ranks: int, timeout: float,
+          env: dict | None = None) -> dict:
+    """Trains `system` at width `dim` on `ranks` workers inside the cap, with `env` added to
+    their environment: "fits", "oom", "timeout" or "error" (the first failed rank's last
+    line)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, ranks + 1, is_master=True, wait_for_workers=False)
+    before = cap.oom_kills()
+    cap.reset_peak()
+    start = time.monotonic()
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--worker", system, str(dim), str(store.port)],
+        env={**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(ranks),
+             "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=cap.join)
+        for r in range(ranks)]
+    outcome, detail = "fits", ""
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() - start > timeout:
+                outcome = "error" if failed else "timeout"
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()   # a rank whose peer died waits in a collective
+        errors = [p.communicate()[1] for p in procs]
+    if cap.oom_kills() > before:
+        outcome = "oom"
+    elif outcome == "fits" and any(p.returncode for p in procs):
+        outcome = "error"
+    if outcome == "error":
+        detail = next((e.strip().splitlines()[-1] for e in errors if e.strip()), "")
+    return {"dim": dim, "outcome": outcome, "detail": detail, "peak": cap.peak(),
+            "seconds": time.monotonic() - start}
+
+
+# -- the search -----------------------------------------------------------------------------------
+
+def largest(cap: MemoryCap, system: str, allocator: str, ranks: int, max_dim: int,
+            timeout: float) -> dict:
+    """The largest width (a multiple of 64, up to `max_dim`) at which `system` trains under
+    the cap: doubling from 256 until a trial fails, then bisection."""
+    trials = []
+
+    def fits(dim: int) -> bool:
+        trials.append(trial(cap, system, dim, ranks, timeout, ALLOCATORS[allocator]))
+        t = trials[-1]
+        print(f"  {system:>13} {allocator:>7} width {dim:5d}: {t['outcome']:7} "
+              f"{t['seconds']:5.1f} s" + (f"  cgroup peak {t['peak'] / 2**30:.2f} GiB"
+                                          if t["peak"] else "")
+              + (f"  {t['detail']}" if t["detail"] else ""), flush=True)
+        return t["outcome"] == "fits"
+
+    good, bad = 0, None
+    dim = 256
+    while dim <= max_dim:
+        if not fits(dim):
+            bad = dim
+            break
+        good, dim = dim, dim * 2
+    if bad is None and good < max_dim:
+        good, bad = (max_dim, None) if fits(max_dim) else (good, max_dim)
+    while bad is not None and bad - good > 64:
+        middle = (good + bad) // 128 * 64
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    failed = next((t for t in trials if t["dim"] == bad), None)
+    return {"system": system, "allocator": allocator, "dim": good, "trials": trials,
+            "limit": "search limit" if bad is None else failed["outcome"],
+            "peak": next((t["peak"] for t in trials if t["dim"] == good), None)}
+
+
+def params(dim: int) -> int:
+    from tilework.bench.zero_peers import Shape
+
+    return Shape(dim=dim, layers=LAYERS).parameters() if dim else 0
+
+
+def table(rows: list[dict], cap_gib: float) -> list[str]:
+    lines = [f"Cap {cap_gib:g} GiB for both ranks (swap off), GPT with {LAYERS} layers and "
+             f"vocabulary 8192, {STEPS} AdamW steps; allocator: glibc's default, or its mmap "
+             "threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_=65536).", "",
+             "| system | allocator | largest width that trains | parameters | vs DDP "
+             "| cgroup peak there | the next width up | trials |",
+             "|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        n = params(r["dim"])
+        ddp = next((params(d["dim"]) for d in rows
+                    if d["system"] == "ddp" and d["allocator"] == r["allocator"]), 0)
+        cells = [r["system"], r["allocator"], str(r["dim"] or "none"), f"{n / 1e6:.1f} M",
+                 f"{n / ddp:.2f}x" if ddp else "-",
+                 f"{r['peak'] / 2**30:.2f} GiB" if r["peak"] else "-", r["limit"],
+                 str(len(r["trials"]))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(rows: list[dict], cap_gib: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    allocators = list(dict.fromkeys(r["allocator"] for r in rows))
+    width = 0.8 / len(allocators)
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for i, (allocator, colour) in enumerate(zip(allocators, ("#8d99ae", "#43aa8b"))):
+        mine = {r["system"]: r for r in rows if r["allocator"] == allocator}
+        xs = [j + (i - (len(allocators) - 1) / 2) * width for j in range(len(systems))]
+        sizes = [params(mine[s]["dim"]) / 1e6 if s in mine else 0 for s in systems]
+        bars = ax.bar(xs, sizes, width, color=colour, label=LEGEND[allocator])
+        for bar, s in zip(bars, systems):
+            if s in mine:
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(),
+                        f"{bar.get_height():.0f} M\nw{mine[s]['dim']}", ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_xticks(range(len(systems)), systems)
+    ax.set_ylabel("parameters of the largest GPT that trains (M)")
+    ax.set_ylim(0, max(params(r["dim"]) for r in rows) / 1e6 * 1.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(f"Largest GPT ({LAYERS} layers, vocabulary 8192) that trains {STEPS} AdamW "
+                 f"steps\non 2 CPU ranks in a {cap_gib:g} GiB cgroup (swap off)", fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return 0
+    p = argparse.ArgumentParser()
+    p.add_argument("--cap-gib", type=float, default=1.5)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--allocators", nargs="+", default=list(ALLOCATORS), choices=ALLOCATORS)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--max-dim", type=int, default=2048)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per trial")
+    p.add_argument("--out", help="also write the table (markdown) here")
+    p.add_argument("--png", help="and the figure here")
+    a = p.parse_args()
+    try:
+        cap = MemoryCap(int(a.cap_gib * 2**30))
+    except OSError as e:
+        print(f"zero_capacity: no memory cgroup can be made here ({e}); nothing was run.")
+        return 0
+    try:
+        rows = [largest(cap, s, alloc, a.ranks, a.max_dim, a.timeout)
+                for alloc in a.allocators for s in a.systems]
+    finally:
+        cap.remove()
+    text = "\n".join(table(rows, a.cap_gib))
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    if a.png:
+        plot(rows, a.cap_gib, a.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
