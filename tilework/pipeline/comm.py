@@ -1,7 +1,7 @@
 """Point-to-point messages between pipeline stages, counted as comm/counted.py counts collectives.
 
-A send is posted and returns (its Work is waited on at the end of the step); a receive blocks
-until its tensor has arrived. Every message carries a tag naming what it is (kind, stage,
+A send is posted and returns (its Work is waited on at the end of the step); so is a receive,
+which the runtime posts one action ahead and waits on when the action needs its tensor. Every message carries a tag naming what it is (kind, stage,
 microbatch), so a receive matches its own send whatever order the two ranks post them in: with
 interleaved stages two neighbours exchange activations and gradients of several stages in
 orders their schedules choose independently. (gloo matches by tag; NCCL ignores tags and
@@ -34,9 +34,10 @@ def send(tensor: torch.Tensor, peer: int, group, message_tag: int, stats: Stats)
                       tag=message_tag)
 
 
-def recv(buffer: torch.Tensor, peer: int, group, message_tag: int, stats: Stats) -> torch.Tensor:
-    """Receive into `buffer` from group rank `peer`, blocking; returns the buffer."""
+def recv(buffer: torch.Tensor, peer: int, group, message_tag: int, stats: Stats):
+    """Post a receive into `buffer` from group rank `peer`; returns its Work (wait, then read
+    the buffer). Posting it before it is needed lets gloo move the bytes while this rank
+    computes: the sender's send completes only once the receive is posted."""
     nbytes = buffer.numel() * buffer.element_size()
     stats.record(METHOD, 0, SEND_RECV.sent(nbytes, 2))
-    dist.irecv(buffer, dist.get_global_rank(group, peer), group=group, tag=message_tag).wait()
-    return buffer
+    return dist.irecv(buffer, dist.get_global_rank(group, peer), group=group, tag=message_tag)

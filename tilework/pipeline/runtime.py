@@ -67,8 +67,9 @@ class PipelineRunner:
                              "microbatches (the loss would not be the batch's mean)")
         run = _Step(self, inputs.chunk(m), targets.chunk(m))
         self.timeline = []
-        for action in self.schedule.ranks[self.rank]:
-            run.do(action)
+        actions = self.schedule.ranks[self.rank]
+        for i, action in enumerate(actions):
+            run.do(action, actions[i + 1] if i + 1 < len(actions) else None)
         for work, _ in run.sends:
             work.wait()
         self.stats.end_step()
@@ -85,10 +86,18 @@ class _Step:
         self.split = {(a.stage, a.microbatch) for a in s.ranks[runner.rank] if a.kind == "W"}
         self.held: dict[tuple[int, int], list] = {}
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.incoming: dict[tuple[str, int, int], tuple[object, torch.Tensor]] = {}
         self.sends: list[tuple[object, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
 
-    def do(self, a: Action) -> None:
+    def do(self, a: Action, upcoming: Action | None) -> None:
+        # The next action's receive is posted before this one computes, so that its bytes
+        # move meanwhile: a gloo send waits for its receive to be posted, and one posted only
+        # when needed put a round trip, and the busy sender's wake-up, on the critical path
+        # of every hop (about 1 ms a message here, 5-9% of a step).
+        for b in (a, upcoming):
+            if b is not None:
+                self.prefetch(b)
         if a.kind == "F":
             self.forward(a.stage, a.microbatch)
         elif a.kind == "B":
@@ -143,11 +152,29 @@ class _Step:
         self.sends.append((comm.send(tensor, schedule.rank_of(to_stage), self.r.group, t,
                                      self.r.stats), tensor))
 
+    def prefetch(self, a: Action) -> None:
+        """Post the receive of what `a` needs from another rank, if anything, unless posted."""
+        last = self.r.schedule.stages - 1
+        if a.kind == "F" and a.stage > 0:
+            key = ("F", a.stage - 1, a.microbatch)
+        elif a.kind == "B" and a.stage < last:
+            key = ("B", a.stage + 1, a.microbatch)
+        else:
+            return
+        schedule = self.r.schedule
+        if key in self.incoming or schedule.rank_of(key[1]) == self.r.rank:
+            return
+        kind, s, mb = key
+        buffer = self.r.stages[a.stage].boundary_like(self.inputs[mb])
+        t = comm.tag(kind, s, mb, schedule.stages, schedule.microbatches)
+        self.incoming[key] = (comm.recv(buffer, schedule.rank_of(s), self.r.group, t,
+                                        self.r.stats), buffer)
+
     def take(self, kind: str, s: int, mb: int) -> torch.Tensor:
-        """What stage s passed for microbatch mb (an activation for "F", a gradient for "B")."""
+        """What stage s passed for microbatch mb (an activation for "F", a gradient for "B"),
+        once it has arrived."""
         if (kind, s, mb) in self.local:
             return self.local.pop((kind, s, mb)).detach()
-        schedule, own = self.r.schedule, s + 1 if kind == "F" else s - 1
-        buffer = self.r.stages[own].boundary_like(self.inputs[mb])
-        t = comm.tag(kind, s, mb, schedule.stages, schedule.microbatches)
-        return comm.recv(buffer, schedule.rank_of(s), self.r.group, t, self.r.stats)
+        work, buffer = self.incoming.pop((kind, s, mb))
+        work.wait()
+        return buffer
