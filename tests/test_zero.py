@@ -221,8 +221,7 @@ def _offloaded(rank, world_size, zero, offload, directory):
     shards = {s.name: _file_backed(s.shard) for s in engine.zero.shards}
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "losses": losses, "opt": opt.state_dict(), "mapped": mapped, "shards": shards,
-            "left": os.listdir(directory) and os.listdir(os.path.join(directory,
-                                                                      os.listdir(directory)[0]))}
+            "left": os.listdir(directory)}
 
 
 def _file_backed(t: torch.Tensor) -> bool:

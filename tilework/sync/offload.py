@@ -20,13 +20,10 @@ the first step does not hold it twice).
 
 from __future__ import annotations
 
-import itertools
 import os
 import tempfile
 
 import torch
-
-_files = itertools.count()
 
 
 class Offload:
@@ -35,9 +32,9 @@ class Offload:
         self.on_gpu = compute.type == "cuda"
         self.directory = None
         if kind != "none" and not self.on_gpu:
-            base = directory or tempfile.gettempdir()
-            self.directory = os.path.join(base, f"tilework-offload-{os.getpid()}-rank{rank}")
+            self.directory = directory or tempfile.gettempdir()
             os.makedirs(self.directory, exist_ok=True)
+        self.prefix = f"tilework-offload-{os.getpid()}-rank{rank}-"
         self.placed: set[int] = set()   # ids of state tensors already on their tier
 
     @property
@@ -61,9 +58,12 @@ class Offload:
         return self._file_backed(values)
 
     def _file_backed(self, values: torch.Tensor) -> torch.Tensor:
-        path = os.path.join(self.directory, f"{next(_files)}.bin")
+        # A file of our own in the directory (no directory of ours to clean up), mapped, then
+        # unlinked: the mapping stays, the name goes, so nothing is left behind even by a kill.
+        handle, path = tempfile.mkstemp(prefix=self.prefix, suffix=".bin", dir=self.directory)
+        os.close(handle)
         mapped = torch.from_file(path, shared=True, size=values.numel(), dtype=values.dtype)
-        os.unlink(path)   # the mapping stays; the name goes, so nothing is left behind
+        os.unlink(path)
         mapped = mapped.view(values.shape)
         mapped.copy_(values)
         self.placed.add(id(mapped))
@@ -80,7 +80,7 @@ class Offload:
                     optimizer.state.get(p):
                 continue
             group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-            state = {"step": torch.tensor(0.0, dtype=torch.float32),
+            state = {"step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
                      "exp_avg": self.state(torch.zeros_like(p)),
                      "exp_avg_sq": self.state(torch.zeros_like(p))}
             if group.get("amsgrad"):

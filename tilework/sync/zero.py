@@ -178,6 +178,16 @@ class ZeroSync:
         index = self.grad_buckets.index(bucket)
         if index and self.grad_buckets[index - 1].pending is not None:
             self._finish(self.grad_buckets[index - 1])
+        if bucket.unit is not None:
+            bucket.unit.free()    # its backward is done: values freed before the packed copy
+        flat = self._pack(bucket)   # the gradients themselves are freed inside
+        bucket.pending = reduce_scatter_async(flat, self.shard_group, self.stats, "zero",
+                                              self.remote)
+
+    def _pack(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's gradients as one flat buffer, rank-major (chunk j of every parameter
+        for rank j), checked; each `.grad` becomes a stand-in. Its own function so that no
+        local keeps a gradient alive once the receive buffer is made."""
         parts = []
         for s in bucket.shards:
             g = s.param.grad
@@ -185,13 +195,9 @@ class ZeroSync:
             parts.append(s.rows(g))
             s.param.grad = ShardedGradient(s.param, s.name, s.stage)   # it lives in the bucket
         flat = torch.cat(parts, dim=1).reshape(-1)
-        if bucket.unit is not None:
-            bucket.unit.free()    # its backward is done
         if self.checks is not None:
             self.checks.on_gradients([(s.name, g) for s, g in zip(bucket.shards, parts)], flat)
-        del parts   # views of the gradients: freed before the receive buffer is made
-        bucket.pending = reduce_scatter_async(flat, self.shard_group, self.stats, "zero",
-                                              self.remote)
+        return flat
 
     def launch_rest(self) -> None:
         """End of a synchronised backward: the buckets not launched yet (zeros for parameters
