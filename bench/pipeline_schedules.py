@@ -3,22 +3,24 @@ schedules on the same stages (issue 14 item 4).
 
     .venv/bin/python bench/pipeline_schedules.py [--rounds 5] [--pp 2,4] [--out FILE]
         [--pictures DIR] [--no-torch] [--quick] [--quiet-cores 0.3] [--max-wait 60]
+        [--microbatch 8]
     .venv/bin/python bench/pipeline_schedules.py --paper    # Megatron-LM's Table 1, simulated
 
 For pp in {2, 4}: GPipe, 1F1B and interleaved 1F1B (v = 2) run by tilework's PipelineRunner on
 pp real gloo ranks (one thread each), the GPT of tilework/bench/pipeline_runs.Shape, 8
-microbatches. Measured, per round: the step (barrier to the last rank's return) and the bubble
-(1 - the ranks' mean busy time / step, busy from the runner's timeline). Predicted, per round:
-pipeline.simulate replaying the same schedule with each stage's forward and backward seconds
-timed on its rank in that round (one microbatch, one rank at a time), the send/recv link fitted
-in the same world (calibrate.time_points), and the ranks sharing the machine's cores
-(`processors`: pp = 4 puts 4 ranks on 2 cores here). The table gives medians over rounds and
-of the per-round ratios. torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
-ScheduleInterleaved1F1B run the same stage modules in the same rounds: their step time beside
-ours. The machine may be shared: before each round the benchmark waits (--max-wait seconds at
-most) until other processes keep fewer than --quiet-cores cores busy, and reports the cores
-they used during each round (/proc/stat less our ranks' own CPU time): their load is not
-modelled.
+microbatches. Each round: every rank times its stages' forward and backward on one microbatch
+(one rank at a time), then each system runs one step, interleaved so that drifts hit all alike.
+Measured: the median over rounds of the step (barrier to the last rank's return) and of the
+bubble (1 - the ranks' mean busy time / step, busy from the runner's timeline). Predicted:
+pipeline.simulate replaying the same schedule with each stage's median times, the send/recv
+link fitted in the same world (calibrate.time_points), and the ranks sharing the machine's
+cores (`processors`: pp = 4 puts 4 ranks on 2 cores here). torch.distributed.pipelining's
+ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B run the same stage modules in the same
+rounds: their step time beside ours. The machine may be shared: before each round the
+benchmark waits (--max-wait seconds at most) until other processes keep fewer than
+--quiet-cores cores busy, measures the cores they used during the round (/proc/stat less our
+ranks' own CPU time), and keeps only the rounds under that figure (all, if none is): their
+load is not modelled.
 """
 
 from __future__ import annotations
@@ -50,61 +52,63 @@ def _world(rank, world_size, shape, rounds, torch_peer, quiet):
     return {"link": (link.bandwidth_gbps, link.latency_us), "runs": runs}
 
 
-def one_round(run: dict, stage_times: dict, schedule, link, shape: Shape) -> dict:
-    """A round's measured step and bubble (1 - the ranks' mean busy time / step) beside the
-    simulator's on that round's stage times, the ranks sharing this machine's cores (paired by
-    round: the machine's load drifts between rounds)."""
-    fwd = [stage_times[s][0] for s in range(schedule.stages)]
-    bwd = [stage_times[s][1] for s in range(schedule.stages)]
-    sim = simulate(schedule, fwd, bwd, link, shape.activation_bytes,
-                   processors=len(os.sched_getaffinity(0)))
+def measured(run: dict) -> dict:
+    """One round's step, bubble (1 - the ranks' mean busy time / step) and timeline rows."""
     busy = [sum(e - s for _, s, e in tl) for tl in run["timelines"]]
-    return {"measured_s": run["step_s"], "predicted_s": sim.step_s, "sim": sim,
-            "measured_bubble": 1 - sum(busy) / len(busy) / run["step_s"],
-            "predicted_bubble": sim.bubble, "forward_s": fwd, "backward_s": bwd,
+    return {"step_s": run["step_s"], "bubble": 1 - sum(busy) / len(busy) / run["step_s"],
             "timeline": [(r, s, e, a) for r, tl in enumerate(run["timelines"]) for a, s, e in tl]}
 
 
-def _median(rounds: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rounds)
+def predicted(stage_rounds: list[dict], schedule, link, shape: Shape):
+    """The simulator on each stage's median forward and backward seconds over these rounds,
+    the ranks sharing this machine's cores."""
+    fwd = [statistics.median(r[s][0] for r in stage_rounds) for s in range(schedule.stages)]
+    bwd = [statistics.median(r[s][1] for r in stage_rounds) for s in range(schedule.stages)]
+    sim = simulate(schedule, fwd, bwd, link, shape.activation_bytes,
+                   processors=len(os.sched_getaffinity(0)))
+    return sim, fwd, bwd
 
 
 def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path | None,
             quiet: tuple[float, float]):
-    """Medians over rounds of each quantity and of the per-round ratios."""
+    """Per schedule, medians over the quiet rounds (others used under quiet[0] cores; every
+    round if none was): measured step and bubble, and the simulator on the stages' medians."""
     from tilework.cluster import Link
 
     got = spawn(_world, pp, args=(shape, rounds, torch_peer, quiet), timeout=3600)[0]
-    link, rows = Link(*got["link"]), []
+    link, rows, background = Link(*got["link"]), [], got["runs"]["background"]
+    keep = [i for i, b in enumerate(background) if b < quiet[0]] or list(range(len(background)))
     for name in NAMES:
         schedule = build(name, pp, shape.microbatches, V)
-        paired = [one_round(run, stages[schedule.stages], schedule, link, shape)
-                  for run, stages in zip(got["runs"][f"ours/{name}"], got["runs"]["stages"])]
-        for r, background in zip(paired, got["runs"]["background"]):
-            r["background_cores"] = background
-            r["step_ratio"] = r["measured_s"] / r["predicted_s"]
-            r["bubble_ratio"] = r["measured_bubble"] / r["predicted_bubble"]
-        row = {"pp": pp, "schedule": schedule.name, "link_gbps": link.bandwidth_gbps,
-               "link_latency_us": link.latency_us,
-               **{k: _median(paired, k) for k in ("measured_s", "predicted_s", "step_ratio",
-                                                   "measured_bubble", "predicted_bubble",
-                                                   "bubble_ratio", "background_cores")},
-               "rounds": [{k: v for k, v in r.items() if k not in ("sim", "timeline")}
-                          for r in paired]}
+        sim, fwd, bwd = predicted([got["runs"]["stages"][i][schedule.stages] for i in keep],
+                                  schedule, link, shape)
+        runs = [measured(got["runs"][f"ours/{name}"][i]) for i in keep]
+        step = statistics.median(r["step_s"] for r in runs)
+        bubble = statistics.median(r["bubble"] for r in runs)
+        row = {"pp": pp, "schedule": schedule.name, "measured_s": step, "predicted_s": sim.step_s,
+               "step_ratio": step / sim.step_s, "measured_bubble": bubble,
+               "predicted_bubble": sim.bubble, "bubble_ratio": bubble / sim.bubble,
+               "rounds_kept": len(keep), "rounds": len(background),
+               "background_cores": statistics.median(background[i] for i in keep),
+               "round_step_s": [r["step_s"] for r in runs],
+               "round_bubble": [r["bubble"] for r in runs],
+               "link_gbps": link.bandwidth_gbps, "link_latency_us": link.latency_us,
+               "stage_forward_s": fwd, "stage_backward_s": bwd}
         if torch_peer:
-            row["torch_s"] = statistics.median(r["step_s"] for r in got["runs"][f"torch/{name}"])
+            row["torch_s"] = statistics.median(got["runs"][f"torch/{name}"][i]["step_s"]
+                                               for i in keep)
         rows.append(row)
         if pictures:
-            mid = sorted(paired, key=lambda r: r["step_ratio"])[len(paired) // 2]
-            draw({"simulated": mid["sim"].timeline, "measured": mid["timeline"]},
+            mid = sorted(runs, key=lambda r: r["step_s"])[len(runs) // 2]
+            draw({"simulated": sim.timeline, "measured (the median round)": mid["timeline"]},
                  pictures / f"pipeline-{schedule.name}-pp{pp}.png",
-                 f"{schedule.name}, pp={pp}, m={shape.microbatches} (the median round)")
+                 f"{schedule.name}, pp={pp}, m={shape.microbatches}")
     return rows
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| pp | schedule | measured step (ms) | predicted (ms) | ratio | measured bubble | "
-             "predicted bubble | ratio | torch's step (ms) | ours / torch's | others' cores |",
+             "predicted bubble | ratio | torch's step (ms) | ours / torch's | rounds kept |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         torch_s = r.get("torch_s")
@@ -114,7 +118,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['pp']} | {r['schedule']} | {r['measured_s'] * 1e3:.1f} | "
             f"{r['predicted_s'] * 1e3:.1f} | {r['step_ratio']:.2f} | "
             f"{r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | "
-            f"{r['bubble_ratio']:.2f} | {peer} | {r['background_cores']:.2f} |")
+            f"{r['bubble_ratio']:.2f} | {peer} | {r['rounds_kept']}/{r['rounds']} |")
     return "\n".join(lines)
 
 
@@ -143,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--pp", default="2,4")
     p.add_argument("--no-torch", action="store_true", help="skip torch's schedules")
     p.add_argument("--quick", action="store_true", help="a small model, 3 rounds")
+    p.add_argument("--microbatch", type=int, default=Shape.microbatch,
+                   help="sequences per microbatch (compute per action)")
     p.add_argument("--out", type=Path)
     p.add_argument("--pictures", type=Path, help="a folder for measured/simulated timelines")
     p.add_argument("--quiet-cores", type=float, default=0.3,
@@ -154,8 +160,11 @@ def main(argv=None) -> int:
     if a.paper:
         print(paper_table())
         return 0
+    if a.pictures:
+        a.pictures.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    shape = Shape(dim=64, layers=8, seq=16, vocab=256) if a.quick else Shape()
+    shape = (Shape(dim=64, layers=8, seq=16, vocab=256) if a.quick
+             else Shape(microbatch=a.microbatch))
     rounds = 3 if a.quick else a.rounds
     rows = []
     for pp in (int(x) for x in a.pp.split(",")):

@@ -33,7 +33,7 @@ class Shape:
     heads: int = 4
     layers: int = 8
     seq: int = 64
-    microbatch: int = 4
+    microbatch: int = 8
     microbatches: int = 8
 
     def model(self) -> TinyGPT:
