@@ -78,7 +78,8 @@ class PipelineRunner:
 
 class _Step:
     """One step's state on one rank: the activations held between F and B (or W), the sends
-    in flight, and hand-offs between stages this rank holds both of."""
+    in flight, the receives posted ahead, and hand-offs between stages this rank holds both
+    of."""
 
     def __init__(self, runner: PipelineRunner, inputs, targets):
         self.r, self.inputs, self.targets = runner, inputs, targets
@@ -94,7 +95,7 @@ class _Step:
         # The next action's receive is posted before this one computes, so that its bytes
         # move meanwhile: a gloo send waits for its receive to be posted, and one posted only
         # when needed put a round trip, and the busy sender's wake-up, on the critical path
-        # of every hop (about 1 ms a message here, 5-9% of a step).
+        # of every hop (5-9% of an interleaved step on 2 CPU ranks).
         for b in (a, upcoming):
             if b is not None:
                 self.prefetch(b)

@@ -84,8 +84,8 @@ class Schedule:
     @classmethod
     def from_text(cls, text: str, pp: int | None = None, stages: int | None = None,
                   microbatches: int | None = None, name: str = "custom") -> "Schedule":
-        lines = [line for line in text.strip().splitlines()]
-        ranks = tuple(tuple(Action.parse(a) for a in line.split()) for line in lines)
+        ranks = tuple(tuple(Action.parse(a) for a in line.split())
+                      for line in text.strip().splitlines())
         everything = [a for r in ranks for a in r]
         return cls(name, pp or len(ranks),
                    stages or 1 + max((a.stage for a in everything), default=0),
