@@ -127,7 +127,8 @@ def paper_table() -> str:
     from tilework.pipeline.megatron import table as megatron_table
 
     rows = megatron_table()
-    lines = [f"Compute rate calibrated on the 1.7B row: {rows[0]['hw_tflops']:.1f} TFLOP/s per GPU.",
+    rate = rows[0]["hw_tflops"]
+    lines = [f"Compute rate calibrated on the 1.7B row: {rate:.1f} TFLOP/s per GPU.",
              "", "| params (B) | t | p | d | batch | m | published TFLOP/s | 1F1B: predicted | "
              "ratio | bubble | interleaved (v): predicted | ratio | bubble |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -136,8 +137,8 @@ def paper_table() -> str:
         inter = (f"({r['v']}) {b['tflops']:.0f} | {b['tflops'] / run.tflops:.2f} | "
                  f"{b['bubble']:.3f}" if r["v"] > 1 else "- | - | -")
         lines.append(f"| {run.params_b:g} | {run.t} | {run.p} | {r['d']} | {run.batch} | "
-                     f"{r['m']} | {run.tflops:g} | {a['tflops']:.0f} | {a['tflops'] / run.tflops:.2f}"
-                     f" | {a['bubble']:.3f} | {inter} |")
+                     f"{r['m']} | {run.tflops:g} | {a['tflops']:.0f} | "
+                     f"{a['tflops'] / run.tflops:.2f} | {a['bubble']:.3f} | {inter} |")
     return "\n".join(lines)
 
 

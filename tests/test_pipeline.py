@@ -151,7 +151,8 @@ def new_gpt(layers: int = 4):
 
 
 def gpt_batch(step: int):
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 

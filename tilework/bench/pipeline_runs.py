@@ -74,7 +74,8 @@ def _stage_timer(shape: Shape, stages: int, rank: int, pp: int):
     tokens, targets = (t[:shape.microbatch] for t in shape.batch(0))
 
     def timed() -> dict[int, tuple[float, float]]:
-        out = {s: time_stage(modules[s], tokens, targets, shape.dim) for s in range(rank, stages, pp)}
+        out = {s: time_stage(modules[s], tokens, targets, shape.dim)
+               for s in range(rank, stages, pp)}
         for p in (p for m in modules for p in m.parameters()):
             p.grad = None
         return out

@@ -1,11 +1,12 @@
 """Point-to-point messages between pipeline stages, counted as comm/counted.py counts collectives.
 
 A send is posted and returns (its Work is waited on at the end of the step); so is a receive,
-which the runtime posts one action ahead and waits on when the action needs its tensor. Every message carries a tag naming what it is (kind, stage,
-microbatch), so a receive matches its own send whatever order the two ranks post them in: with
-interleaved stages two neighbours exchange activations and gradients of several stages in
-orders their schedules choose independently. (gloo matches by tag; NCCL ignores tags and
-matches in posting order, which this runtime does not arrange: it is for gloo.)
+which the runtime posts one action ahead and waits on when the action needs its tensor. Every
+message carries a tag naming what it is (kind, stage, microbatch), so a receive matches its
+own send whatever order the two ranks post them in: with interleaved stages two neighbours
+exchange activations and gradients of several stages in orders their schedules choose
+independently. (gloo matches by tag; NCCL ignores tags and matches in posting order, which
+this runtime does not arrange: it is for gloo.)
 """
 
 from __future__ import annotations

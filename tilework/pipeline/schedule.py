@@ -34,7 +34,8 @@ class Action:
         if self.kind not in KINDS:
             raise ValueError(f"action kind must be one of {'/'.join(KINDS)}, got {self.kind!r}")
         if self.stage < 0 or self.microbatch < 0:
-            raise ValueError(f"stage and microbatch must be >= 0, got {self.stage}, {self.microbatch}")
+            raise ValueError(f"stage and microbatch must be >= 0, got {self.stage}, "
+                             f"{self.microbatch}")
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"
@@ -171,8 +172,8 @@ def validate(schedule: Schedule) -> None:
         for mb in range(schedule.microbatches):
             for kind in "FB":
                 if Action(s, kind, mb) not in seen:
-                    raise ValueError(f"no {kind} for stage {s}, microbatch {mb} "
-                                     f"(expected {Action(s, kind, mb)} on rank {schedule.rank_of(s)})")
+                    raise ValueError(f"no {kind} for stage {s}, microbatch {mb} (expected "
+                                     f"{Action(s, kind, mb)} on rank {schedule.rank_of(s)})")
     for a, (r, i) in sorted(seen.items(), key=lambda item: item[1]):
         for d in inputs_of(a, schedule.stages):
             if seen[d][0] == r and seen[d][1] > i:
@@ -236,8 +237,8 @@ def gpipe(pp: int, m: int) -> Schedule:
     """Every microbatch's forward, then every backward (GPipe; in microbatch order as
     torch's ScheduleGPipe does): all m microbatches' activations are held at once."""
     _check(pp, m)
-    ranks = tuple(tuple([Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)])
-                  for r in range(pp))
+    ranks = tuple(tuple([Action(r, "F", i) for i in range(m)]
+                        + [Action(r, "B", i) for i in range(m)]) for r in range(pp))
     return Schedule("gpipe", pp, pp, m, ranks)
 
 
@@ -291,9 +292,10 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
 def split_backward(schedule: Schedule) -> Schedule:
     """The same schedule with every B split into B (input gradient) and W (weight gradient)
     right after it: the smallest valid use of W, for runtimes and tests."""
-    ranks = tuple(tuple(x for a in actions
-                        for x in ((a, Action(a.stage, "W", a.microbatch)) if a.kind == "B" else (a,)))
-                  for actions in schedule.ranks)
+    def split(a: Action) -> tuple[Action, ...]:
+        return (a, Action(a.stage, "W", a.microbatch)) if a.kind == "B" else (a,)
+
+    ranks = tuple(tuple(x for a in actions for x in split(a)) for actions in schedule.ranks)
     return Schedule(schedule.name + "+W", schedule.pp, schedule.stages, schedule.microbatches,
                     ranks)
 

@@ -37,7 +37,8 @@ def balance(costs: Sequence[float], parts: int, first: float = 0.0, last: float 
         prefix.append(prefix[-1] + c)
 
     def part(i: int, j: int, k: int) -> float:
-        return prefix[j] - prefix[i] + (first if k == 0 else 0.0) + (last if k == parts - 1 else 0.0)
+        ends = (first if k == 0 else 0.0) + (last if k == parts - 1 else 0.0)
+        return prefix[j] - prefix[i] + ends
 
     # best[k][j]: the smallest largest cost of cutting blocks [0, j) into k + 1 parts
     best = [[float("inf")] * (n + 1) for _ in range(parts)]
