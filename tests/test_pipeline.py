@@ -94,7 +94,8 @@ def test_interleaved_orders_equal_torchs_schedule(pp, m, v):
 
 
 def test_the_printer_draws_ranks_by_time_with_idle_slots():
-    text = str(one_f_one_b(2, 3))
+    text = one_f_one_b(2, 3).format()
+    assert text == str(one_f_one_b(2, 3))
     assert text.splitlines()[2:] == ["rank 0 0F0 0F1   . 0B0 0F2 0B1   . 0B2",
                                      "rank 1   . 1F0 1B0 1F1 1B1 1F2 1B2   ."]
 

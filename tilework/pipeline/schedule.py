@@ -92,6 +92,10 @@ class Schedule:
                    stages or 1 + max((a.stage for a in everything), default=0),
                    microbatches or 1 + max((a.microbatch for a in everything), default=0), ranks)
 
+    def format(self) -> str:
+        """The rank x time table (`format_schedule`)."""
+        return format_schedule(self)
+
     def __str__(self) -> str:
         return format_schedule(self)
 
