@@ -117,6 +117,7 @@ CASES = [(1, 2, "adamw", {}), (2, 2, "adamw", {}), (3, 2, "adamw", {}), (2, 4, "
          (2, 2, "sgd", {"overrides": {"tokens.weight": "ps"}}),
          (3, 4, "sgd", {"overrides": {"tokens.weight": "ps"}}),
          (3, 2, "adamw", {"recompute": "full"}),
+         (1, 4, "adamw", {"zero_scope": "host", "hosts": 2}),
          (2, 4, "adamw", {"zero_scope": "host", "hosts": 2}),
          (3, 4, "sgd", {"zero_scope": "host", "hosts": 2, "overrides": {"tokens.weight": "ps"}})]
 
