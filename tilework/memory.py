@@ -201,9 +201,15 @@ def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
     # received whole, alone.
     last_flight = 2 * units.get("", 0) if n > 1 else 0
     updated = sum(chunk[pp.name] if pp.zero else pp.nbytes for pp in dense)
-    # After the step, stages 1 and 2 gather every bucket at once: the shards' copy and the
-    # gathered values.
-    after_step = sum(chunk[pp.name] * (over[pp.name] + 1) for pp in dense
-                     if pp.zero in (1, 2)) if n > 1 else 0
+    # After the step, stages 1 and 2 gather bucket by bucket, two in flight: while one bucket's
+    # gathered values are copied out, its shards' copy (still held by the finished collective)
+    # and the next bucket's both exist.
+    gathering = [pp for pp in reversed(dense) if pp.zero in (1, 2)]
+    widths = [chunk[pp.name] for pp in gathering]
+    per_bucket = [(sum(widths[i] for i in b), over[gathering[b[0]].name])
+                  for b in assign_buckets([w * over[pp.name] for w, pp in zip(widths, gathering)],
+                                          plan.bucket_bytes)]
+    after_step = max((w * (m + 1) + w2 * (m2 + 1) for (w, m), (w2, m2)
+                      in zip(per_bucket, per_bucket[1:] + [(0, 0)])), default=0) if n > 1 else 0
     return DenseFigures(params, grads, state, buckets, gathered, offloaded, updated, after_step,
                         last_flight)

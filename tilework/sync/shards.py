@@ -85,6 +85,16 @@ class Sharded:
         pad = self.n * self.chunk - self.numel
         return (F.pad(flat, (0, pad)) if pad else flat).view(self.n, self.chunk)
 
+    def write_whole(self, target: torch.Tensor, rows: torch.Tensor) -> None:
+        """`target` (contiguous, the parameter's shape) = `whole(rows)`, copied straight from
+        the (n, chunk) rows, which may be a column slice of a bucket's gathered buffer: no
+        parameter-sized temporary (`whole` of such a slice would make one)."""
+        flat, full = target.view(-1), (self.numel // self.chunk) * self.chunk
+        if full:
+            flat[:full].view(-1, self.chunk).copy_(rows[:full // self.chunk])
+        if full < self.numel:
+            flat[full:].copy_(rows[full // self.chunk, :self.numel - full])
+
     def whole(self, rows: torch.Tensor) -> torch.Tensor:
         """The inverse of `rows`: every rank's chunk, in rank order, back in the parameter's
         shape."""

@@ -250,19 +250,28 @@ class ZeroSync:
             self.units.free_all()
         if self.optimizer is not None:
             self.offload.settle(self.optimizer, self.shards)
-        for bucket in self.gather_buckets:
-            part = torch.cat([s.values() for s in bucket.shards])
-            bucket.pending = all_gather_async(part, self.shard_group, self.stats, "zero",
-                                              self.successor_remote)
+        # Pipelined, two buckets in flight: the next one's gather travels while this one's
+        # values are copied out, and only two buckets' gathered copies exist at once.
+        buckets = self.gather_buckets
+        if buckets:
+            self._launch_gather(buckets[0])
         with torch.no_grad():
-            for bucket in self.gather_buckets:
+            for k, bucket in enumerate(buckets):
+                if k + 1 < len(buckets):
+                    self._launch_gather(buckets[k + 1])
                 every = bucket.pending.wait().view(self.shard_size, bucket.width)
                 bucket.pending = None
                 for s, rows in zip(bucket.shards, bucket.split(every)):
-                    s.param.copy_(s.whole(rows))
+                    s.write_whole(s.param.data, rows)
+                del every
         for s in self.shards:
             if s.stage == 1:
                 s.shard.grad = None   # rebuilt from the parameter's at the next step
+
+    def _launch_gather(self, bucket: _Bucket) -> None:
+        bucket.pending = all_gather_async(torch.cat([s.values() for s in bucket.shards]),
+                                          self.shard_group, self.stats, "zero",
+                                          self.successor_remote)
 
     def discard(self) -> None:
         """Every gradient dropped: the shards', and stage 1's parameters' (which the

@@ -67,7 +67,7 @@ class Unit:
             for s, rows in zip(self.shards, torch.split(every, [s.chunk for s in self.shards],
                                                         dim=-1)):
                 s.param.data.untyped_storage().resize_(s.nbytes)
-                s.param.data.copy_(s.whole(rows))
+                s.write_whole(s.param.data, rows)
         self.gathered = True
 
     def free(self) -> None:
