@@ -54,6 +54,13 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
 
 # -- ZeRO: exact replay of sync/zero.py -----------------------------------------------------------
 
+def zero_shard(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:
+    """(ranks a ZeRO parameter is sharded over, bytes of each one's padded chunk) on n ranks in
+    `hosts` equal hosts: all of them, or one host's with `zero_scope="host"`."""
+    ranks = n // hosts if plan.zero_scope == "host" and hosts > 1 else n
+    return ranks, -(-plan.numel // ranks) * dtype_bytes(plan.dtype)
+
+
 def zero_sync_bytes(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:
     """(bytes one rank sends, messages) for a ZeRO parameter's step on n ranks in `hosts`
     equal hosts: its gradient's all-reduce (stage 1) or reduce-scatter (2, 3) and the
@@ -61,8 +68,7 @@ def zero_sync_bytes(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:
     before its backward for 3). With `zero_scope="host"` the shards are over a host's ranks and
     each chunk of the gradient is then all-reduced across hosts. Exact: padded to equal chunks,
     summed over buckets in any grouping, as the counters count them."""
-    scope = n // hosts if plan.zero_scope == "host" and hosts > 1 else n
-    chunk = -(-plan.numel // scope) * dtype_bytes(plan.dtype)
+    scope, chunk = zero_shard(plan, n, hosts)
     gather = all_gather_bytes(chunk, scope)
     # Stage 3 gathers before forward and again before backward, but the model's own unit
     # (sync/zero3.py) stays gathered from its forward to the end of backward.

@@ -161,14 +161,15 @@ class DenseFigures:
 
 def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
     """Per rank, for the plan's all-reduced parameters (the module docstring's rules)."""
+    from .cost import zero_shard
     from .plan import assign_buckets
 
     n = plan.world_size
     dense = plan.of("allreduce")
-    local = plan.mesh.size_of("local") if "local" in plan.mesh.names else n
-    over = {pp.name: local if pp.zero_scope == "host" else n for pp in dense}   # shards over
-    chunk = {pp.name: -(-pp.numel // over[pp.name]) * (pp.nbytes // max(1, pp.numel))
-             for pp in dense}
+    hosts = plan.mesh.size_of("host") if "host" in plan.mesh.names else 1
+    shard = {pp.name: zero_shard(pp, n, hosts) for pp in dense}
+    over = {name: ranks for name, (ranks, _) in shard.items()}     # ranks it is sharded over
+    chunk = {name: nbytes for name, (_, nbytes) in shard.items()}  # each one's padded bytes
     # Offloaded state leaves the computing memory: mapped files on a CPU host, pinned host
     # memory beside a GPU (where "optimizer" also moves the shards: not modelled here).
     files = plan.offload != "none"

@@ -33,6 +33,17 @@ class Changes:
 
         self.record(what, undo)
 
+    def extend_zero_grad(self, obj: Any, first, what: str) -> None:
+        """`obj.zero_grad` (a model's or an optimizer's) calls `first()` before its own: the
+        gradients tilework keeps where the user's zero_grad cannot reach them go too."""
+        own = obj.zero_grad
+
+        def zero_grad(set_to_none: bool = True):
+            first()
+            own(set_to_none=set_to_none)
+
+        self.set_attribute(obj, "zero_grad", zero_grad, what)
+
     def listing(self) -> list[str]:
         return [what for what, _ in self._done]
 

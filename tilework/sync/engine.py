@@ -183,14 +183,8 @@ class Engine:
                      optimizer.register_step_pre_hook(lambda *_: self._before_step()))
         changes.hook("optimizer: step post-hook (served replicas pulled)",
                      optimizer.register_step_post_hook(lambda *_: self._after_step()))
-        user_zero_grad = optimizer.zero_grad
-
-        def zero_grad(set_to_none: bool = True):
-            self.discard_server_gradients()
-            user_zero_grad(set_to_none=set_to_none)
-
-        changes.set_attribute(optimizer, "zero_grad", zero_grad,
-                              "optimizer.zero_grad (also drops the servers' rows)")
+        changes.extend_zero_grad(optimizer, self.discard_server_gradients,
+                                 "optimizer.zero_grad (also drops the servers' rows)")
         changes.hook("optimizer: state_dict post-hook (plain layout)",
                      optimizer.register_state_dict_post_hook(
                          lambda opt, state: plain_optimizer_state(self, state)))

@@ -95,6 +95,4 @@ class Offload:
             state = optimizer.state.get(s.shard)
             for key, value in (state or {}).items():
                 if torch.is_tensor(value) and value.dim() and id(value) not in self.placed:
-                    state[key] = self.state(value)
-                    if not self.on_gpu:
-                        self.placed.add(id(state[key]))
+                    state[key] = self.state(value)   # a mapped file records itself placed

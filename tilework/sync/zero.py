@@ -38,7 +38,6 @@ from .shards import Sharded, ShardedGradient, check_elementwise
 class _Bucket:
     def __init__(self, shards: list[Sharded], unit=None):
         self.shards, self.unit = shards, unit   # a stage-3 unit is freed once it is packed
-        self.width = sum(s.chunk for s in shards)   # this rank's elements in the bucket
         self.ready: set[int] = set()
         self.pending = None
 
@@ -128,14 +127,8 @@ class ZeroSync:
                          model.register_load_state_dict_pre_hook(
                              PicklesAsNoop(lambda *_: self.before_load())))
         if self.owns_gradients:
-            user_zero_grad = model.zero_grad
-
-            def zero_grad(set_to_none: bool = True):
-                self.discard()
-                user_zero_grad(set_to_none=set_to_none)
-
-            changes.set_attribute(model, "zero_grad", zero_grad,
-                                  "model.zero_grad (also the shards' gradients)")
+            changes.extend_zero_grad(model, self.discard,
+                                     "model.zero_grad (also the shards' gradients)")
             changes.hook("model: forward pre-hook (ZeRO's .grad stand-ins dropped)",
                          model.register_forward_pre_hook(PicklesAsNoop(self.drop_stand_ins)))
 
@@ -168,14 +161,14 @@ class ZeroSync:
         while (self.next_bucket < len(self.grad_buckets) and
                len(self.grad_buckets[self.next_bucket].ready)
                == len(self.grad_buckets[self.next_bucket].shards)):
-            self._launch(self.grad_buckets[self.next_bucket])
+            self._launch(self.next_bucket)
             self.next_bucket += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, index: int) -> None:
         # At most two buckets in flight: the one before is finished (its flat copies freed)
         # before this one is packed, or every bucket's copies would be alive at once at the
         # end of backward, twice the gradients' memory (FSDP2 bounds them the same way).
-        index = self.grad_buckets.index(bucket)
+        bucket = self.grad_buckets[index]
         if index and self.grad_buckets[index - 1].pending is not None:
             self._finish(self.grad_buckets[index - 1])
         if bucket.unit is not None:
@@ -205,7 +198,7 @@ class ZeroSync:
         if not self.active:
             return
         while self.next_bucket < len(self.grad_buckets):
-            self._launch(self.grad_buckets[self.next_bucket])
+            self._launch(self.next_bucket)
             self.next_bucket += 1
 
     def end_backward(self) -> None:
@@ -254,24 +247,28 @@ class ZeroSync:
         # values are copied out, and only two buckets' gathered copies exist at once.
         buckets = self.gather_buckets
         if buckets:
-            self._launch_gather(buckets[0])
-        with torch.no_grad():
-            for k, bucket in enumerate(buckets):
-                if k + 1 < len(buckets):
-                    self._launch_gather(buckets[k + 1])
-                every = bucket.pending.wait().view(self.shard_size, bucket.width)
-                bucket.pending = None
-                for s, rows in zip(bucket.shards, bucket.split(every)):
-                    s.write_whole(s.param.data, rows)
-                del every
+            buckets[0].pending = self.gather_async(buckets[0].shards)
+        for k, bucket in enumerate(buckets):
+            if k + 1 < len(buckets):
+                buckets[k + 1].pending = self.gather_async(buckets[k + 1].shards)
+            pending, bucket.pending = bucket.pending, None
+            self.write_gathered(bucket.shards, pending)
         for s in self.shards:
             if s.stage == 1:
                 s.shard.grad = None   # rebuilt from the parameter's at the next step
 
-    def _launch_gather(self, bucket: _Bucket) -> None:
-        bucket.pending = all_gather_async(torch.cat([s.values() for s in bucket.shards]),
-                                          self.shard_group, self.stats, "zero",
-                                          self.successor_remote)
+    def gather_async(self, shards: list[Sharded]):
+        """The all-gather of `shards`' updated values, launched (stage 3's units too)."""
+        return all_gather_async(torch.cat([s.values() for s in shards]), self.shard_group,
+                                self.stats, "zero", self.successor_remote)
+
+    def write_gathered(self, shards: list[Sharded], pending) -> None:
+        """A finished `gather_async` written into the parameters, straight from the gathered
+        buffer's columns (whose storage must be there)."""
+        every = pending.wait().view(self.shard_size, sum(s.chunk for s in shards))
+        with torch.no_grad():
+            for s, rows in zip(shards, torch.split(every, [s.chunk for s in shards], dim=-1)):
+                s.write_whole(s.param.data, rows)
 
     def discard(self) -> None:
         """Every gradient dropped: the shards', and stage 1's parameters' (which the
@@ -296,15 +293,13 @@ class ZeroSync:
         """Stage 3: every value gathered, so a load finds storage to write into (and a
         non-strict load keeps the values it does not name)."""
         with self.guard("model.load_state_dict(), which gathers ZeRO-3's values"):
-            for unit in self.units.units:
-                unit.gather()
+            self.units.gather_all()
 
     @contextlib.contextmanager
     def full_values(self):
         """Every stage-3 value gathered inside, freed after (tilework.full_parameters)."""
         with self.guard("tilework.full_parameters(), which gathers ZeRO-3's values"):
-            for unit in self.units.units:
-                unit.gather()
+            self.units.gather_all()
         self.units.pinned = True
         try:
             yield

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-from ..comm.counted import all_gather_async
 from .hooks import PicklesAsNoop
 
 
@@ -39,9 +39,7 @@ class Unit:
 
     def __init__(self, name: str, module: nn.Module, shards, zero):
         self.name, self.module, self.shards, self.zero = name, module, shards, zero
-        self.width = sum(s.chunk for s in shards)
         self.gathered, self.pending = False, None
-        self.backward_hooked = False
         for s in shards:
             s.nbytes = s.param.data.untyped_storage().nbytes()
 
@@ -49,9 +47,7 @@ class Unit:
         """Start the all-gather of the shards (the prefetch), unless under way or done."""
         if self.gathered or self.pending is not None or not self.shards:
             return
-        z = self.zero
-        part = torch.cat([s.values() for s in self.shards])
-        self.pending = all_gather_async(part, z.shard_group, z.stats, "zero", z.successor_remote)
+        self.pending = self.zero.gather_async(self.shards)
 
     def gather(self) -> None:
         """The full values in the parameters (waiting for a prefetch under way)."""
@@ -61,13 +57,10 @@ class Unit:
         if self.pending is None:   # no parameters
             self.gathered = True
             return
-        every = self.pending.wait().view(self.zero.shard_size, self.width)
-        self.pending = None
-        with torch.no_grad():
-            for s, rows in zip(self.shards, torch.split(every, [s.chunk for s in self.shards],
-                                                        dim=-1)):
-                s.param.data.untyped_storage().resize_(s.nbytes)
-                s.write_whole(s.param.data, rows)
+        for s in self.shards:
+            s.param.data.untyped_storage().resize_(s.nbytes)
+        pending, self.pending = self.pending, None
+        self.zero.write_gathered(self.shards, pending)
         self.gathered = True
 
     def free(self) -> None:
@@ -82,6 +75,7 @@ class Unit:
         """Storage back for the full values, their contents undefined (a load overwrites)."""
         for s in self.shards:
             s.param.data.untyped_storage().resize_(s.nbytes)
+        self.gathered = False
 
 
 class Units:
@@ -167,7 +161,7 @@ class Units:
         if unit is self.root:
             self.in_model = False
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(output) if t.requires_grad]
+            tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, unit=unit: self._before_backward(unit), mode="any")
@@ -195,17 +189,10 @@ class Units:
         for unit in self.units:
             unit.free()
 
+    def gather_all(self) -> None:
+        for unit in self.units:
+            unit.gather()
+
     def materialize(self) -> None:
         for unit in self.units:
             unit.materialize()
-            unit.gathered = False
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    if torch.is_tensor(output):
-        return [output]
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []
