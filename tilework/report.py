@@ -103,8 +103,8 @@ def step_seconds(plan: Plan, traffic, cluster: Cluster) -> float:
     total = 0.0
     if dense:
         total += ring_allreduce(dense, topo, links, math.ceil(dense / plan.bucket_bytes)).seconds
-    return total + sum(r.seconds for r in param_costs(plan, traffic, cluster)
-                       if r.method == "ps" or r.method.startswith("zero"))
+    return total + sum(r.seconds for pp, r in zip(plan.params, param_costs(plan, traffic, cluster))
+                       if pp.method == "ps" or pp.zero)
 
 
 def job_cluster(topology: Topology, cluster: Cluster | None) -> Cluster:
