@@ -23,6 +23,8 @@ from tilework.pipeline.stages import balance, split_stages
 from tilework.pipeline.timeline import draw
 from tilework.testing import spawn
 
+from tests import tiny_gpt
+
 pp_m = st.integers(1, 6).flatmap(lambda p: st.tuples(st.just(p), st.integers(1, 12)))
 
 
@@ -152,21 +154,12 @@ def new_gpt(layers: int = 4):
 
 
 def gpt_batch(step: int):
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tiny_gpt.gpt_batch(step, VOCAB, SEQ, BATCH)
 
 
 def one_process():
     model = new_gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(STEPS):
-        loss = model(*gpt_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = tiny_gpt.sgd_losses(model, gpt_batch, STEPS)
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 

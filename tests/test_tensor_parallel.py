@@ -19,6 +19,8 @@ from tilework.tensor.loss import ShardedLogits
 from tilework.tensor.shards import unshard
 from tilework.testing import spawn
 
+from tests import tiny_gpt
+
 
 def test_parallel_mesh_puts_tp_inside_a_host():
     mesh = parallel_mesh(8, ranks_per_host=4, tp=2, pp=2)
@@ -208,23 +210,12 @@ def new_gpt(device=None) -> TinyGPT:
 
 
 def gpt_batch(step: int, part: int = 0, parts: int = 1):
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    per = GLOBAL_BATCH // parts
-    tokens = tokens[part * per:(part + 1) * per]
-    return tokens[:, :-1], tokens[:, 1:]
+    return tiny_gpt.gpt_batch(step, VOCAB, SEQ, GLOBAL_BATCH, part, parts)
 
 
 def gpt_reference():
     model = new_gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(STEPS):
-        loss = model(*gpt_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = tiny_gpt.sgd_losses(model, gpt_batch, STEPS)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
