@@ -62,6 +62,101 @@ def test_the_estimate_against_memtracker(workload, activations, optimizer):
     assert 0.85 <= estimate["peak"] / measured["peak"] <= 1.12
 
 
+def _step_temporaries_measured(params, opt) -> int:
+    """What `opt.step()` allocates and frees again, counted by MemTracker (the state exists:
+    one step ran before)."""
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    tracker = MemTracker()
+    tracker.track_external(*params, *[p.grad for p in params], opt)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        opt.step()
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return peak - before
+
+
+# Orders and dtypes that move the peak: the largest tensor first or last, a float64 subgroup
+# between float32 ones (foreach groups by dtype), two param groups.
+_STEP_SHAPES = [[(300, 40), (20,), (100, 10)], [(7,), (100, 10), (300, 40)],
+                [(50, 20), (64, 64, "float64"), (30,), (200, 8, "float64")]]
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"weight_decay": 0.1}, {"maximize": True}, {"maximize": True, "weight_decay": 0.1},
+    {"amsgrad": True}, {"foreach": True}, {"foreach": True, "weight_decay": 0.1},
+    {"foreach": True, "maximize": True, "amsgrad": True}, {"fused": True},
+    {"decoupled_weight_decay": True, "weight_decay": 0.1}])
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_the_adam_step_rule_against_a_measured_step(cls, options):
+    """`AdamStep` (the bytes torch's Adam/AdamW step allocates beside parameters, gradients
+    and state) equals MemTracker's count of a real step, for each path torch takes on CPU
+    (single-tensor: its default here; foreach and fused when asked), in every order."""
+    from tilework.memory import AdamStep, optimizer_kind
+
+    if cls is torch.optim.AdamW and "decoupled_weight_decay" in options:
+        pytest.skip("AdamW is Adam(decoupled_weight_decay=True)")
+    torch.manual_seed(0)
+    for shapes in _STEP_SHAPES:
+        params = [torch.nn.Parameter(torch.randn(*[d for d in s if isinstance(d, int)],
+                                                 dtype=getattr(torch, s[-1]) if isinstance(
+                                                     s[-1], str) else torch.float32))
+                  for s in shapes]
+        if options.get("fused"):   # float32 only
+            params = [torch.nn.Parameter(p.detach().float()) for p in params]
+        groups = [{"params": params[:2]}, {"params": params[2:], "lr": 1e-2}]
+        opt = cls(groups, lr=1e-3, **options)
+        expected = 0
+        for group in opt.param_groups:
+            rule = AdamStep.of(optimizer_kind(opt), group, "cpu")
+            expected = max(expected, rule.temporaries(
+                [(p.numel() * p.element_size(), str(p.dtype).removeprefix("torch."))
+                 for p in group["params"]]))
+        assert expected > 0 or options.get("fused")
+        # Exact but for the 4-byte tensor foreach adds to CPU step counters, which lives
+        # beside maximize's gradient copy.
+        assert 0 <= _step_temporaries_measured(params, opt) - expected <= 4, shapes
+
+
+def test_amsgrad_state_is_counted():
+    w = WORKLOADS["gpt"]
+    torch.manual_seed(0)
+    model = w.make(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, amsgrad=True)
+    inputs = w.batch(0, 0, 1)
+    model(*inputs).backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for state in opt.state.values()
+               for t in state.values())
+    assert estimate_memory(model, None, inputs, optimizer=opt).optimizer_state == held
+
+
+@pytest.mark.parametrize("family, lazy", [("sgd", True), ("adagrad", True), ("adam", True),
+                                          ("adamw", True), ("adam", False)])
+def test_the_servers_row_step_rule_against_a_measured_step(family, lazy):
+    """ROW_STEP_COPIES: the servers' row-wise step on R rows allocates R rows this many times
+    over (one more for a dense parameter on the servers, which Adam steps unlazily)."""
+    from tilework.memory import ROW_STEP_COPIES
+    from tilework.optim.rowwise import RowOptimizer
+
+    torch.manual_seed(0)
+    shard = torch.randn(5000, 16)
+    opt = RowOptimizer(family, {"lr": 0.1, "eps": 1e-8, "betas": (0.9, 0.999),
+                                "weight_decay": 0.1}, shard, lazy=lazy)
+    rows = torch.randperm(5000)[:700] if lazy else torch.arange(5000)
+    grads = torch.randn(len(rows), 16)
+    opt.apply(rows, grads)
+    tracker = MemTracker()
+    tracker.track_external(shard, rows, grads, *opt.state.values())
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        opt.apply(rows, grads)
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    copies = ROW_STEP_COPIES.get(family, 0) + (not lazy)
+    assert peak - before == copies * len(rows) * 16 * 4
+
+
 def test_per_rank_under_a_plan_without_a_process_group():
     """An LM with 100k-row sparse tables over 4 ranks: the tables' rows are sharded, their
     gradients are the rows this rank looks up, the dense parameters are whole."""

@@ -21,8 +21,9 @@ Per rank, for the plan `tilework.plan` makes:
   parameter reduces in place, sync/dense.py).
 - temporaries: backward's largest transient, taken as twice the largest saved activation (the
   gradient of that activation and the tensor it flows into), a rule of thumb, not a trace; and
-  the optimizer step's: torch's foreach Adam-family steps build about one parameter-sized
-  intermediate (`step_temporaries`), the others none.
+  the optimizer step's (`step_temporaries`): torch's Adam/AdamW as `AdamStep` reads torch
+  2.13's optim/adam.py (on the tensors this rank updates, in the optimizer's order), the
+  servers' row-wise step as `ROW_STEP_COPIES`; other torch optimizers' none (not modelled).
 
 ZeRO (sync/zero.py), per dense parameter at stage z, with chunk = its 1/n share padded:
 stages 1 and 2 hold the parameter whole plus its shard (the optimizer's master copy), stage 3
@@ -54,6 +55,83 @@ from .meta_forward import meta_forward
 STATE_PER_ELEMENT = {"sgd": 0, "sgd-momentum": 1, "adagrad": 1, "adam": 2, "adamw": 2,
                      "sparseadam": 2, "rmsprop": 1}
 STEP_COUNTER_BYTES = {"adagrad": 4, "adam": 4, "adamw": 4, "rmsprop": 4}
+
+# The servers' row-wise step (optim/rowwise.py) on R rows allocates R x row bytes this many
+# times over, beside the rows' summed gradient it is given (measured, tests/test_memory.py).
+# Tables run Adam lazily (SparseAdam's arithmetic); a dense parameter on the servers (mode="ps")
+# runs Adam's, one copy more.
+ROW_STEP_COPIES = {"adagrad": 2, "adam": 6, "adamw": 6, "sparseadam": 6}
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """What torch's Adam/AdamW step (torch 2.13, optim/adam.py) allocates beyond parameters,
+    gradients and state, for one param group. b_i: the i-th updated tensor's bytes in the
+    group's order; G_k: the k-th (device, dtype) subgroup's total; e = 1 with a gradient copy
+    (maximize's `-grad`, or Adam's L2 weight decay `grad.add(param)`; AdamW's decoupled decay
+    is in place), else 0.
+
+    - "single" (`_single_tensor_adam`, torch's default on CPU: foreach is its default only on
+      cuda/xpu/mtia/privateuse1): a loop, `denom = (v.sqrt() / c).add_(eps)` holding the sqrt
+      and the quotient at once (2 b_i) while the previous tensor's `denom` is still bound
+      (b_{i-1}); the gradient copy is made while the previous copy and `denom` live:
+      max over i of max((1+e) b_{i-1} + e b_i, b_{i-1} + (2+e) b_i). amsgrad (a maximum
+      written in place) and capturable (a tensor divisor) add nothing.
+    - "foreach" (`_multi_tensor_adam`, the default on CUDA): each subgroup's list of sqrt's
+      (G_k), made while the previous subgroup's is still bound (G_{k-1}); the gradient copy
+      and capturable's scaled copy for a tensor beta2 (s) are deleted before the sqrt:
+      max over k of G_{k-1} + max(e + s, 1) G_k.
+    - "fused" (`_fused_adam`): none.
+    Param groups step one after another (a group's locals die with its call): the largest.
+    Parameters without a gradient (the servers' after their push) are skipped by torch."""
+
+    path: str              # "single", "foreach" or "fused"
+    grad_copy: bool        # e above
+    scaled: bool = False   # s above
+
+    def temporaries(self, tensors: list[tuple[int, str]]) -> int:
+        """Peak bytes for one param group; `tensors`: (bytes, dtype) in the group's order."""
+        e = int(self.grad_copy)
+        if self.path == "fused" or not tensors:
+            return 0
+        if self.path == "single":
+            sizes = [b for b, _ in tensors]
+            return max(max((1 + e) * prev + e * b, prev + (2 + e) * b)
+                       for prev, b in zip([0, *sizes], sizes))
+        totals: dict[str, int] = {}   # one device per rank: subgroups by dtype, as first met
+        for b, dtype in tensors:
+            totals[dtype] = totals.get(dtype, 0) + b
+        sums = list(totals.values())
+        return max(prev + max(e + int(self.scaled), 1) * g for prev, g in zip([0, *sums], sums))
+
+    @classmethod
+    def of(cls, kind: str, group: dict, device: str) -> AdamStep | None:
+        """The rule for a param group's hyperparameters (torch's defaults for those it lacks:
+        an optimizer given by name or class), on a rank that steps on `device` (a device
+        type); None for an optimizer other than Adam/AdamW."""
+        import torch
+
+        if kind not in ("adam", "adamw"):
+            return None
+        decoupled = kind == "adamw" or group.get("decoupled_weight_decay", False)
+        weight_decay = group.get("weight_decay", 1e-2 if kind == "adamw" else 0)
+        grad_copy = bool(group.get("maximize", False) or (weight_decay and not decoupled))
+        fused, foreach = group.get("fused"), group.get("foreach")
+        if fused:
+            return cls("fused", grad_copy)
+        if foreach is None:   # torch's _default_to_fused_or_foreach
+            foreach = device in _foreach_devices() and not group.get("differentiable", False)
+        scaled = bool(foreach and group.get("capturable", False)
+                      and isinstance(group.get("betas", (0, 0))[1], torch.Tensor))
+        return cls("foreach" if foreach else "single", grad_copy, scaled)
+
+
+def _foreach_devices() -> list[str]:
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+    except ImportError:   # pragma: no cover - another torch
+        return ["cuda", "xpu"]
+    return _get_foreach_kernels_supported_devices()
 
 
 @dataclass(frozen=True)
@@ -122,26 +200,71 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
 
     kind = optimizer_kind(optimizer)
     per_element = STATE_PER_ELEMENT[kind]
+    groups = _param_groups(model, optimizer)
+    # amsgrad keeps a third moment-sized tensor, the running maximum.
+    amsgrad = {name for group, names in groups if kind in ("adam", "adamw")
+               and group.get("amsgrad", False) for name in names}
     facts = meta_forward(model, example_inputs, plan.recompute)
-    zero = zero_figures(plan, per_element, STEP_COUNTER_BYTES.get(kind, 0))
+    zero = zero_figures(plan, per_element, STEP_COUNTER_BYTES.get(kind, 0), amsgrad)
     served = [(pp, TableLayout(pp, plan.world_size, device="meta").shard_sizes)
               for pp in plan.of("ps")]
-    step = max(zero.updated if kind in ("adam", "adamw") else 0, zero.after_step)
+    dtypes = {pp.name: pp.dtype for pp in plan.params}
+    device = _step_device(model, plan)
+    dense_step = 0   # the user's optimizer on what this rank updates (whole or the shards)
+    for group, names in groups:
+        rule = AdamStep.of(kind, group, device)
+        if rule is not None:
+            dense_step = max(dense_step, rule.temporaries(
+                [(zero.updated[n], dtypes[n]) for n in names if n in zero.updated]))
     out = []
     for rank in range(plan.world_size) if ranks is None else ranks:
         params, grads, state = zero.parameters, zero.gradients, zero.state
+        received = row_step = 0   # the servers' step, before the dense one (engine._prepare_step)
         for pp, sizes in served:
             shard = sizes[rank] * pp.row_bytes
             if pp.is_table:
                 params += shard
-                grads += min(facts.lookups.get(pp.name, pp.shape[0]), pp.shape[0]) * pp.row_bytes
+                looked_up = min(facts.lookups.get(pp.name, pp.shape[0]), pp.shape[0])
+                grads += looked_up * pp.row_bytes
+                # The owner steps on the rows any rank sent it: at most every rank's lookups.
+                rows = min(sizes[rank], plan.world_size * looked_up) * pp.row_bytes
+                copies = ROW_STEP_COPIES.get(kind, 0)
             else:   # mode="ps": a replica to compute with, the shard its owner updates
                 params, grads = params + pp.nbytes + shard, grads + pp.nbytes
-            state += per_element * shard
+                rows = shard
+                copies = ROW_STEP_COPIES.get(kind, 0) + (kind in ("adam", "adamw"))
+            state += (per_element + (pp.name in amsgrad)) * shard
+            received += rows
+            row_step = max(row_step, copies * rows)
+        step = max(dense_step, zero.after_step, received + row_step if served else 0)
         out.append(MemoryEstimate(rank, params, grads, state, facts.activations, zero.buckets,
                                   2 * facts.largest, step, facts.recomputed, zero.gathered,
                                   zero.offloaded, zero.last_flight))
     return out
+
+
+def _param_groups(model: nn.Module, optimizer) -> list[tuple[dict, list[str]]]:
+    """The optimizer's param groups as (hyperparameters, parameter names in its order); a
+    name or class: one group of torch's defaults over the model's parameters."""
+    everything = [name for name, p in model.named_parameters() if p.requires_grad]
+    if isinstance(optimizer, (str, type)):
+        return [({}, everything)]
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = [({k: v for k, v in g.items() if k != "params"},
+               [names[id(p)] for p in g["params"] if id(p) in names])
+              for g in optimizer.param_groups]
+    if not any(found for _, found in groups):   # not this model's parameters (a copy's)
+        return [(groups[0][0] if groups else {}, everything)]
+    return groups
+
+
+def _step_device(model: nn.Module, plan) -> str:
+    """The device type the optimizer steps on: the host's with offload (sync/offload.py), else
+    the model's (a model on the meta device: a CPU host)."""
+    p = next(model.parameters(), None)
+    if plan.offload != "none" or p is None or p.device.type == "meta":
+        return "cpu"
+    return p.device.type
 
 
 @dataclass(frozen=True)
@@ -154,13 +277,15 @@ class DenseFigures:
     buckets: int
     gathered: int
     offloaded: int
-    updated: int   # what the optimizer updates: its step's intermediates scale with it
+    updated: dict[str, int]   # what the optimizer updates, by name: the parameter or its shard
     after_step: int = 0   # stages 1 and 2: the all-gather of the updated shards
     last_flight: int = 0  # stage 3: the model's own unit's reduce-scatter, after the blocks'
 
 
-def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
-    """Per rank, for the plan's all-reduced parameters (the module docstring's rules)."""
+def zero_figures(plan, per_element: int, counter_bytes: int,
+                 amsgrad: frozenset[str] | set[str] = frozenset()) -> DenseFigures:
+    """Per rank, for the plan's all-reduced parameters (the module docstring's rules);
+    `amsgrad`: the names whose state has one element more."""
     from .cost import zero_shard
     from .plan import assign_buckets
 
@@ -179,7 +304,8 @@ def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
         params += (pp.nbytes if pp.zero < 3 else 0) + (0 if plan.offload == "all" else shard)
         grads += pp.nbytes if pp.zero <= 1 else chunk[pp.name]
         grads += shard if pp.zero == 1 else 0
-        held = per_element * (shard if pp.zero else pp.nbytes) + counter_bytes
+        held = ((per_element + (pp.name in amsgrad)) * (shard if pp.zero else pp.nbytes)
+                + counter_bytes)
         state += 0 if (pp.zero and files) else held
         offloaded += (held if pp.zero and files else 0) + (shard if plan.offload == "all" else 0)
     replicated = [pp.nbytes for pp in dense if pp.zero <= 1]
@@ -201,7 +327,7 @@ def zero_figures(plan, per_element: int, counter_bytes: int) -> DenseFigures:
     # The model's own unit is reduce-scattered last, its values freed as it is packed: sent and
     # received whole, alone.
     last_flight = 2 * units.get("", 0) if n > 1 else 0
-    updated = sum(chunk[pp.name] if pp.zero else pp.nbytes for pp in dense)
+    updated = {pp.name: chunk[pp.name] if pp.zero else pp.nbytes for pp in dense}
     # After the step, stages 1 and 2 gather bucket by bucket, two in flight: while one bucket's
     # gathered values are copied out, its shards' copy (still held by the finished collective)
     # and the next bucket's both exist.
