@@ -45,6 +45,11 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         groups = build_groups(init_from_env(env=env) if env.world_size > 1 else None, env=env)
     if getattr(model, "_tilework_engine", None) is not None:
         raise PlanError("this model is already parallelized")
+    if config.model_parallel:
+        from .meshed import parallelize_on_mesh
+
+        return parallelize_on_mesh(model, optimizer, config, groups, cluster, density, traffic,
+                                   plan, log)
     if optimizer is None and config.zero:
         raise PlanError(f"zero={config.zero} runs the optimizer on each rank's shard: pass the "
                         "optimizer (parallelize(model, opt, zero=...)), or zero=0 for a "
@@ -135,13 +140,25 @@ def full_parameters(model: nn.Module):
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
-    """Bytes this rank sent and received, per method: in total and in the last step."""
-    return _engine(model).stats_dict()
+    """Bytes this rank sent and received, per method: in total and in the last step (on a
+    mesh also "tp", "cp" and "pipeline": the model-parallel axes' bytes)."""
+    engine = _engine(model)
+    out = engine.stats_dict()
+    mesh = getattr(engine, "mesh", None)
+    if mesh is not None:
+        extra = mesh.stats.as_dict()
+        for key in ("total", "last_step"):
+            out[key] = {**out[key], **extra[key]}
+    return out
 
 
 def state_dict(model, optimizer) -> dict[str, Any]:
     """World-size-independent state in single-device layout (tables complete on rank 0 only)."""
     engine = getattr(model, "_tilework_engine", None)
+    if getattr(engine, "mesh", None) is not None:
+        from .mesh_state import full_state
+
+        return full_state(engine)
     if engine is not None:
         return engine.state_dict()
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -149,6 +166,10 @@ def state_dict(model, optimizer) -> dict[str, Any]:
 
 def load_state_dict(model, optimizer, state: dict[str, Any]) -> None:
     engine = getattr(model, "_tilework_engine", None)
+    if getattr(engine, "mesh", None) is not None:
+        from .mesh_state import load_full_state
+
+        return load_full_state(engine, state)
     if engine is not None:
         return engine.load_state_dict(state)
     from .sync.state import state_mismatch
@@ -219,11 +240,13 @@ def save(path: str | Path, model, optimizer) -> None:
 
     state = state_dict(model, optimizer)
     engine = getattr(model, "_tilework_engine", None)
-    if engine is None or engine.groups.rank == 0:
+    # On a mesh the engine's groups are one dp group's: the world is the mesh's.
+    world = engine.groups if getattr(engine, "mesh", None) is None else engine.mesh.world
+    if engine is None or world.rank == 0:
         checkpoint.write(path, state)
-    if engine is not None and engine.groups.world_size > 1:
+    if engine is not None and world.world_size > 1:
         with engine.guard.call("tilework.save()"):
-            torch.distributed.barrier(group=engine.groups.world)
+            torch.distributed.barrier(group=world.world)
 
 
 def load(path: str | Path, model, optimizer) -> None:

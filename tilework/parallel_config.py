@@ -15,6 +15,7 @@ from .config import check
 Mode = Literal["hybrid", "allreduce", "ps"]
 Method = Literal["allreduce", "ps"]
 Recompute = Literal["none", "full", "selective"]
+ScheduleName = Literal["1f1b", "gpipe", "interleaved"]
 
 
 @dataclass(kw_only=True)
@@ -76,6 +77,44 @@ class ParallelConfig:
     as one policy for the model's repeated blocks (`analysis.recompute_units`), or per module
     as {glob pattern over module names: policy}, e.g. {"blocks.layers.*": "selective"}."""
 
+    tp: int = 1
+    """Tensor-parallel ranks per model replica (Megatron's t): the layers `layout` names are
+    split over them (tilework/tensor/); kept inside a host."""
+
+    pp: int = 1
+    """Pipeline stages' ranks (Megatron's p): the model's blocks cut into balanced stages; the
+    runtime then owns the step, `model.step(inputs, targets)` (tilework/pipeline/)."""
+
+    cp: int = 1
+    """Context-parallel ranks: the sequence split over them, attention as a ring."""
+
+    microbatches: int | None = None
+    """Microbatches per pipeline step (default: 2 x pp); the batch must split into them."""
+
+    schedule: ScheduleName = "1f1b"
+    """The pipeline schedule: "gpipe", "1f1b" (PipeDream-Flush) or "interleaved" (1F1B with
+    `stages_per_rank` model chunks per rank)."""
+
+    stages_per_rank: int = 2
+    """Model chunks per pipeline rank under the interleaved schedule (Megatron's v)."""
+
+    layout: dict[str, str] | None = None
+    """Which module is split how under tp > 1, {module-name pattern: style}
+    (docs/tensor-parallel.md); default: `tilework.tensor.layout_for(model)`."""
+
+    sequence_parallel: bool = False
+    """Under tp > 1, also split the sequence between the split layers (norms, dropout):
+    all-gather / reduce-scatter in place of all-reduce, activations tp times smaller."""
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """The model-parallel axes' sizes; data parallelism takes the ranks they leave."""
+        return {"pp": self.pp, "cp": self.cp, "tp": self.tp}
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tp * self.pp * self.cp > 1
+
     def __post_init__(self):
         check(self.mode in ("hybrid", "allreduce", "ps"), "mode",
               f"'hybrid', 'allreduce' or 'ps', got {self.mode!r}")
@@ -107,6 +146,28 @@ class ParallelConfig:
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                   "partitions", f"a positive number of partitions, got {value!r}")
         self._check_recompute()
+        self._check_mesh()
+
+    def _check_mesh(self) -> None:
+        def count(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+        for name in ("tp", "pp", "cp", "stages_per_rank"):
+            check(count(getattr(self, name)), name,
+                  f"a whole number >= 1, got {getattr(self, name)!r}")
+        check(self.microbatches is None or count(self.microbatches), "microbatches",
+              f"a whole number >= 1, got {self.microbatches!r}")
+        check(self.schedule in ("1f1b", "gpipe", "interleaved"), "schedule",
+              f"'1f1b', 'gpipe' or 'interleaved', got {self.schedule!r}")
+        if self.layout is not None:
+            check(isinstance(self.layout, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.layout.items()),
+                "layout", f"a table of module-name pattern = style, got {self.layout!r}")
+        check(isinstance(self.sequence_parallel, bool), "sequence_parallel",
+              f"true or false, got {self.sequence_parallel!r}")
+        if self.model_parallel:
+            check(self.mode != "ps", "mode", "'hybrid' or 'allreduce' with tp, pp or cp > 1: "
+                  "mode='ps' would serve the split layers' shards")
 
     def _check_recompute(self) -> None:
         policies = ("full", "selective")

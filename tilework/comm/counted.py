@@ -168,13 +168,14 @@ def gather(tensor: torch.Tensor, dst: int, group, stats: Stats, method: str):
 
 
 def broadcast(tensor: torch.Tensor, src: int, group, stats: Stats, method: str) -> None:
+    """Group rank `src`'s `tensor` on every group rank."""
     n = group_size(group)
     if n == 1:
         return
     nbytes = tensor.numel() * tensor.element_size()
     me = dist.get_rank(group)
     stats.record(method, nbytes * (n - 1) if me == src else 0, 0 if me == src else nbytes)
-    dist.broadcast(tensor, src=src, group=group)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
 
 
 def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,

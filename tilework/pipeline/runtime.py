@@ -56,11 +56,14 @@ class PipelineRunner:
                 seen.setdefault(id(p), p)
         return list(seen.values())
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, on_last_backward=None
+             ) -> torch.Tensor | None:
         """One forward and backward of the batch, in `schedule.microbatches` equal microbatches
         along dim 0; gradients accumulate into `.grad` (the optimizer is the caller's). Every
         rank passes the batch (stage 0 reads the inputs, the last stage the targets, the others
-        their shapes). Returns the batch's mean loss on the last stage's rank, None elsewhere."""
+        their shapes). Returns the batch's mean loss on the last stage's rank, None elsewhere.
+        `on_last_backward()` runs before this rank's last backward action (B or W): where a
+        data-parallel sync may start, the gradients then being whole."""
         m = self.schedule.microbatches
         if inputs.shape[0] % m:
             raise ValueError(f"a batch of {inputs.shape[0]} does not split into {m} equal "
@@ -68,7 +71,10 @@ class PipelineRunner:
         run = _Step(self, inputs.chunk(m), targets.chunk(m))
         self.timeline = []
         actions = self.schedule.ranks[self.rank]
+        last = max(i for i, a in enumerate(actions) if a.kind != "F")
         for i, action in enumerate(actions):
+            if i == last and on_last_backward is not None:
+                on_last_backward()
             run.do(action, actions[i + 1] if i + 1 < len(actions) else None)
         for work, _ in run.sends:
             work.wait()

@@ -8,11 +8,13 @@ groups) as an argument.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..comm.groups import _timeout_of
+from ..cluster import Topology
+from ..comm.groups import Groups, _timeout_of
 from ..mesh import Mesh
 from ..worker_env import WorkerEnv
 
@@ -71,3 +73,55 @@ def build_mesh_groups(mesh: Mesh, world=None, env: WorkerEnv | None = None) -> M
             if rank in ranks:
                 mine[axis] = group
     return MeshGroups(mesh, rank, mine)
+
+
+def data_parallel_groups(mesh_groups: MeshGroups, world_groups: Groups) -> Groups:
+    """The data-parallel engine's `Groups` over this rank's dp group: its own topology (which
+    of the dp group's ranks share a host), host and cross-host groups, and the world's store
+    under a prefix of its own, since every dp group runs its own call guard.
+
+    Collective over the world: every rank creates the host and cross-host groups of every dp
+    group, dp groups in mesh order.
+    """
+    mesh, world = mesh_groups.mesh, world_groups.world
+    if mesh.size == 1 or world is None:
+        return world_groups
+    backend = dist.get_backend(world)
+    timeout = _timeout_of(world, backend, world_groups.env)
+    mine = None
+    for index, ranks in enumerate(mesh.groups("dp")):
+        topology = Topology.from_host_ids([world_groups.topology.host_of(r) for r in ranks])
+        intra, inter = _host_groups(ranks, topology, mesh_groups.group("dp")
+                                    if world_groups.rank in ranks else None, backend, timeout,
+                                    world_groups.rank)
+        if world_groups.rank in ranks:
+            store = world_groups.store
+            if store is not None:
+                store = dist.PrefixStore(f"tilework/dp{index}/", store)
+            mine = Groups(world=mesh_groups.group("dp"), topology=topology,
+                          rank=ranks.index(world_groups.rank), intra=intra, inter=inter,
+                          device=world_groups.device, store=store, env=world_groups.env)
+    if mine.world is None:   # dp = 1: a world of one, every collective short-circuits
+        mine = dataclasses.replace(mine, store=None)
+    return mine
+
+
+def _host_groups(ranks: tuple[int, ...], topology: Topology, dp_group, backend, timeout,
+                 me: int):
+    """As comm.groups.build_groups does for the world, over the dp group `ranks` (global ranks;
+    `topology` in the group's own numbering); `dp_group` where this rank is in it."""
+    if len(ranks) == 1:
+        return None, None
+    if topology.num_hosts == 1:
+        return dp_group, None
+    if all(len(h) == 1 for h in topology.hosts):
+        return None, dp_group
+    made = {}
+    for kind, lists in (("intra", topology.hosts), ("inter", topology.inter_host_groups())):
+        made[kind] = None
+        for members in lists:
+            glob = [ranks[i] for i in members]
+            g = dist.new_group(glob, backend=backend, timeout=timeout) if len(glob) > 1 else None
+            if me in glob:
+                made[kind] = g
+    return made["intra"], made["inter"]

@@ -1,0 +1,63 @@
+"""Bytes one rank sends per step on a dp x pp x tp mesh, per axis: pure, from the model (a
+meta-device one will do), the config and the batch; the figures `tilework.stats` counts under
+"tp", "pipeline" and "allreduce" (tests hold them equal).
+
+    tp         the layout's regions (tensor/cost.py) for the modules of this rank's stages,
+               on the tokens of its dp share of the batch
+    pipeline   the schedule's boundary sends (pipeline/simulate.p2p_bytes), one microbatch's
+               activation each
+    allreduce  the dense buckets over dp (cost.dense_sync_bytes) of this rank's shards of
+               this rank's stages, the input check's words riding the last bucket (not under
+               pp, whose stages never run the model's own forward where the check looks)
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from torch import nn
+
+from .cost import dense_sync_bytes
+from .plan import bucket_bytes
+from .mesh import parallel_mesh
+from .parallel_config import ParallelConfig
+from .wire import CHECK_WORDS
+
+
+def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, rank: int,
+                    batch: int, seq: int, itemsize: int = 4) -> dict[str, int]:
+    """`batch` sequences of `seq` tokens per dp replica; dense all-reduced parameters only
+    (ZeRO and server placements are costed by cost.py as in data parallelism)."""
+    from .pipeline import build, p2p_bytes, split_stages
+    from .pipeline.model import _stage_modules, local_part
+    from .tensor import layout_for, plan_layout
+    from .tensor.cost import _placement_bytes
+
+    mesh = parallel_mesh(world_size, None, tp=config.tp, pp=config.pp, cp=config.cp)
+    at = mesh.coords(rank)
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {"tp": 0, "pipeline": 0, "allreduce": 0}
+    part = model
+    if config.pp > 1:
+        m = config.microbatches or 2 * config.pp
+        schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
+        stages = split_stages(model, schedule.stages)
+        mine = [mod for s in schedule.stages_of(at["pp"]) for mod in _stage_modules(stages[s])]
+        part = local_part(model, mine)
+        out["pipeline"] = p2p_bytes(schedule, batch // m * seq * model.head.in_features
+                                    * itemsize)[at["pp"]]
+    local_modules = {names[id(mod)] for mod in part.modules() if id(mod) in names}
+    shapes = {n: tuple(p.shape) for n, p in part.named_parameters()}
+    if config.tp > 1:
+        layout = plan_layout(model, config.layout or layout_for(model), config.tp,
+                             config.sequence_parallel)
+        out["tp"] = sum(_placement_bytes(p, batch, seq, config.tp, config.sequence_parallel,
+                                         itemsize)
+                        for p in layout.placements if p.module in local_modules)
+        held = layout.local_shapes()
+        shapes = {n: held[n] for n in shapes}
+    dp = mesh.size_of("dp")
+    carried = CHECK_WORDS * itemsize if config.check_inputs and config.pp == 1 else 0
+    out["allreduce"] = dense_sync_bytes([prod(s) * itemsize for s in shapes.values()],
+                                        bucket_bytes(config.bucket_mb), dp, carried)
+    return {k: v for k, v in out.items() if v}

@@ -1,0 +1,87 @@
+"""Checkpoints of a meshed model in single-device layout, and back at any mesh.
+
+Saving: the engine gives each rank its dp-level state (one-process names; tensor-parallel
+shards; only its pipeline stages'), the shards are all-gathered over tp (counted under
+"checkpoint") and the stages' states over pp, so every rank ends with the one-process state
+dict: the file loads into a plain model, or at another mesh. Loading takes each rank's stages'
+keys and its tp shards of them, then hands that to the engine (which shards over dp as it does
+for data parallelism: ZeRO chunks, server rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import counted
+from .errors import CheckpointError
+
+
+def _specs(mesh) -> dict:
+    return mesh.layout.specs() if mesh.layout is not None else {}
+
+
+def _unshard(mesh, key: str, value, shapes: dict):
+    """A split tensor gathered whole over tp: a parameter, or its optimizer state of its shape
+    (every tp rank calls this for the same keys in the same order)."""
+    spec, tp = _specs(mesh).get(key), mesh.tp
+    if (spec is None or tp is None or tp.size == 1 or not torch.is_tensor(value)
+            or tuple(value.shape) != shapes[key]):
+        return value
+    from .tensor.shards import unshard
+
+    return unshard(counted.all_gather(value.contiguous(), tp.group, mesh.stats, "checkpoint"),
+                   spec)
+
+
+def full_state(engine) -> dict:
+    """Every rank: the one-process model and optimizer state (a collective over the world)."""
+    mesh = engine.mesh
+    state = engine.state_dict(dst=None)
+    shapes = {k: tuple(v.shape) for k, v in engine.model.state_dict().items()}
+    model = {k: _unshard(mesh, k, v, shapes) for k, v in state["model"].items()}
+    dense = {name: {k: _unshard(mesh, name, v, shapes) for k, v in per.items()}
+             for name, per in state["optimizer"]["dense"].items()}
+    optimizer = dict(state["optimizer"], dense=dense)
+    pp = mesh.groups.group("pp")
+    if pp is not None:
+        parts = [None] * dist.get_world_size(pp)
+        dist.all_gather_object(parts, (model, optimizer["dense"], optimizer["rows"]), group=pp)
+        model = {k: v for part in parts for k, v in part[0].items()}
+        optimizer["dense"] = {k: v for part in parts for k, v in part[1].items()}
+        optimizer["rows"] = {k: v for part in parts for k, v in part[2].items()}
+    return {"model": model, "optimizer": optimizer}
+
+
+def load_full_state(engine, state: dict) -> None:
+    """Each rank its stages' keys and its tp shards of them, then the engine's own load."""
+    mesh = engine.mesh
+    mine = engine.model.state_dict()
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict):
+        raise CheckpointError("checkpoint has no 'model' state dict")
+    missing = sorted(set(mine) - set(model))
+    if missing:
+        raise CheckpointError(f"checkpoint does not match the model: missing {missing[:3]}")
+    specs, tp = _specs(mesh), mesh.tp
+
+    def local(key, value):
+        spec = specs.get(key)
+        if spec is None or tp is None or not torch.is_tensor(value):
+            return value
+        from .tensor.shards import shard
+
+        full_shape = tuple(model[key].shape)
+        if tuple(value.shape) != full_shape:
+            return value
+        return shard(value, spec, tp.rank, tp.size).clone()
+
+    names = {n for n, _ in engine.model.named_parameters()}
+    opt = state.get("optimizer") or {}
+    sub = {"model": {k: local(k, model[k]) for k in mine},
+           "optimizer": {**opt,
+                         "dense": {n: {k: local(n, v) for k, v in per.items()}
+                                   for n, per in (opt.get("dense") or {}).items() if n in names},
+                         "rows": {n: v for n, v in (opt.get("rows") or {}).items()
+                                  if n in names}}}
+    engine.load_state_dict(sub)

@@ -1,0 +1,138 @@
+"""`parallelize` on a dp x pp x cp x tp mesh: tensor-parallel layers, pipeline stages, and the
+data-parallel engine over each dp group.
+
+In order, on every rank: the world starts from rank 0's values (as DDP does), the mesh's groups
+are built, the layout splits the layers over tp (the optimizer then holds the shards), the
+blocks are cut into pipeline stages (the optimizer keeps this rank's), and the engine
+synchronises what is left over the dp group: all-reduce, ZeRO or the parameter server, by the
+same plan as a data-parallel run of that part of the model. docs/architecture.md, "The mesh".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import planner
+from .comm import counted
+from .comm.counted import Stats
+from .comm.groups import Groups
+from .errors import PlanError
+from .mesh import Mesh, parallel_mesh
+from .parallel_config import ParallelConfig
+
+
+@dataclass(eq=False)
+class MeshParallel:
+    """What a meshed model carries besides its engine: the mesh, its groups, the bytes moved
+    along tp / cp / pp (the engine counts dp's), the layout applied and the pipeline."""
+
+    mesh: Mesh
+    world: Groups             # the whole world's (the engine's are one dp group's)
+    groups: object            # tensor.groups.MeshGroups
+    stats: Stats
+    tp: object | None = None  # tensor.regions.TensorParallel
+    layout: object | None = None  # tensor.layout.LayoutPlan
+    pipeline: nn.Module | None = None  # pipeline.model.PipelineModel
+
+
+def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, world: Groups,
+                        cluster, density, traffic, plan, log: bool):
+    from .pipeline import build as build_schedule
+    from .pipeline.model import PipelineModel
+    from .sync.engine import Engine
+    from .sync.recompute import apply_recompute
+    from .tensor import TensorParallel, apply_layout, build_mesh_groups, layout_for
+    from .tensor.groups import data_parallel_groups
+
+    if config.cp > 1:
+        raise PlanError("cp > 1: context parallelism is not wired into parallelize yet "
+                        "(tilework.context is the library)")
+    if plan is not None:
+        raise PlanError("plan=: with tp, pp or cp > 1 the data-parallel plan is made per dp "
+                        "group by parallelize itself")
+    mesh = parallel_mesh(world.world_size, _ranks_per_host(world), tp=config.tp, pp=config.pp,
+                         cp=config.cp)
+    _start_alike(model, world)
+    groups = build_mesh_groups(mesh, world.world, world.env)
+    found = MeshParallel(mesh, world, groups, Stats())
+    target = model
+    if config.tp > 1:
+        found.tp = TensorParallel.from_mesh(groups, found.stats, config.sequence_parallel)
+        before = dict(model.named_parameters())
+        found.layout = apply_layout(model, config.layout or layout_for(model), found.tp)
+        _swap_in_optimizer(optimizer, before, dict(model.named_parameters()))
+    if config.pp > 1:
+        if config.sequence_parallel:
+            raise PlanError("pp > 1 with sequence_parallel: the stages' boundaries would carry "
+                            "sequence slices; not supported yet")
+        m = config.microbatches or 2 * config.pp
+        schedule = build_schedule(config.schedule, config.pp, m, config.stages_per_rank)
+        before = dict(model.named_parameters())
+        found.pipeline = PipelineModel(model, schedule, groups.group("pp"), groups.coord("pp"),
+                                       found.stats)
+        target = found.pipeline.part
+        _swap_in_optimizer(optimizer, before, dict(target.named_parameters()))
+    dp = data_parallel_groups(groups, world)
+    flat = dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None)
+    dp_plan = planner.plan(target, flat, cluster, density, traffic, topology=dp.topology)
+    # The pipeline's stages never run the part's own forward, where the input checks and the
+    # zeroed-without-a-step check look.
+    engine = Engine(target, optimizer, dp, dp_plan, config.check_inputs and config.pp == 1)
+    engine.mesh = found
+    apply_recompute(target, dp_plan.recompute, engine.changes)
+    if found.pipeline is not None:
+        found.pipeline._tilework_engine = engine    # the runner ends its counted steps
+    elif optimizer is not None:
+        engine.changes.hook("optimizer: step post-hook (the mesh's counted step ends)",
+                            optimizer.register_step_post_hook(
+                                lambda *_: found.stats.end_step()))
+    if log and world.rank == 0:
+        from .api import print_plan
+
+        print(f"tilework mesh: {mesh} ({', '.join(_axis_line(groups, a) for a in mesh.names)})")
+        print_plan(dp_plan)
+    return (found.pipeline or model), optimizer
+
+
+def _axis_line(groups, axis: str) -> str:
+    return f"{axis} groups {groups.mesh.groups(axis)}"
+
+
+def _ranks_per_host(world: Groups) -> int | None:
+    sizes = {len(h) for h in world.topology.hosts}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+@torch.no_grad()
+def _start_alike(model: nn.Module, world: Groups) -> None:
+    """Rank 0's values everywhere before the layout cuts them: every tp rank must take its
+    shard of the same tensor (DDP broadcasts too; the engine does again over dp)."""
+    if world.world is None:
+        return
+    stats = Stats()
+    for t in [*model.parameters(), *model.buffers()]:
+        counted.broadcast(t.data, 0, world.world, stats, "setup")
+
+
+def _swap_in_optimizer(optimizer, before: dict, after: dict) -> None:
+    """The optimizer's parameters replaced by what took their names (tensor-parallel shards),
+    and dropped where nothing did (another pipeline stage's)."""
+    if optimizer is None:
+        return
+    if optimizer.state:
+        raise PlanError("parallelize with tp or pp > 1 before the optimizer's first step: its "
+                        "state would have to be split too")
+    name_of = {id(p): n for n, p in before.items()}
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            name = name_of.get(id(p))
+            if name is None:
+                params.append(p)       # not the model's: left as the user made it
+            elif name in after:
+                params.append(after[name])
+        group["params"] = params

@@ -1,0 +1,85 @@
+"""What `tilework.parallelize(..., pp=N)` returns: this rank's stages, trained one schedule a step.
+
+    model, opt = tilework.parallelize(model, opt, pp=2, microbatches=4)
+    loss = model.step(tokens, targets)    # replaces: loss = model(...); loss.backward()
+    opt.step(); opt.zero_grad()           # unchanged
+
+`part` is a module tree holding only this rank's stages' modules under their one-process names
+("blocks.layers.2.linear1.weight"), so the data-parallel engine, the optimizer and the
+checkpoint all see one-process keys; the model's other stages are left to the other ranks (and
+out of this rank's optimizer). Gradients accumulate locally over the microbatches and are
+averaged over dp at the rank's last backward, as DDP's no_sync does for accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..errors import PlanError
+from .runtime import PipelineRunner
+from .schedule import Schedule
+from .stages import split_stages
+
+
+def local_part(model: nn.Module, modules: list[nn.Module]) -> nn.Module:
+    """A module tree of `modules` (submodules of `model`) under their names in `model`, with
+    plain containers for the modules in between: its parameters' names are the model's."""
+    names = {id(m): n for n, m in model.named_modules()}
+    root = nn.Module()
+    for module in modules:
+        path = names[id(module)].split(".")
+        parent = root
+        for step in path[:-1]:
+            if not hasattr(parent, step):
+                parent.add_module(step, nn.Module())
+            parent = getattr(parent, step)
+        parent.add_module(path[-1], module)
+    return root
+
+
+def _stage_modules(stage: nn.Module) -> list[nn.Module]:
+    """The model's own modules a GPTStage holds (its layers, and the ends it owns)."""
+    return [*stage.layers, *(m for name, m in stage.named_children() if name != "layers")]
+
+
+class PipelineModel(nn.Module):
+    def __init__(self, model: nn.Module, schedule: Schedule, group, rank: int, stats):
+        super().__init__()
+        stages = split_stages(model, schedule.stages)
+        owned = {id(p) for s in stages for p in s.parameters()}
+        stray = [n for n, p in model.named_parameters() if id(p) not in owned]
+        if stray:
+            raise PlanError(f"pp={schedule.pp}: {stray[0]} is in no pipeline stage (a stage "
+                            "holds the embeddings, its blocks, or the final norm and head)")
+        mine = {s: stages[s] for s in schedule.stages_of(rank)}
+        self.part = local_part(model, [m for s in mine.values() for m in _stage_modules(s)])
+        self.runner = PipelineRunner(mine, schedule, group, stats)
+        self.schedule = schedule
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One schedule: forward and backward of the batch in microbatches; the batch's mean
+        loss on the last stage's rank, None on the others. Every rank of a pipeline passes the
+        same batch (each data-parallel replica its own)."""
+        part = self.part
+        with _local_backwards(part):
+            return self.runner.step(inputs, targets, on_last_backward=lambda: setattr(
+                part, "require_backward_grad_sync", True))
+
+    def forward(self, *args, **kwargs):
+        raise PlanError(f"with pp={self.schedule.pp} the pipeline runs forward and backward "
+                        "together: call model.step(inputs, targets) instead of model(...) and "
+                        "loss.backward()")
+
+
+@contextlib.contextmanager
+def _local_backwards(part: nn.Module):
+    """Backwards keep their gradients local until the rank's last one (set by the runner)."""
+    before = getattr(part, "require_backward_grad_sync", True)
+    part.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        part.require_backward_grad_sync = before
