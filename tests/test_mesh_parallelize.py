@@ -1,5 +1,6 @@
-"""`tilework.parallelize` with tp and pp (ParallelConfig(tp=, pp=, ...)): the reference GPT
-trained on a dp x pp x tp mesh equals one process, and its checkpoint is one process's."""
+"""`tilework.parallelize` with tp, pp and cp (ParallelConfig(tp=, pp=, cp=, ...)): the reference
+GPT trained on a dp x pp x cp x tp mesh equals one process, counted bytes per axis equal the
+cost model's, and its checkpoint is one process's."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check(results, options, ref):
     ref_losses, ref_state = ref
     world = len(results)
-    dp = world // (options.get("tp", 1) * options.get("pp", 1))
+    dp = world // (options.get("tp", 1) * options.get("pp", 1) * options.get("cp", 1))
     if not options.get("zero") and not options.get("overrides"):
         config = tilework.ParallelConfig(**options)
         for rank, r in enumerate(results):   # counted bytes per axis == the cost model's
@@ -87,14 +88,14 @@ def _check(results, options, ref):
         assert abs(mean - ref_losses[step]) <= TOL * abs(ref_losses[step]), (options, step)
 
 
-TWO = [{"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 4},
+TWO = [{"cp": 2}, {"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 4},
        {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
        {"pp": 2, "microbatches": 4, "schedule": "interleaved"}]
 # The embedding left whole by the layout and served by the parameter server over dp, while
 # the blocks are split over tp: the combination the issue names.
 SERVED_TOKENS = {"tp": 2, "layout": {k: v for k, v in GPT_LAYOUT.items() if k != "tokens"},
                  "overrides": {"tokens.weight": "ps"}}
-FOUR = [{"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 2},
+FOUR = [{"cp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 2},
         {"tp": 2, "pp": 2, "microbatches": 2}, {"tp": 2, "zero": 1}, {"tp": 2, "zero": 3},
         SERVED_TOKENS]
 EIGHT = [{"tp": 2, "pp": 2, "microbatches": 2}]
@@ -105,16 +106,17 @@ def ref():
     return reference()
 
 
-def test_two_ranks_tp_or_pp_train_as_one_process(ref):
+def test_two_ranks_cp_tp_or_pp_train_as_one_process(ref):
     results = spawn(_train, 2, (TWO,), timeout=240)
     for k, options in enumerate(TWO):
         _check([r[k] for r in results], options, ref)
-    tp_only = results[0][0][2]
+    assert set(results[0][0][2]) == {"cp", "allreduce"}   # dp x cp average the gradients
+    tp_only = results[0][1][2]
     assert tp_only.get("tp", 0) > 0 and "allreduce" not in tp_only   # dp = 1: no dp bytes
-    assert results[0][2][2].get("pipeline", 0) > 0
+    assert results[0][3][2].get("pipeline", 0) > 0
 
 
-def test_four_ranks_dp_with_tp_and_pp_train_as_one_process(ref):
+def test_four_ranks_dp_with_cp_tp_and_pp_train_as_one_process(ref):
     results = spawn(_train, 4, (FOUR,), timeout=300)
     for k, options in enumerate(FOUR):
         _check([r[k] for r in results], options, ref)

@@ -72,12 +72,17 @@ class Mesh:
             rank = rank * size + coords[name]
         return rank
 
-    def groups(self, axis: str) -> list[tuple[int, ...]]:
-        """Every group along `axis`, each in increasing coordinate, ordered by their first rank."""
-        self._index(axis)
-        firsts = [r for r in range(self.size) if self.coords(r)[axis] == 0]
-        return [tuple(self.rank_of(self.coords(r) | {axis: i})
-                      for i in range(self.size_of(axis))) for r in firsts]
+    def groups(self, axis: str | tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Every group along `axis` (or along several axes: the ranks that differ only in
+        those), each in increasing rank, ordered by their first rank."""
+        axes = (axis,) if isinstance(axis, str) else tuple(axis)
+        for a in axes:
+            self._index(a)
+        out: dict[tuple, list[int]] = {}
+        for r in range(self.size):
+            at = self.coords(r)
+            out.setdefault(tuple(v for k, v in at.items() if k not in axes), []).append(r)
+        return sorted(tuple(g) for g in out.values())
 
     def as_dict(self) -> dict:
         return {"axes": [{"name": n, "size": s} for n, s in self.axes]}

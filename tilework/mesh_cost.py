@@ -6,7 +6,8 @@ meta-device one will do), the config and the batch; the figures `tilework.stats`
                on the tokens of its dp share of the batch
     pipeline   the schedule's boundary sends (pipeline/simulate.p2p_bytes), one microbatch's
                activation each
-    allreduce  the dense buckets over dp (cost.dense_sync_bytes) of this rank's shards of
+    cp         ring attention's K/V blocks, forward and backward (context/cost.py)
+    allreduce  the dense buckets over dp (dp x cp under context parallelism; cost.dense_sync_bytes) of this rank's shards of
                this rank's stages, the input check's words riding the last bucket (not under
                pp, whose stages never run the model's own forward where the check looks)
 """
@@ -56,7 +57,13 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
                         for p in layout.placements if p.module in local_modules)
         held = layout.local_shapes()
         shapes = {n: held[n] for n in shapes}
-    dp = mesh.size_of("dp")
+    if config.cp > 1:
+        from .context import cp_attention_bytes
+
+        attention = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+        out["cp"] = cp_attention_bytes(batch, attention[0].num_heads, seq, attention[0].head_dim,
+                                       config.cp, len(attention), itemsize)
+    dp = mesh.size_of("dp") * config.cp   # a dp x cp group averages the gradients
     carried = CHECK_WORDS * itemsize if config.check_inputs and config.pp == 1 else 0
     out["allreduce"] = dense_sync_bytes([prod(s) * itemsize for s in shapes.values()],
                                         bucket_bytes(config.bucket_mb), dp, carried)

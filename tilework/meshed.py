@@ -23,6 +23,7 @@ from .comm.groups import Groups
 from .errors import PlanError
 from .mesh import Mesh, parallel_mesh
 from .parallel_config import ParallelConfig
+from .sync.hooks import PicklesAsNoop
 
 
 @dataclass(eq=False)
@@ -48,9 +49,10 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
     from .tensor import TensorParallel, apply_layout, build_mesh_groups, layout_for
     from .tensor.groups import data_parallel_groups
 
-    if config.cp > 1:
-        raise PlanError("cp > 1: context parallelism is not wired into parallelize yet "
-                        "(tilework.context is the library)")
+    if config.cp > 1 and (config.tp > 1 or config.pp > 1):
+        raise PlanError(f"cp={config.cp} with tp={config.tp}, pp={config.pp}: context "
+                        "parallelism composes with data parallelism only so far (ring attention "
+                        "and head-split attention both replace the attention modules)")
     if plan is not None:
         raise PlanError("plan=: with tp, pp or cp > 1 the data-parallel plan is made per dp "
                         "group by parallelize itself")
@@ -60,6 +62,10 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
     groups = build_mesh_groups(mesh, world.world, world.env)
     found = MeshParallel(mesh, world, groups, Stats())
     target = model
+    if config.cp > 1:
+        from .context import apply_context_parallel
+
+        apply_context_parallel(model, groups.group("cp"), found.stats)
     if config.tp > 1:
         found.tp = TensorParallel.from_mesh(groups, found.stats, config.sequence_parallel)
         before = dict(model.named_parameters())
@@ -76,7 +82,9 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
                                        found.stats)
         target = found.pipeline.part
         _swap_in_optimizer(optimizer, before, dict(target.named_parameters()))
-    dp = data_parallel_groups(groups, world)
+    # Under cp the ranks of a dp x cp group average their gradients together: each computes
+    # its tokens' mean loss, and every rank holds as many tokens.
+    dp = data_parallel_groups(groups, world, ("dp", "cp") if config.cp > 1 else ("dp",))
     flat = dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None)
     dp_plan = planner.plan(target, flat, cluster, density, traffic, topology=dp.topology)
     # The pipeline's stages never run the part's own forward, where the input checks and the
@@ -84,6 +92,11 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
     engine = Engine(target, optimizer, dp, dp_plan, config.check_inputs and config.pp == 1)
     engine.mesh = found
     apply_recompute(target, dp_plan.recompute, engine.changes)
+    if config.cp > 1:
+        engine.changes.hook("model: forward pre-hook (this rank's part of the sequence)",
+                            model.register_forward_pre_hook(
+                                PicklesAsNoop(_SequenceCut(groups.coord("cp"), config.cp)),
+                                with_kwargs=True, prepend=True))
     if found.pipeline is not None:
         found.pipeline._tilework_engine = engine    # the runner ends its counted steps
     elif optimizer is not None:
@@ -96,6 +109,22 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
         print(f"tilework mesh: {mesh} ({', '.join(_axis_line(groups, a) for a in mesh.names)})")
         print_plan(dp_plan)
     return (found.pipeline or model), optimizer
+
+
+class _SequenceCut:
+    """The model's (batch, sequence, ...) tensor inputs cut to this rank's load-balanced part
+    of the sequence (context/layout.py), so the script passes whole sequences as before."""
+
+    def __init__(self, cp_rank: int, cp: int):
+        self.cp_rank, self.cp = cp_rank, cp
+
+    def __call__(self, module, args, kwargs):
+        from .context import shard
+
+        def cut(x):
+            return shard(x, self.cp_rank, self.cp) if torch.is_tensor(x) and x.dim() >= 2 else x
+
+        return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
 def _axis_line(groups, axis: str) -> str:

@@ -8,7 +8,6 @@ groups) as an argument.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -75,34 +74,40 @@ def build_mesh_groups(mesh: Mesh, world=None, env: WorkerEnv | None = None) -> M
     return MeshGroups(mesh, rank, mine)
 
 
-def data_parallel_groups(mesh_groups: MeshGroups, world_groups: Groups) -> Groups:
-    """The data-parallel engine's `Groups` over this rank's dp group: its own topology (which
-    of the dp group's ranks share a host), host and cross-host groups, and the world's store
-    under a prefix of its own, since every dp group runs its own call guard.
+def data_parallel_groups(mesh_groups: MeshGroups, world_groups: Groups,
+                         axes: tuple[str, ...] = ("dp",)) -> Groups:
+    """The data-parallel engine's `Groups` over this rank's group along `axes` (dp; dp and cp
+    under context parallelism, whose ranks' gradients are averaged together as Megatron's
+    dp-cp group does): its own topology (which of its ranks share a host), host and
+    cross-host groups, and the world's store under a prefix of its own, since every such group
+    runs its own call guard.
 
-    Collective over the world: every rank creates the host and cross-host groups of every dp
-    group, dp groups in mesh order.
+    Collective over the world: every rank creates the groups of every such group, in mesh order.
     """
     mesh, world = mesh_groups.mesh, world_groups.world
     if mesh.size == 1 or world is None:
         return world_groups
     backend = dist.get_backend(world)
     timeout = _timeout_of(world, backend, world_groups.env)
-    mine = None
-    for index, ranks in enumerate(mesh.groups("dp")):
+    me, mine = world_groups.rank, None
+    for index, ranks in enumerate(mesh.groups(axes)):
+        if axes == ("dp",):
+            group = mesh_groups.group("dp") if me in ranks else None
+        elif len(ranks) == mesh.size:
+            group = world
+        else:
+            made = dist.new_group(list(ranks), backend=backend, timeout=timeout) \
+                if len(ranks) > 1 else None
+            group = made if me in ranks else None
         topology = Topology.from_host_ids([world_groups.topology.host_of(r) for r in ranks])
-        intra, inter = _host_groups(ranks, topology, mesh_groups.group("dp")
-                                    if world_groups.rank in ranks else None, backend, timeout,
-                                    world_groups.rank)
-        if world_groups.rank in ranks:
+        intra, inter = _host_groups(ranks, topology, group, backend, timeout, me)
+        if me in ranks:
             store = world_groups.store
-            if store is not None:
+            if store is not None and group is not None:
                 store = dist.PrefixStore(f"tilework/dp{index}/", store)
-            mine = Groups(world=mesh_groups.group("dp"), topology=topology,
-                          rank=ranks.index(world_groups.rank), intra=intra, inter=inter,
-                          device=world_groups.device, store=store, env=world_groups.env)
-    if mine.world is None:   # dp = 1: a world of one, every collective short-circuits
-        mine = dataclasses.replace(mine, store=None)
+            mine = Groups(world=group, topology=topology, rank=ranks.index(me), intra=intra,
+                          inter=inter, device=world_groups.device,
+                          store=store if group is not None else None, env=world_groups.env)
     return mine
 
 
