@@ -2,8 +2,9 @@
 MemTracker on real one-process runs of the benchmark workloads, and per rank under a plan.
 
 Measured here (estimate / MemTracker): parameters, gradients and optimizer state exact;
-activations 1.00-1.06 (the LSTM LM: 0.68, not yet explained); peak 0.89-1.08. The issue's target is +-10% for every category: met but for
-those activations and the recommender's Adam peak (0.89); the bounds below are what holds.
+activations 1.00-1.06 (the LSTM LM: 0.68, not yet explained); peak 1.00-1.08. The issue's
+target is +-10% for every category: met but for those activations; the bounds below are what
+holds. The optimizer step's temporaries are checked on their own against counted steps.
 """
 
 import pytest
@@ -59,7 +60,7 @@ def test_the_estimate_against_memtracker(workload, activations, optimizer):
         assert estimate[category] == measured[category], category
     low, high = activations
     assert low <= estimate["activations"] / measured["activations"] <= high
-    assert 0.85 <= estimate["peak"] / measured["peak"] <= 1.12
+    assert 0.9 <= estimate["peak"] / measured["peak"] <= 1.1
 
 
 def _step_temporaries_measured(params, opt) -> int:
@@ -200,30 +201,50 @@ def test_tilework_plan_reports_memory_per_rank_and_flags_what_is_over_budget(tmp
 
 # -- ZeRO: the estimate per rank against MemTracker in each of 2 real ranks ---------------------
 
-def _zero_model():
+def _zero_model(workload=None):
     from tilework.models.gpt import TinyGPT
 
     torch.manual_seed(0)
+    if workload is not None:
+        return WORKLOADS[workload].make(False)   # dense-gradient tables: ZeRO shards them too
     return TinyGPT(vocab=2000, dim=128, heads=4, layers=4, seq_len=32)
 
 
-def _zero_inputs(rank):
+def _zero_inputs(rank, workload=None):
+    if workload is not None:
+        return WORKLOADS[workload].batch(0, rank, 2)
     tokens = torch.randint(0, 2000, (4, 33), generator=torch.Generator().manual_seed(rank))
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _zero_rank(rank, world_size, config):
+def _without_stand_ins(tracker: MemTracker) -> MemTracker:
+    """The tracker, blind to ZeRO's `.grad` stand-ins (shards.ShardedGradient): a wrapper
+    subclass has a storage of the gradient's nominal size and no data, which MemTracker would
+    count as a gradient when its post-accumulate hook runs after ZeRO's has put one there."""
+    from tilework.sync.shards import ShardedGradient
+
+    track = tracker._update_and_maybe_create_winfos
+
+    def real_only(t, reftype, update_existing=False):
+        return set() if isinstance(t, ShardedGradient) else track(t, reftype, update_existing)
+
+    tracker._update_and_maybe_create_winfos = real_only
+    return tracker
+
+
+def _zero_rank(rank, world_size, config, workload=None):
     import tilework
 
-    model = _zero_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = _zero_model(workload)
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if workload else
+           torch.optim.AdamW(model.parameters(), lr=1e-3))
     tilework.parallelize(model, opt, config, log=False)
-    tracker = MemTracker()
+    tracker = _without_stand_ins(MemTracker())
     # The shards are the optimizer's parameters, not the model's: tracked as "other".
     tracker.track_external(model, opt, *[s.shard for s in model._tilework_engine.zero.shards])
     with tracker:
         for _ in range(2):
-            model(*_zero_inputs(rank)).backward()
+            model(*_zero_inputs(rank, workload)).backward()
             opt.step()
             opt.zero_grad()
             after_step = _current(tracker)
@@ -234,22 +255,26 @@ def _zero_rank(rank, world_size, config):
             "optimizer_state": after_step["OPT"], "peak": peak["Total"] - peak["BUFFER"]}
 
 
-@pytest.mark.parametrize("zero, recompute", [(0, "none"), (1, "none"), (2, "none"), (3, "none"),
-                                             (3, "full")])
-def test_zero_estimate_against_memtracker_on_two_ranks(zero, recompute):
+@pytest.mark.parametrize("zero, recompute, workload", [
+    (0, "none", None), (1, "none", None), (2, "none", None), (3, "none", None),
+    (3, "full", None), *[(z, "none", w) for w in ("recommender", "lm100k") for z in range(4)]])
+def test_zero_estimate_against_memtracker_on_two_ranks(zero, recompute, workload):
     """Parameters (the full values held plus the shards) and optimizer state exact, the peak
-    within 10%, on each rank of a real 2-rank run (measured 0.96-1.01)."""
+    within 10%, on each rank of a real 2-rank run: the GPT of 5 MB with AdamW (measured
+    0.99-1.01), the recommender and the 100k-word LM with Adam (1.00; stage 0's single-tensor
+    Adam step sets the recommender's peak)."""
     from tilework.cluster import Topology
     from tilework.memory import estimate_per_rank
     from tilework.planner import plan as make_plan
     from tilework.testing import spawn
 
     config = ParallelConfig(zero=zero, recompute=recompute, check_inputs=False)
-    model = _zero_model()
+    model = _zero_model(workload)
     plan = make_plan(model, config, topology=Topology.from_sizes([2]))
-    measured = spawn(_zero_rank, 2, args=(config,), timeout=120)
+    measured = spawn(_zero_rank, 2, args=(config, workload), timeout=300)
     for rank, got in enumerate(measured):
-        est = estimate_per_rank(model, plan, _zero_inputs(rank), "adamw", ranks=[rank])[0]
+        est = estimate_per_rank(model, plan, _zero_inputs(rank, workload),
+                                "adam" if workload else "adamw", ranks=[rank])[0]
         assert est.parameters == got["parameters"], rank
         assert est.optimizer_state == got["optimizer_state"], rank
         assert est.peak == pytest.approx(got["peak"], rel=0.10), rank
