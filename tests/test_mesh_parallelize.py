@@ -31,22 +31,34 @@ def batch(step: int, part: int = 0, parts: int = 1):
     return tiny_gpt.gpt_batch(step, VOCAB, SEQ, GLOBAL_BATCH, part, parts)
 
 
-def reference():
+def reference(clip: float | None = None):
+    """One process's losses and state; with `clip`, torch's clip_grad_norm_ every step."""
     model = new_gpt()
-    losses = tiny_gpt.sgd_losses(model, batch, STEPS)
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = model(*batch(step))
+        loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, norms
 
 
 def _train(rank, world_size, configs):
     """Each config in turn on the same world: losses as this rank saw them and the full state."""
     out = []
     for options in configs:
+        options = dict(options)
+        clip = options.pop("clip", None)
         model = new_gpt()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = tilework.parallelize(model, opt, log=False, **options)
         mesh = model._tilework_engine.mesh
         dp, dp_rank = mesh.mesh.size_of("dp"), mesh.groups.coord("dp")
-        losses = []
+        losses, norms = [], []
         for step in range(STEPS):
             tokens, targets = batch(step, dp_rank, dp)
             if options.get("pp", 1) > 1:
@@ -54,12 +66,14 @@ def _train(rank, world_size, configs):
             else:
                 loss = model(tokens, targets)
                 loss.backward()
+            if clip is not None:
+                norms.append(tilework.clip_grad_norm_(model, clip).item())
             opt.step()
             opt.zero_grad()
             losses.append(None if loss is None else loss.item())
         stats = tilework.stats(model)["last_step"]
         out.append((losses, tilework.state_dict(model, opt)["model"],
-                    {k: v["sent"] for k, v in stats.items()}))
+                    {k: v["sent"] for k, v in stats.items()}, norms))
     return out
 
 
@@ -68,15 +82,18 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check(results, options, ref):
-    ref_losses, ref_state = ref
+    ref_losses, ref_state, ref_norms = ref
     world = len(results)
     dp = world // (options.get("tp", 1) * options.get("pp", 1) * options.get("cp", 1))
-    if not options.get("zero") and not options.get("overrides"):
+    for rank, r in enumerate(results):
+        assert len(r[3]) == len(ref_norms) and all(
+            abs(a - b) <= TOL * b for a, b in zip(r[3], ref_norms)), (options, rank, r[3])
+    if not options.get("zero") and not options.get("overrides") and "clip" not in options:
         config = tilework.ParallelConfig(**options)
         for rank, r in enumerate(results):   # counted bytes per axis == the cost model's
             assert r[2] == mesh_step_bytes(new_gpt(), config, world, rank, GLOBAL_BATCH // dp,
                                            SEQ), (options, rank)
-    for rank, (losses, state, _) in enumerate(results):
+    for rank, (losses, state, *_) in enumerate(results):
         assert set(state) == set(ref_state), f"rank {rank}: keys differ"
         bad = [k for k in ref_state if not _close(state[k], ref_state[k])]
         assert not bad, f"{options} rank {rank}: {bad}"
@@ -120,6 +137,24 @@ def test_four_ranks_dp_with_cp_tp_and_pp_train_as_one_process(ref):
     results = spawn(_train, 4, (FOUR,), timeout=300)
     for k, options in enumerate(FOUR):
         _check([r[k] for r in results], options, ref)
+
+
+CLIP = 0.5   # below the GPT's gradient norms (0.66-0.71): every step clips
+CLIPPED_TWO = [{"tp": 2, "clip": CLIP}, {"pp": 2, "clip": CLIP},
+               {"tp": 2, "sequence_parallel": True, "clip": CLIP}]
+CLIPPED_FOUR = [{"tp": 2, "pp": 2, "clip": CLIP}, {"tp": 2, "zero": 2, "clip": CLIP},
+                {"cp": 2, "zero": 3, "clip": CLIP}, dict(SERVED_TOKENS, clip=CLIP)]
+
+
+def test_clip_grad_norm_on_a_mesh_is_one_process_clip():
+    """tilework.clip_grad_norm_ over tp shards, pipeline stages, ZeRO chunks and server rows:
+    the norm and the clipped step of torch's clip_grad_norm_ in one process."""
+    ref = reference(CLIP)
+    assert min(ref[2]) > CLIP
+    for world, configs in ((2, CLIPPED_TWO), (4, CLIPPED_FOUR)):
+        results = spawn(_train, world, (configs,), timeout=300)
+        for k, options in enumerate(configs):
+            _check([r[k] for r in results], options, ref)
 
 
 def test_eight_ranks_dp2_pp2_tp2_train_as_one_process(ref):

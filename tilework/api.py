@@ -122,6 +122,9 @@ def unparallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     the optimizer, every hook and attribute tilework added removed). A collective: every rank
     calls it, between steps. Returns (model, optimizer)."""
     engine = _engine(model)
+    if getattr(engine, "mesh", None) is not None:
+        raise PlanError("unparallelize: not on a tp/pp/cp mesh yet; tilework.save(path, model, "
+                        "opt) writes one process's state, which loads into the plain model")
     if optimizer is not None and optimizer is not engine.optimizer:
         raise PlanError("unparallelize: this optimizer is not the one parallelize was given")
     engine.undo()
@@ -198,6 +201,12 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
     the norm and the clipping are one process's. A plain or DDP-wrapped module, or an iterable
     of parameters, goes to torch's own. Every rank calls it."""
     engine = getattr(model, "_tilework_engine", None)
+    if getattr(engine, "mesh", None) is not None:
+        from .mesh_clip import clip_norm_on_mesh
+
+        with engine.guard.call("tilework.clip_grad_norm_()"):
+            return clip_norm_on_mesh(engine, float(max_norm), float(norm_type),
+                                     error_if_nonfinite, foreach)
     if engine is not None:
         return engine.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite,
                                       foreach)
