@@ -118,3 +118,104 @@ def test_tilework_save_writes_the_same_checked_format(tmp_path):
     # A file from tilework.save before format 2 still loads.
     torch.save({"format": "tilework-state", "state": tilework.state_dict(model, opt)}, path)
     tilework.load(path, model, opt)
+
+
+# The gpt workload on a dp x pp x cp x tp mesh: `tilework train`'s loop (its sampler, model.step
+# under pp, the logged loss, evaluation, checkpoints) gives one process's numbers.
+MESH_TOL = 1e-5   # relative: tp's partial sums and the pipeline's microbatch means reorder adds
+
+
+def gpt_job(out_dir, steps=4, **parallel):
+    from tilework.parallel_config import ParallelConfig
+    from tilework.train.job import GPTJob
+
+    return Job(workload="gpt",
+               gpt=GPTJob(corpus="zipf", vocab=64, dim=16, heads=4, layers=4, seq_len=8,
+                          zipf_tokens=20_000, eval_sequences=16),
+               data=DataJob(batch_size=8),
+               train=TrainJob(steps=steps, optimizer="adam", lr=0.01, log_every=2, eval_every=2,
+                              checkpoint_every=steps, out_dir=str(out_dir)),
+               parallel=ParallelConfig(**parallel))
+
+
+def _train_on_ranks(rank, world_size, job, resume):
+    import torch.distributed as dist
+
+    from tilework.comm import build_groups
+
+    result = train(job, groups=build_groups(dist.group.WORLD), resume=resume)
+    return result.first_step, result.losses, result.evals
+
+
+def _assert_close(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert abs(g - w) <= MESH_TOL * abs(w), (got, want)
+
+
+def _assert_evals(got, want):
+    """Held-out losses at the same steps (evaluated at 0, every 2 steps, and on resuming)."""
+    by_step = {e["step"]: e["eval_loss"] for e in want}
+    assert got and all(e["step"] in by_step for e in got)
+    _assert_close([e["eval_loss"] for e in got], [by_step[e["step"]] for e in got])
+
+
+def test_gpt_at_tp2_and_pp2_trains_as_one_process_and_resumes_at_another_mesh(tmp_path):
+    from tilework.testing import spawn
+
+    one = train(gpt_job(tmp_path / "one", steps=6))
+    for name, options in (("tp", {"tp": 2}), ("pp", {"pp": 2, "microbatches": 4})):
+        job = gpt_job(tmp_path / name, steps=4, **options)
+        for first, losses, evals in spawn(_train_on_ranks, 2, (job, False), timeout=240):
+            _assert_close(losses, one.losses[:4])   # every rank logs the batch's loss
+            _assert_evals(evals, one.evals)
+    # The pipeline's checkpoint (one-process layout) resumed at tp=2 for two more steps.
+    job = gpt_job(tmp_path / "pp", steps=6, tp=2)
+    for first, losses, evals in spawn(_train_on_ranks, 2, (job, True), timeout=240):
+        assert first == 4
+        _assert_close(losses, one.losses[4:])
+        _assert_evals(evals, one.evals)
+
+
+def test_gpt_at_dp2_x_pp2_each_replica_reads_its_slice(tmp_path):
+    """4 ranks: each dp replica trains on its half of the global batch (the sampler shards by
+    the dp coordinate, a pipeline's two ranks reading the same half), so the losses are one
+    process's on the whole batch; the bytes rank 0 logs are the cost model's."""
+    from tilework.mesh_cost import mesh_step_bytes
+    from tilework.report import meta_model
+    from tilework.testing import spawn
+
+    one = train(gpt_job(tmp_path / "one", steps=2))
+    job = gpt_job(tmp_path / "mesh", steps=2, pp=2, microbatches=2)
+    for _, losses, evals in spawn(_train_on_ranks, 4, (job, False), timeout=300):
+        _assert_close(losses, one.losses)
+        _assert_evals(evals, one.evals)
+    logged = [json.loads(line) for line in (tmp_path / "mesh" / "metrics.jsonl").read_text()
+              .splitlines()]
+    sent = {k.removeprefix("bytes_"): v for k, v in logged[-2].items()
+            if k.startswith("bytes_") and k != "bytes_all_dense_allreduce"}
+    assert sent == mesh_step_bytes(meta_model(job), job.parallel, 4, 0, batch=4, seq=8)
+
+
+def test_job_file_gpt_and_mesh_fields_are_checked(tmp_path):
+    from tilework.errors import ConfigError
+
+    job = Job.load("docs/examples/gpt-mesh.toml")
+    assert (job.workload, job.parallel.tp, job.parallel.pp, job.parallel.microbatches) == \
+        ("gpt", 2, 2, 4)
+    assert job.parallel.layout["blocks.layers.*.self_attn"] == "heads"
+    bad = {'workload = "gpt"\n[gpt]\nwidth = 8\n': "gpt.width: unknown key",
+           'workload = "gpt"\n[gpt]\ndim = 10\nheads = 4\n': "gpt.heads: expected a divisor",
+           'workload = "lm"\n[parallel]\npp = 2\n': "parallel.pp: expected 1 for the 'lm'",
+           'workload = "gpt"\n[parallel]\ntp = 3\n': "parallel.tp: expected a divisor of gpt.heads",
+           'workload = "gpt"\n[parallel]\nschedule = "zb"\n': "parallel.schedule: expected",
+           'workload = "gpt"\n[parallel]\npp = 4\nschedule = "interleaved"\n':
+               r"parallel.pp: expected at most gpt.layers \(2\) pipeline stages",
+           'workload = "gpt"\n[parallel]\ntp = 2\n[parallel.layout]\nhead = "colwize"\n':
+               "parallel.layout.head: expected one of colwise",
+           'workload = "gpt"\n[gpt]\nseq_len = 6\n[parallel]\ncp = 2\n': "parallel.cp: expected"}
+    for text, message in bad.items():
+        path = tmp_path / "job.toml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            Job.load(path)

@@ -16,7 +16,7 @@ from .analysis import ParamInfo, analyze
 from .cluster import Cluster, Host, Links, Topology
 from .cost import TableTraffic, dense_served, predict, ring_allreduce, sparse_allgather
 from .errors import PlanError
-from .models import DLRM, SmallResNet, WordLM
+from .models import DLRM, SmallResNet, TinyGPT, WordLM
 from .plan import Plan
 from .planner import plan
 from .train.job import Job
@@ -29,6 +29,9 @@ def meta_model(job: Job) -> torch.nn.Module:
             if job.workload == "lm":
                 c = job.lm
                 return WordLM(c.vocab, c.embed_dim, c.hidden, c.layers, c.sparse, c.num_sampled)
+            if job.workload == "gpt":
+                c = job.gpt
+                return TinyGPT(c.vocab, c.dim, c.heads, c.layers, c.seq_len)
             if job.workload == "cnn":
                 c = job.cnn
                 return SmallResNet(c.num_classes, c.width, c.blocks)
@@ -137,6 +140,8 @@ def example_batch(job: Job, cluster: Cluster) -> tuple:
         c = job.lm
         negatives = ids(c.num_sampled) if c.num_sampled else None
         return ids(b, c.seq_len), ids(b, c.seq_len), negatives
+    if job.workload == "gpt":
+        return ids(b, job.gpt.seq_len), ids(b, job.gpt.seq_len)
     if job.workload == "cnn":
         return values(b, 3, job.cnn.image_size, job.cnn.image_size), ids(b)
     c = job.recommender

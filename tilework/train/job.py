@@ -1,12 +1,16 @@
 """The job file (`tilework train job.toml`): which workload, its data, the loop, the parallel plan.
 
-    workload = "lm"                  # lm | cnn | recommender
+    workload = "lm"                  # lm | gpt | cnn | recommender
     [lm]    corpus = "stdlib", vocab = 10000, seq_len = 32, ...
+    [gpt]   corpus = "stdlib", vocab = 10000, dim = 64, heads = 4, layers = 2, seq_len = 32
     [data]  batch_size = 32, scaling = "strong", seed = 0
     [train] steps = 200, optimizer = "adam", lr = 0.01, checkpoint_every = 50, out_dir = "runs/x"
-    [parallel] mode = "hybrid"
+    [parallel] mode = "hybrid", tp = 2, pp = 2, microbatches = 4, schedule = "1f1b", ...
+    [parallel.layout] "blocks.layers.*.linear1" = "colwise", ...
 
 Only the selected workload's table is read. Every key is checked; unknown keys are refused by name.
+tp, pp and cp split the model itself (tilework/meshed.py): only the gpt workload, a TinyGPT,
+has the blocks they split, so the others refuse them here, before any worker starts.
 """
 
 from __future__ import annotations
@@ -45,6 +49,33 @@ class LMJob:
             check(getattr(self, name) >= 1, name, f"at least 1, got {getattr(self, name)}")
         check(self.num_sampled >= 0, "num_sampled", f">= 0, got {self.num_sampled}")
         # torch builds an LSTM layer by layer: 1,000 take a second even on the meta device.
+        check(self.layers <= MAX_LAYERS, "layers", f"at most {MAX_LAYERS}, got {self.layers}")
+        check(0 < self.holdout < 0.5, "holdout", f"a fraction in (0, 0.5), got {self.holdout}")
+        check(self.zipf_alpha > 0, "zipf_alpha", f"> 0, got {self.zipf_alpha}")
+
+
+@dataclass
+class GPTJob:
+    """TinyGPT (tilework/models/gpt.py) on the lm workload's token stream, its loss the
+    held-out next-token cross-entropy."""
+    corpus: Literal["stdlib", "zipf"] = "stdlib"
+    vocab: int = 10_000
+    dim: int = 64
+    heads: int = 4
+    layers: int = 2
+    seq_len: int = 32
+    zipf_tokens: int = 1_000_000  # corpus = "zipf": length of the synthetic stream
+    zipf_alpha: float = 1.1
+    holdout: float = 0.02         # fraction of the corpus kept for the held-out loss
+    eval_sequences: int = 256
+
+    def __post_init__(self):
+        check(self.vocab >= 2, "vocab", f"at least 2 words, got {self.vocab}")
+        for name in ("dim", "heads", "layers", "seq_len", "zipf_tokens", "eval_sequences"):
+            check(getattr(self, name) >= 1, name, f"at least 1, got {getattr(self, name)}")
+        check(self.dim % self.heads == 0, "heads",
+              f"a divisor of dim ({self.dim}), got {self.heads}")
+        # nn.TransformerEncoder deep-copies its layer per block: the same bound as the LSTM's.
         check(self.layers <= MAX_LAYERS, "layers", f"at most {MAX_LAYERS}, got {self.layers}")
         check(0 < self.holdout < 0.5, "holdout", f"a fraction in (0, 0.5), got {self.holdout}")
         check(self.zipf_alpha > 0, "zipf_alpha", f"> 0, got {self.zipf_alpha}")
@@ -116,14 +147,45 @@ class TrainJob:
 
 @dataclass
 class Job:
-    workload: Literal["lm", "cnn", "recommender"] = "lm"
+    workload: Literal["lm", "gpt", "cnn", "recommender"] = "lm"
     lm: LMJob = field(default_factory=LMJob)
+    gpt: GPTJob = field(default_factory=GPTJob)
     cnn: CNNJob = field(default_factory=CNNJob)
     recommender: RecommenderJob = field(default_factory=RecommenderJob)
     data: DataJob = field(default_factory=DataJob)
     train: TrainJob = field(default_factory=TrainJob)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache_dir: str | None = None  # where the corpus cache lives; default ~/.cache/tilework
+
+    def __post_init__(self):
+        p = self.parallel
+        if not p.model_parallel:
+            return
+        axis = next(a for a in ("tp", "pp", "cp") if getattr(p, a) > 1)
+        check(self.workload == "gpt", f"parallel.{axis}",
+              f"1 for the {self.workload!r} workload: tp, pp and cp split a transformer's "
+              "blocks, which only workload = \"gpt\" has")
+        from ..tensor.layout import STYLES
+
+        for pattern, style in (p.layout or {}).items():
+            check(style in STYLES, f"parallel.layout.{pattern}",
+                  f"one of {', '.join(STYLES)}, got {style!r}")
+        g = self.gpt
+        check(g.heads % p.tp == 0, "parallel.tp",
+              f"a divisor of gpt.heads ({g.heads}): attention is split by heads, got {p.tp}")
+        # The built-in layout splits the vocabulary and the MLP; a job's own layout may not.
+        check(p.layout is not None or (g.dim * 4 % p.tp == 0 and g.vocab % p.tp == 0),
+              "parallel.tp",
+              f"a divisor of gpt.vocab ({g.vocab}) and of the MLP width 4 x gpt.dim "
+              f"({4 * g.dim}), got {p.tp}")
+        check(g.seq_len % (2 * p.cp) == 0, "parallel.cp",
+              f"cp with 2 x cp dividing gpt.seq_len ({g.seq_len}): the sequence is cut into "
+              f"2 x cp balanced chunks, got {p.cp}")
+        stages = p.pp * (p.stages_per_rank if p.schedule == "interleaved" else 1)
+        check(g.layers >= stages, "parallel.pp",
+              f"at most gpt.layers ({g.layers}) pipeline stages of one block or more, got "
+              f"{stages} (pp = {p.pp}" + (f" x stages_per_rank = {p.stages_per_rank})"
+                                           if stages != p.pp else ")"))
 
     @classmethod
     def load(cls, path: str | Path) -> "Job":

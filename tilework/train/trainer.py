@@ -3,7 +3,9 @@
 Progress: a live bar on a terminal, and a log line every `log_every` steps with loss and throughput
 everywhere (so CI logs and `tilework run` output show progress too). Metrics go to
 `<out_dir>/metrics.jsonl`, checkpoints to `<out_dir>/checkpoints/` (atomic, see checkpoint.py).
-Every rank computes the same global batch order; rank 0 alone prints and writes.
+Every rank computes the same global batch order; rank 0 alone prints and writes. On a dp x pp x
+cp x tp mesh (job [parallel] tp, pp, cp) each dp replica reads its slice, the pipeline runs the
+step (`model.step`), and the logged loss is the batch's on every rank (broadcast from the last stage).
 """
 
 from __future__ import annotations
@@ -36,19 +38,50 @@ class TrainResult:
 
 
 class _Session:
-    """Where this process stands: single process, or one rank of a group."""
+    """Where this process stands: single process, or one rank of a group; on a dp x pp x cp x
+    tp mesh (`mesh`, set once the model is parallelized) also its place in the mesh."""
 
     def __init__(self, groups):
         self.groups = groups
         self.rank = groups.rank
         self.world_size = groups.world_size
+        self.mesh = None   # meshed.MeshParallel under tp, pp or cp > 1
 
-    def mean_over_ranks(self, values: list[float]) -> list[float]:
-        if self.world_size == 1 or not values:
+    @property
+    def pipelined(self) -> bool:
+        return self.mesh is not None and self.mesh.pipeline is not None
+
+    def data_shard(self) -> tuple[int, int]:
+        """Which slice of the global batch this rank reads, of how many: on a mesh one per dp
+        replica, every tp, pp and cp rank of a replica reading the same (a pipeline's ranks
+        each take their stage's part of it, cp's ranks theirs of its sequences)."""
+        if self.mesh is None:
+            return self.rank, self.world_size
+        return self.mesh.groups.coord("dp"), self.mesh.mesh.size_of("dp")
+
+    def mean_over_ranks(self, values: list[float | None]) -> list[float]:
+        """The ranks' mean of each value. Under pp only the last stage's ranks know a loss
+        (None elsewhere): it is broadcast over each pipeline first, so every rank's log shows
+        the batch's loss. On a mesh each rank's value is its tokens' mean: equal counts of
+        tokens per rank (tp's ranks see all of a replica's, cp's equal parts), so the mean of
+        the ranks' is the global batch's."""
+        if not values:
+            return values
+        if self.pipelined:
+            values = self._from_last_stage(values)
+        if self.world_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.groups.device)
         dist.all_reduce(t, group=self.groups.world)
         return (t / self.world_size).tolist()
+
+    def _from_last_stage(self, values: list[float | None]) -> list[float]:
+        group = self.mesh.groups.group("pp")
+        last = dist.get_world_size(group) - 1   # every schedule puts the last stage there
+        known = [math.nan if v is None else v for v in values]
+        t = torch.tensor(known, dtype=torch.float64, device=self.groups.device)
+        dist.broadcast(t, dist.get_global_rank(group, last), group=group)
+        return t.tolist()
 
 
 def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
@@ -64,8 +97,10 @@ def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
     from ..analysis import analyze
 
     traffic = table_traffic(job, analyze(model), cluster)
-    parallelize(model, opt, job.parallel, groups=session.groups, cluster=cluster,
-                traffic=traffic, log=session.rank == 0)
+    # On a mesh with pp > 1 what comes back is another module (a PipelineModel: model.step).
+    model, opt = parallelize(model, opt, job.parallel, groups=session.groups, cluster=cluster,
+                             traffic=traffic, log=session.rank == 0)
+    session.mesh = getattr(model._tilework_engine, "mesh", None)
     return model, opt
 
 
@@ -84,10 +119,8 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
     session = _Session(groups or solo())
     console = console or Console(quiet=session.rank != 0, soft_wrap=True)
     work = build(job)
-    sampler = ShardedBatches(len(work.train_set), job.data.batch_size, session.rank,
-                             session.world_size, seed=job.data.seed, scaling=job.data.scaling,
-                             shuffle=job.data.shuffle)
     model, opt = _prepare(job, work, session, cluster)
+    sampler = _sampler(job, work, session)
     out = Path(job.train.out_dir)
     ckpt_dir = out / "checkpoints"
     start = _resume(job, model, opt, ckpt_dir, console) if resume else 0
@@ -102,6 +135,23 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
     _run_steps(job, work, sampler, model, opt, session, log, start, ckpt_dir)
     log.evaluate(job.train.steps)
     return result
+
+
+def _sampler(job: Job, work: Workload, session: _Session) -> ShardedBatches:
+    shard, shards = session.data_shard()
+    sampler = ShardedBatches(len(work.train_set), job.data.batch_size, shard, shards,
+                             seed=job.data.seed, scaling=job.data.scaling,
+                             shuffle=job.data.shuffle)
+    if session.pipelined:
+        per_replica = sampler.global_batch // shards
+        m = session.mesh.pipeline.schedule.microbatches
+        if per_replica % m:
+            from ..errors import ConfigError
+
+            raise ConfigError("data.batch_size", f"each data-parallel replica's {per_replica} "
+                              f"sequences to split into parallel.microbatches = {m} equal "
+                              "microbatches (the pipeline's loss is the batch's mean)")
+    return sampler
 
 
 def _resume(job: Job, model, opt, ckpt_dir: Path, console: Console) -> int:
@@ -127,11 +177,14 @@ def _run_steps(job: Job, work: Workload, sampler: ShardedBatches, model, opt, se
     with log.bar(steps, start):
         for step in range(start, steps):
             batch = work.train_set.collate(sampler.indices(step))
-            loss = work.loss(model, batch, step)
-            loss.backward()
+            if session.pipelined:   # the runtime owns forward and backward; the loss is the
+                loss = model.step(*batch)  # last stage's (None on the others' ranks)
+            else:
+                loss = work.loss(model, batch, step)
+                loss.backward()
             opt.step()
             opt.zero_grad()
-            log.step_done(loss.item())
+            log.step_done(None if loss is None else loss.item())
             done = step + 1
             if done % job.train.log_every == 0 or done == steps:
                 log.report(done, steps)
@@ -160,6 +213,12 @@ class _Log:
         # are gathered for it.
         with full_parameters(self.model):
             values = self.work.evaluate(self.model)
+        if self.session.mesh is not None:
+            # Every rank evaluates the same held-out batch: tp's ranks agree, cp's each hold
+            # a part, pp's last stage alone knows it. The evaluation's tp sends are no step's.
+            names = sorted(values)
+            values = dict(zip(names, self.session.mean_over_ranks([values[k] for k in names])))
+            self.session.mesh.stats.discard_step()
         self.result.evals.append({"step": step, **values})
         shown = "  ".join(f"{k} {v:,.2f}" for k, v in values.items())
         self.console.print(f"[bold]eval[/] step {step}: {shown}")
@@ -182,7 +241,7 @@ class _Log:
             self._task = progress.add_task("train", total=steps, completed=start, status="")
             yield
 
-    def step_done(self, loss: float) -> None:
+    def step_done(self, loss: float | None) -> None:
         # Kept here, not reduced per step: one all-reduce per log window, not per step.
         self.pending.append(loss)
         self.window_steps += 1
@@ -235,6 +294,8 @@ def _checkpoint(directory: Path, step: int, model, opt, job: Job, session: _Sess
         checkpoint.save(directory, step, state, job.fingerprint(), keep=job.train.keep_checkpoints)
     if session.world_size > 1:
         dist.barrier(group=session.groups.world)
+    if session.mesh is not None:  # the gathers over tp and pp are no training step's bytes
+        session.mesh.stats.discard_step()
 
 
 def _append(path: Path, record: dict, rank: int) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..data import ClickLogs, SyntheticImages, TokenSequences, stdlib_corpus, zipf_tokens
-from ..models import DLRM, SmallResNet, WordLM
+from ..models import DLRM, SmallResNet, TinyGPT, WordLM
 from ..models.lm import sample_negatives
 from ..worker_env import WorkerEnv
 from .job import Job
@@ -34,17 +34,24 @@ def default_cache_dir() -> Path:
 
 def build(job: Job) -> Workload:
     torch.manual_seed(job.train.seed)  # identical initial weights on every rank
-    return {"lm": _lm, "cnn": _cnn, "recommender": _recommender}[job.workload](job)
+    return {"lm": _lm, "gpt": _gpt, "cnn": _cnn, "recommender": _recommender}[job.workload](job)
 
 
-def _lm(job: Job) -> Workload:
-    cfg = job.lm
+def _tokens(job: Job, cfg) -> tuple:
+    """The token stream of the lm and gpt workloads (`cfg` is either's table), its vocabulary,
+    and its sequences split into training and held-out ones."""
     if cfg.corpus == "stdlib":
         corpus = stdlib_corpus(job.cache_dir or default_cache_dir(), max_vocab=cfg.vocab)
         tokens, vocab = corpus.tokens, corpus.vocab
     else:
         tokens, vocab = zipf_tokens(cfg.vocab, cfg.zipf_tokens, cfg.zipf_alpha, job.data.seed), cfg.vocab
     train_set, held_out = TokenSequences(tokens, cfg.seq_len).split(cfg.holdout)
+    return vocab, train_set, held_out
+
+
+def _lm(job: Job) -> Workload:
+    cfg = job.lm
+    vocab, train_set, held_out = _tokens(job, cfg)
     model = WordLM(vocab, cfg.embed_dim, cfg.hidden, cfg.layers, sparse=cfg.sparse,
                    num_sampled=cfg.num_sampled)
     eval_batch = held_out.collate(range(min(cfg.eval_sequences, len(held_out))))
@@ -60,6 +67,51 @@ def _lm(job: Job) -> Workload:
 
     return Workload(model, train_set, loss, lambda m: {"ppl": m.perplexity(*eval_batch)},
                     unit="tokens", units_per_sample=cfg.seq_len)
+
+
+def _gpt(job: Job) -> Workload:
+    cfg = job.gpt
+    _, train_set, held_out = _tokens(job, cfg)
+    # The model's vocabulary is the job's, not the corpus's (a small corpus may hold fewer
+    # words): the shapes, and so the checkpoint's fingerprint and tp's split, stay the job's.
+    model = TinyGPT(cfg.vocab, cfg.dim, cfg.heads, cfg.layers, cfg.seq_len)
+    eval_batch = held_out.collate(range(min(cfg.eval_sequences, len(held_out))))
+
+    def evaluate(m):
+        with torch.no_grad():
+            if hasattr(m, "runner"):   # a PipelineModel: its forward is the schedule's
+                return {"eval_loss": _pipeline_loss(m, *eval_batch)}
+            return {"eval_loss": m(*eval_batch).item()}
+
+    return Workload(model, train_set, lambda m, b, s: m(*b), evaluate, unit="tokens",
+                    units_per_sample=cfg.seq_len)
+
+
+def _pipeline_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    """The batch's mean loss through this rank's pipeline, forward only: stage after stage,
+    each boundary sent to the rank of the next stage (the schedule's placement); the loss on
+    the last stage's rank, None on the others. Uncounted point-to-point sends: evaluation is
+    not a training step's traffic."""
+    import torch.distributed as dist
+
+    runner = model.runner
+    schedule, rank = runner.schedule, runner.rank
+    x, loss = inputs, None
+    for s in range(schedule.stages):
+        last = s == schedule.stages - 1
+        if schedule.rank_of(s) == rank:
+            x = runner.stages[s](x, targets if last else None)
+            loss = x.item() if last else None
+        if last or schedule.rank_of(s + 1) == schedule.rank_of(s):
+            continue
+        if schedule.rank_of(s) == rank:
+            dist.send(x.contiguous(), dist.get_global_rank(runner.group, schedule.rank_of(s + 1)),
+                      group=runner.group)
+        elif schedule.rank_of(s + 1) == rank:
+            x = runner.stages[s + 1].boundary_like(inputs)
+            dist.recv(x, dist.get_global_rank(runner.group, schedule.rank_of(s)),
+                      group=runner.group)
+    return loss
 
 
 class _Head:
