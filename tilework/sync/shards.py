@@ -76,8 +76,10 @@ class Sharded:
         return chunk if home is None else chunk.to(home.device)
 
     def values(self) -> torch.Tensor:
-        """The shard's values where the parameter computes (a copy up from offload)."""
-        return self.shard.detach().to(self.param.device)
+        """The shard's values where the parameter computes (a copy up from offload: from pinned
+        memory it queues on the stream without stopping the host, and the all-gather that
+        reads it is queued behind it; the shard changes only at the next step)."""
+        return self.shard.detach().to(self.param.device, non_blocking=True)
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:
         """A parameter-shaped tensor as (n, chunk): row j is rank j's chunk."""

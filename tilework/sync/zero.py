@@ -75,6 +75,7 @@ class ZeroSync:
             n, rank, peers = groups.world_size, groups.rank, list(range(groups.world_size))
         self.shard_size = n
         self.offload = offload or Offload("none", None, groups.rank, groups.device)
+        self.late_adds: list = []   # offloaded gradient chunks to add once their copy landed
         self.shards = [Sharded(name, p, stage, rank, n, unit, self.offload.shard)
                        for name, p, stage, unit in params]
         self.optimizer = None
@@ -215,6 +216,11 @@ class ZeroSync:
             if bucket.pending is not None:
                 self._finish(bucket)
             bucket.ready.clear()
+        if self.offload.active and self.offload.on_gpu:   # the copies down have landed
+            torch.cuda.current_stream(self.offload.compute).synchronize()
+            for s, g in self.late_adds:   # accumulation, read only once the copy is there
+                s.shard.grad.add_(g)
+            self.late_adds.clear()
 
     def _finish(self, bucket: _Bucket) -> None:
         summed = bucket.pending.wait()
@@ -225,7 +231,16 @@ class ZeroSync:
         summed.div_(self.groups.world_size)
         bucket.pending = None
         for s, g in zip(bucket.shards, bucket.split(summed)):
-            g = g.to(s.shard.device)   # down to an offloaded shard
+            if self.offload.active and self.offload.on_gpu:
+                # Down to pinned host memory without stopping the host: the copy queues behind
+                # the reduce-scatter and overlaps the next buckets'; `wait` synchronises once.
+                g = g.to(s.shard.device, non_blocking=True)
+                if s.shard.grad is None:
+                    s.shard.grad = g
+                else:
+                    self.late_adds.append((s, g))
+                continue
+            g = g.to(s.shard.device)
             s.shard.grad = g if s.shard.grad is None else s.shard.grad.add_(g)
 
     # -- the step --------------------------------------------------------------------------------
