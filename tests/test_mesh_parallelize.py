@@ -22,18 +22,21 @@ TOL = 1e-5   # SGD, relative to each tensor's largest magnitude: tp sums and the
 #              reorder additions (seen: below 2e-6)
 
 
-def new_gpt(layers: int = 4) -> TinyGPT:
+def new_gpt(layers: int = 4, tied: bool = False) -> TinyGPT:
     torch.manual_seed(0)
-    return TinyGPT(vocab=VOCAB, dim=16, heads=4, layers=layers, seq_len=SEQ)
+    model = TinyGPT(vocab=VOCAB, dim=16, heads=4, layers=layers, seq_len=SEQ)
+    if tied:   # GPT-2's and nanoGPT's weight tying: the head is the embedding
+        model.head.weight = model.tokens.weight
+    return model
 
 
 def batch(step: int, part: int = 0, parts: int = 1):
     return tiny_gpt.gpt_batch(step, VOCAB, SEQ, GLOBAL_BATCH, part, parts)
 
 
-def reference(clip: float | None = None):
+def reference(clip: float | None = None, tied: bool = False):
     """One process's losses and state; with `clip`, torch's clip_grad_norm_ every step."""
-    model = new_gpt()
+    model = new_gpt(tied=tied)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, norms = [], []
     for step in range(STEPS):
@@ -53,7 +56,7 @@ def _train(rank, world_size, configs):
     for options in configs:
         options = dict(options)
         clip = options.pop("clip", None)
-        model = new_gpt()
+        model = new_gpt(tied=options.pop("tied", False))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = tilework.parallelize(model, opt, log=False, **options)
         mesh = model._tilework_engine.mesh
@@ -88,7 +91,8 @@ def _check(results, options, ref):
     for rank, r in enumerate(results):
         assert len(r[3]) == len(ref_norms) and all(
             abs(a - b) <= TOL * b for a, b in zip(r[3], ref_norms)), (options, rank, r[3])
-    if not options.get("zero") and not options.get("overrides") and "clip" not in options:
+    if not options.get("zero") and not options.get("overrides") and "clip" not in options \
+            and "tied" not in options:
         config = tilework.ParallelConfig(**options)
         for rank, r in enumerate(results):   # counted bytes per axis == the cost model's
             assert r[2] == mesh_step_bytes(new_gpt(), config, world, rank, GLOBAL_BATCH // dp,
@@ -155,6 +159,30 @@ def test_clip_grad_norm_on_a_mesh_is_one_process_clip():
         results = spawn(_train, world, (configs,), timeout=300)
         for k, options in enumerate(configs):
             _check([r[k] for r in results], options, ref)
+
+
+def test_tied_embedding_and_head_stay_one_parameter_under_tp():
+    """vocab_embedding and vocab_head split the tied weight alike: one shard per rank, as
+    Megatron-LM ties them; the gradient is the sum of both uses, as in one process."""
+    configs = [{"tp": 2, "tied": True}, {"tp": 2, "tied": True, "sequence_parallel": True}]
+    results = spawn(_train, 2, (configs,), timeout=240)
+    for k, options in enumerate(configs):
+        _check([r[k] for r in results], options, reference(tied=True))
+
+
+def _tied_pipeline(rank, world_size):
+    model = new_gpt(tied=True)
+    try:
+        tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), pp=2, log=False)
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+def test_tied_parameter_across_pipeline_ranks_is_refused():
+    messages = spawn(_tied_pipeline, 2)
+    assert all("tokens.weight and head.weight are one tied parameter" in (m or "")
+               for m in messages), messages
 
 
 def test_eight_ranks_dp2_pp2_tp2_train_as_one_process(ref):

@@ -54,6 +54,7 @@ class PipelineModel(nn.Module):
         if stray:
             raise PlanError(f"pp={schedule.pp}: {stray[0]} is in no pipeline stage (a stage "
                             "holds the embeddings, its blocks, or the final norm and head)")
+        _refuse_ties_across_ranks(model, stages, schedule)
         mine = {s: stages[s] for s in schedule.stages_of(rank)}
         self.part = local_part(model, [m for s in mine.values() for m in _stage_modules(s)])
         self.runner = PipelineRunner(mine, schedule, group, stats)
@@ -72,6 +73,20 @@ class PipelineModel(nn.Module):
         raise PlanError(f"with pp={self.schedule.pp} the pipeline runs forward and backward "
                         "together: call model.step(inputs, targets) instead of model(...) and "
                         "loss.backward()")
+
+
+def _refuse_ties_across_ranks(model: nn.Module, stages, schedule: Schedule) -> None:
+    """A parameter two ranks' stages share (a tied embedding and head) would train as two
+    copies: refused by name (Megatron-LM all-reduces such a pair's gradients; not done yet)."""
+    ranks_of: dict[int, set[int]] = {}
+    for s, stage in enumerate(stages):
+        for p in stage.parameters():
+            ranks_of.setdefault(id(p), set()).add(schedule.rank_of(s))
+    for name, p in model.named_parameters():
+        if len(ranks_of.get(id(p), ())) > 1:
+            keys = [k for k, q in model.named_parameters(remove_duplicate=False) if q is p]
+            raise PlanError(f"pp={schedule.pp}: {' and '.join(keys)} are one tied parameter in "
+                            "stages on different ranks; untie them (or use pp=1)")
 
 
 @contextlib.contextmanager

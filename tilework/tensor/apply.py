@@ -57,6 +57,11 @@ def apply_layout(model: nn.Module, layout: dict[str, str], tp: TensorParallel) -
             param.copy_(shard(full, specs[name], tp.rank, tp.size))
             param.requires_grad_(full.requires_grad)
         setattr(parent, attr, new)
+    for keys in plan.ties:   # each owner was given a shard of its own: one again, as before
+        shared = model.get_parameter(keys[0])
+        for key in keys[1:]:
+            owner, _, name = key.rpartition(".")
+            setattr(model.get_submodule(owner), name, shared)
     return plan
 
 

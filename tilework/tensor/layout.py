@@ -62,6 +62,7 @@ class LayoutPlan:
     tp: int
     sequence_parallel: bool
     parameters: tuple[tuple[str, tuple[int, ...]], ...]   # every parameter's full shape
+    ties: tuple[tuple[str, ...], ...] = ()   # keys of one tied parameter, split alike
 
     def specs(self) -> dict[str, object]:
         """State-dict key -> spec, for every split parameter."""
@@ -173,7 +174,31 @@ def plan_layout(model: nn.Module, layout: dict[str, str], tp: int,
                              f"layout ('sequence' or 'replicate' where it is not split); not "
                              f"named: {', '.join(loose)}")
     return LayoutPlan(tuple(placements), tp, sequence_parallel,
-                      tuple((k, tuple(v.shape)) for k, v in model.named_parameters()))
+                      tuple((k, tuple(v.shape)) for k, v in model.named_parameters()),
+                      _ties(model, placements))
+
+
+def _ties(model: nn.Module, placements) -> tuple[tuple[str, ...], ...]:
+    """Parameters shared by several modules (an LM's embedding and head): kept one parameter
+    when every owner splits it alike (vocab_embedding and vocab_head both split the vocabulary
+    rows, as Megatron-LM ties them), refused when the owners would split it differently."""
+    spec_of = {_key(p.module, name): spec for p in placements for name, _, spec in p.params}
+    owners: dict[int, list[str]] = {}
+    for key, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(key)
+    ties = []
+    for keys in owners.values():
+        if len(keys) < 2:
+            continue
+        specs = {repr(spec_of.get(k)) for k in keys}
+        if len(specs) > 1:
+            raise ValueError(f"tensor parallel: {' and '.join(keys)} are one tied parameter, "
+                             f"but the layout splits them differently "
+                             f"({', '.join(f'{k}: {spec_of.get(k)}' for k in keys)}); give their "
+                             "modules styles that split it alike (vocab_embedding with "
+                             "vocab_head), or untie them")
+        ties.append(tuple(keys))
+    return tuple(ties)
 
 
 # The reference GPT (models/gpt.py): Megatron-LM's split of a transformer, named.
