@@ -3,7 +3,7 @@
     tilework run -n 2 train.py [args]          local workers with torchrun semantics
     tilework run --hosts cluster.toml train.py on each host of the cluster file
     tilework train job.toml [--resume]         a reference workload from a job file
-    tilework plan --job J --cluster C          the plan and its predicted cost
+    tilework plan --job J --cluster C          the plan and its predicted cost (or --world-size N)
     tilework calibrate --cluster C [-n N]      measure collectives, fit the cluster file's link
     tilework demo                              the embedded default job
 """
@@ -52,7 +52,13 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="what tilework would do with a job on a cluster, and its cost")
     plan.add_argument("--job", required=True, help="job file (TOML)")
-    plan.add_argument("--cluster", required=True, help="cluster file (TOML)")
+    where = plan.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cluster", help="cluster file (TOML)")
+    where.add_argument("--world-size", type=int, metavar="N",
+                       help="N ranks on one host with default links (no cluster file)")
+    plan.add_argument("--gflops", type=float, metavar="GFLOPS",
+                      help="compute per rank for a tp/pp/cp job's step time (default: one "
+                           "thread's fp32 matmul measured here)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
 
     cal = sub.add_parser("calibrate", help="time collectives here and fit the cluster file's link")
@@ -134,15 +140,45 @@ def _cmd_plan(a, argv, env) -> int:
     from .report import report
     from .train.job import Job
 
-    job, cluster = Job.load(a.job), Cluster.load(a.cluster)
-    out = report(job, cluster)
+    job = Job.load(a.job)
+    if a.cluster is not None:
+        cluster, where = Cluster.load(a.cluster), a.cluster
+    else:
+        from .errors import ConfigError
+
+        try:
+            cluster = Cluster.local(a.world_size)
+        except ConfigError as e:   # Host's own bounds on procs, named by this flag
+            raise UserError(f"--world-size: {e.problem}") from None
+        where = f"{a.world_size} local ranks"
+    flops, source = _plan_flops(a, job)
+    out = report(job, cluster, flops, source)
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
 
-    _print_report(out, f"{a.job} on {a.cluster}", Console(soft_wrap=True))
+    if out["mode"] == "mesh":
+        from .mesh_report import format_mesh_report
+
+        print(format_mesh_report(out, f"{a.job} on {where}"))
+        return 0
+    _print_report(out, f"{a.job} on {where}", Console(soft_wrap=True))
     return 0
+
+
+def _plan_flops(a, job) -> tuple[float | None, str]:
+    """The compute rate a model-parallel plan times its stages at: --gflops, else one thread's
+    matmul here (a data-parallel plan times only communication and needs none)."""
+    if a.gflops is not None:
+        if not 0 < a.gflops < float("inf"):
+            raise UserError(f"--gflops: expected a positive number, got {a.gflops}")
+        return a.gflops * 1e9, "--gflops"
+    if not job.parallel.model_parallel:
+        return None, ""
+    from .bench.suite import matmul_flops
+
+    return matmul_flops(), "measured here: one thread's fp32 matmul; --gflops to set it"
 
 
 def _print_report(out: dict, title: str, console) -> None:

@@ -163,7 +163,17 @@ def memory_per_rank(job: Job, cluster: Cluster, chosen: Plan) -> list[dict]:
     return out
 
 
-def report(job: Job, cluster: Cluster) -> dict:
+def report(job: Job, cluster: Cluster, flops: float | None = None,
+           flops_source: str = "given") -> dict:
+    """What `tilework plan` shows: with tp, pp or cp > 1 the mesh's report (mesh_report.py,
+    its compute at `flops` FLOP/s per rank), else the data-parallel plan and its costs."""
+    if job.parallel.model_parallel:
+        from .mesh_report import mesh_report
+
+        if flops is None:
+            raise PlanError("a model-parallel plan times its stages' compute: give the FLOP/s "
+                            "per rank (tilework plan --gflops)")
+        return mesh_report(job, cluster, flops, flops_source)
     infos = analyze(meta_model(job))
     traffic = table_traffic(job, infos, cluster)
     topo, n = cluster.topology(), cluster.world_size

@@ -1,0 +1,128 @@
+"""`tilework plan` for a tp/pp/cp job (tilework/mesh_report.py): the mesh and its groups, the
+stages as split_stages cuts them, the schedule's own printout, the simulator's step and bubble,
+and every rank's bytes per axis equal to mesh_step_bytes. Pure: no process group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tilework.cli import main
+from tilework.cluster import Cluster, Host, Link, Links
+from tilework.errors import PlanError
+from tilework.mesh_cost import mesh_step_bytes
+from tilework.mesh_report import format_mesh_report, mesh_report
+from tilework.parallel_config import ParallelConfig
+from tilework.pipeline import build, simulate, split_stages
+from tilework.report import meta_model, report
+from tilework.train.job import DataJob, GPTJob, Job
+
+FLOPS = 10e9
+JOB_TOML = """workload = "gpt"
+[gpt]
+vocab = 64
+dim = 16
+heads = 4
+layers = 4
+seq_len = 8
+[data]
+batch_size = 8
+[parallel]
+tp = 2
+pp = 2
+microbatches = 4
+"""
+
+
+def gpt_job(batch=8, **parallel) -> Job:
+    return Job(workload="gpt", gpt=GPTJob(vocab=64, dim=16, heads=4, layers=4, seq_len=8),
+               data=DataJob(batch_size=batch), parallel=ParallelConfig(**parallel))
+
+
+def test_pp2_x_tp2_report_holds_the_mesh_stages_schedule_and_bytes():
+    job = gpt_job(tp=2, pp=2, microbatches=4)
+    out = mesh_report(job, Cluster.local(4), FLOPS)
+    assert out["mesh"]["axes"] == {"dp": 1, "pp": 2, "cp": 1, "tp": 2}
+    assert out["mesh"]["groups"]["tp"] == [(0, 1), (2, 3)]
+    assert out["mesh"]["groups"]["pp"] == [(0, 2), (1, 3)]
+    schedule = build("1f1b", 2, 4)
+    assert out["schedule"]["text"] == schedule.format()
+    stages = split_stages(meta_model(job), 2)
+    assert [s["blocks"] for s in out["stages"]] == \
+        [[s.index_range.start, s.index_range.stop] for s in stages]
+    assert out["stages"][0]["holds"][:2] == ["tokens", "positions"]
+    assert out["stages"][-1]["holds"][-2:] == ["norm", "head"]
+    assert sum(s["cost_share"] for s in out["stages"]) == pytest.approx(1.0)
+    model = meta_model(job)
+    for b in out["bytes_per_rank"]:
+        assert {k: v for k, v in b.items() if k != "rank"} == \
+            mesh_step_bytes(model, job.parallel, 4, b["rank"], batch=8, seq=8)
+    # The step is the simulator's on the stages' compute (no dp: nothing to all-reduce).
+    sim = simulate(schedule, [s["forward_s"] for s in out["stages"]],
+                   link=Cluster.local(4).links.intra, activation_bytes=2 * 8 * 16 * 4)
+    assert (out["pipeline_step_s"], out["bubble"]) == (sim.step_s, sim.bubble)
+    assert out["predicted_step_s"] == sim.step_s and out["dp_allreduce_s"] == 0.0
+    json.dumps(out)   # --json prints it
+
+
+def test_stage_compute_is_its_blocks_flops_over_tp():
+    out = mesh_report(gpt_job(tp=2, pp=2, microbatches=4), Cluster.local(4), FLOPS)
+    dim, seq, micro = 16, 8, 2
+    block = 2 * (3 * dim * dim + 3 * dim + dim * dim + dim + 2 * 4 * dim * dim + 4 * dim + dim
+                 + 4 * dim) * micro * seq + 4 * micro * seq * seq * dim
+    first = out["stages"][0]
+    blocks = first["blocks"][1] - first["blocks"][0]
+    assert first["forward_flops"] == pytest.approx(blocks * block / 2)
+    assert first["forward_s"] == pytest.approx(first["forward_flops"] / FLOPS)
+
+
+def test_printed_report_shows_groups_stages_schedule_and_bytes():
+    job = gpt_job(tp=2, pp=2, microbatches=4)
+    out = mesh_report(job, Cluster.local(4), FLOPS)
+    text = format_mesh_report(out, "job.toml on 4 ranks")
+    assert "mesh dp=1 x pp=2 x cp=1 x tp=2" in text
+    assert "tp groups: (0, 1) (2, 3)" in text and "pp groups: (0, 2) (1, 3)" in text
+    assert "dp groups: none (size 1)" in text
+    first = out["stages"][0]
+    assert f"stage 0 on pp rank 0: tokens, positions, blocks 0-{first['blocks'][1] - 1}" in text
+    assert build("1f1b", 2, 4).format().splitlines()[-1] in text
+    assert f"bubble {out['bubble']:.3f}" in text
+    assert "ranks 0, 1: tp " in text and "ranks 2, 3: tp " in text
+
+
+def test_dp_across_hosts_times_the_all_reduce_on_the_inter_host_link():
+    links = Links(intra=Link(100.0, 5.0), inter=Link(1.0, 100.0))
+    cluster = Cluster(hosts=[Host("a", 2), Host("b", 2)], links=links)
+    out = mesh_report(gpt_job(tp=2), cluster, FLOPS)
+    assert out["mesh"]["groups"]["tp"] == [(0, 1), (2, 3)]      # tp inside each host
+    assert out["mesh"]["groups"]["dp"] == [(0, 2), (1, 3)]
+    sent = out["bytes_per_rank"][0]["allreduce"]
+    assert out["dp_allreduce_s"] == pytest.approx(sent / links.inter.bytes_per_s
+                                                  + 2 * links.inter.latency_s)
+    assert out["stages"][0]["holds"] == ["tokens", "positions", "blocks 0-3", "norm", "head"]
+
+
+def test_mesh_plan_refuses_what_cannot_run():
+    with pytest.raises(PlanError, match="does not divide the world of 6"):
+        mesh_report(gpt_job(tp=2, pp=2), Cluster.local(6), FLOPS)
+    with pytest.raises(PlanError, match="do not split into 3 equal microbatches"):
+        mesh_report(gpt_job(pp=2, microbatches=3), Cluster.local(2), FLOPS)
+    with pytest.raises(PlanError, match="--gflops"):
+        report(gpt_job(pp=2), Cluster.local(2))
+
+
+def test_cli_prints_the_mesh_plan_and_its_json(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text(JOB_TOML)
+    args = ["plan", "--job", str(path), "--world-size", "4", "--gflops", "10"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "tp groups: (0, 1) (2, 3)" in text and "1f1b: pp=2 stages=2 m=4" in text
+    assert main([*args, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = json.loads(json.dumps(mesh_report(Job.load(path), Cluster.local(4), 10e9,
+                                                 "--gflops")))
+    assert printed == expected
+    assert main(["plan", "--job", str(path), "--world-size", "0"]) == 2
+    assert "--world-size: expected at least 1 process per host, got 0" in capsys.readouterr().err

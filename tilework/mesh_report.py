@@ -1,0 +1,250 @@
+"""`tilework plan` for a job whose [parallel] has tp, pp or cp > 1: the mesh, the pipeline
+stages, the schedule, the predicted step and bubble, and the bytes per axis per rank.
+
+Pure, like the data-parallel report: the model is built on the meta device, nothing runs and no
+process group is made. Where each figure comes from:
+
+    mesh      mesh.parallel_mesh (dp x pp x cp x tp, tp fastest: inside a host when it fits)
+    stages    pipeline.split_stages, balanced by stages.balance on each block's matmul weights
+    schedule  pipeline.build, printed by its own printer (schedule.format_schedule)
+    step      pipeline.simulate replaying that schedule: per stage the forward FLOPs of one
+              microbatch (2 x matmul weights x tokens, attention's 4 x batch x seq^2 x dim, the
+              head on the last stage), over tp and cp, at `flops` FLOP/s per rank (backward
+              2x); the pp links the cluster file's (inter-host where neighbours are on
+              different hosts); then the dp all-reduce of this rank's gradients, not overlapped
+    bytes     mesh_cost.mesh_step_bytes for every rank: what tilework.stats counts in a step
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from torch import nn
+
+from .cluster import Cluster
+from .cost import seconds
+from .errors import PlanError
+from .mesh import Mesh, parallel_mesh
+from .mesh_cost import mesh_step_bytes
+from .parallel_config import ParallelConfig
+from .plan import bucket_bytes
+from .wire import ALL_REDUCE
+
+
+def mesh_report(job, cluster: Cluster, flops: float, flops_source: str = "given") -> dict:
+    """The report's content for a model-parallel `job` on `cluster` at `flops` FLOP/s of
+    compute per rank (`flops_source` says where that figure came from)."""
+    from .pipeline import build, simulate
+    from .report import meta_model
+
+    if not flops > 0:
+        raise PlanError(f"compute rate: expected a positive FLOP/s per rank, got {flops!r}")
+    config, n = job.parallel, cluster.world_size
+    mesh = _mesh(config, cluster)
+    dp = mesh.size_of("dp")
+    batch = _replica_batch(job, dp)
+    m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
+    if batch % m:
+        raise PlanError(f"data.batch_size: each dp replica's {batch} sequences do not split "
+                        f"into {m} equal microbatches")
+    try:   # pp = 1: one stage, one "microbatch": the step is its forward and backward
+        schedule = build(config.schedule if config.pp > 1 else "1f1b", config.pp, m,
+                         config.stages_per_rank)
+    except ValueError as e:
+        raise PlanError(f"parallel.schedule: {e}") from None
+    model, seq = meta_model(job), job.gpt.seq_len
+    stages = _stages(model, schedule, config, batch // m, seq, flops)
+    link, crossing = _pp_link(mesh, cluster)
+    activation = batch // m * seq * model.head.in_features * 4
+    sim = simulate(schedule, [s["forward_s"] for s in stages], link=link,
+                   activation_bytes=activation)
+    per_rank = _bytes_per_rank(model, config, mesh, batch, seq)
+    allreduce_s = max(_allreduce_seconds(b.get("allreduce", 0), mesh, cluster, config)
+                      for b in per_rank)
+    return {"world_size": n, "hosts": cluster.topology().num_hosts, "mode": "mesh",
+            "mesh": {"axes": dict(mesh.axes),
+                     "groups": {a: mesh.groups(a) for a in ("tp", "cp", "pp", "dp")}},
+            "batch_per_replica": batch, "seq_len": seq,
+            "stages": stages,
+            "schedule": {"name": schedule.name, "microbatches": m, "text": schedule.format()},
+            "flops_per_s": flops, "flops_source": flops_source,
+            "pp_link": {"bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us,
+                        "between_hosts": crossing},
+            "activation_bytes": activation,
+            "pipeline_step_s": sim.step_s, "bubble": sim.bubble, "bubbles": list(sim.bubbles),
+            "dp_allreduce_s": allreduce_s, "predicted_step_s": sim.step_s + allreduce_s,
+            "bytes_per_rank": per_rank,
+            "bytes_note": "dense all-reduce as replicated parameters (ZeRO's and the servers' "
+                          "bytes are not in this model)" if config.zero else None}
+
+
+def _mesh(config: ParallelConfig, cluster: Cluster) -> Mesh:
+    sizes = {h.procs for h in cluster.hosts}
+    try:
+        return parallel_mesh(cluster.world_size, sizes.pop() if len(sizes) == 1 else None,
+                             tp=config.tp, pp=config.pp, cp=config.cp)
+    except ValueError as e:
+        raise PlanError(f"[parallel] on {cluster.world_size} ranks: {e}") from None
+
+
+def _replica_batch(job, dp: int) -> int:
+    """Sequences each dp replica trains on per step (the trainer's sampler's share)."""
+    if job.data.scaling == "weak":
+        return job.data.batch_size
+    if job.data.batch_size % dp:
+        raise PlanError(f"data.batch_size: strong scaling splits {job.data.batch_size} "
+                        f"sequences over dp = {dp} replicas: expected a multiple of {dp}")
+    return job.data.batch_size // dp
+
+
+def _matmul_params(module: nn.Module) -> int:
+    """As stages.balance weighs a block: the weights that multiply every token."""
+    from .pipeline.stages import _matmul_params as weights
+
+    return weights(module)
+
+
+def _stages(model: nn.Module, schedule, config: ParallelConfig, micro: int, seq: int,
+            flops: float) -> list[dict]:
+    """Each stage: its pp rank, the modules it holds (blocks as a range), its share of the
+    balance's cost, and its forward seconds on one microbatch."""
+    from .pipeline import split_stages
+
+    try:
+        stages = split_stages(model, schedule.stages)
+    except ValueError as e:
+        raise PlanError(f"parallel.pp: {e}") from None
+    dim = model.head.in_features
+    tokens = micro * seq
+    attention = 4 * micro * seq * seq * dim          # scores and their weighted sum, per block
+    ends = _matmul_params(model.head) + _matmul_params(model.norm)
+    costs = [sum(_matmul_params(layer) for layer in s.layers) + (ends if s.last else 0)
+             for s in stages]
+    out = []
+    for k, s in enumerate(stages):
+        forward = sum(2 * _matmul_params(layer) * tokens + attention for layer in s.layers)
+        forward += 2 * _matmul_params(model.head) * tokens if s.last else 0
+        forward /= config.tp * config.cp            # every matmul split over tp; cp cuts seq
+        holds = (["tokens", "positions"] if s.first else []) + [_blocks(s.index_range)] \
+            + (["norm", "head"] if s.last else [])
+        out.append({"stage": k, "pp_rank": schedule.rank_of(k), "holds": holds,
+                    "blocks": [s.index_range.start, s.index_range.stop],
+                    "cost_share": costs[k] / sum(costs), "forward_flops": forward,
+                    "forward_s": forward / flops})
+    return out
+
+
+def _blocks(r: range) -> str:
+    return f"block {r.start}" if len(r) == 1 else f"blocks {r.start}-{r.stop - 1}"
+
+
+def _pp_link(mesh: Mesh, cluster: Cluster):
+    """The link a pipeline's neighbours talk over: the inter-host one when any pipeline has
+    neighbours on different hosts (the simulator takes one link for all hops)."""
+    topo = cluster.topology()
+    crossing = any(topo.host_of(a) != topo.host_of(b)
+                   for g in mesh.groups("pp") for a, b in zip(g, g[1:]))
+    return (cluster.links.inter if crossing else cluster.links.intra), crossing
+
+
+def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: int
+                    ) -> list[dict]:
+    """mesh_step_bytes of every rank; computed once per (pp, cp, tp) coordinate, which is all
+    they depend on (a dp replica's ranks mirror every other's)."""
+    seen: dict[tuple, dict] = {}
+    out = []
+    for rank in range(mesh.size):
+        at = mesh.coords(rank)
+        key = (at["pp"], at["cp"], at["tp"])
+        if key not in seen:
+            seen[key] = mesh_step_bytes(model, config, mesh.size, rank, batch, seq)
+        out.append({"rank": rank, **seen[key]})
+    return out
+
+
+def _allreduce_seconds(sent: int, mesh: Mesh, cluster: Cluster, config: ParallelConfig
+                       ) -> float:
+    """The dp (x cp) group's ring all-reduce of what this rank sends, in buckets: alpha-beta
+    on the inter-host link when the group spans hosts."""
+    n = mesh.size_of("dp") * config.cp
+    if n == 1 or not sent:
+        return 0.0
+    topo = cluster.topology()
+    axes = ("dp", "cp") if config.cp > 1 else ("dp",)
+    spans = any(len({topo.host_of(r) for r in g}) > 1 for g in mesh.groups(axes))
+    link = cluster.links.inter if spans else cluster.links.intra
+    params = sent * n / (2 * (n - 1))               # ring: 2 (n - 1) / n of the bucket each
+    buckets = max(1, math.ceil(params / bucket_bytes(config.bucket_mb)))
+    return seconds(sent, link, ALL_REDUCE.messages(n) * buckets)
+
+
+# -- text ------------------------------------------------------------------------------------------
+
+def format_mesh_report(out: dict, title: str) -> str:
+    axes = out["mesh"]["axes"]
+    lines = [f"{title}: {out['hosts']} hosts, {out['world_size']} ranks",
+             "mesh " + " x ".join(f"{a}={s}" for a, s in axes.items())
+             + " (tp fastest: consecutive ranks; dp crosses hosts first)"]
+    for axis in ("tp", "cp", "pp", "dp"):
+        lines.append(f"  {axis} groups: " + _groups_text(out["mesh"]["groups"][axis], axes[axis]))
+    lines += _stage_lines(out)
+    lines += ["schedule (rank x time, one unit per action):",
+              *("  " + line for line in out["schedule"]["text"].splitlines())]
+    lines += _time_lines(out)
+    lines.append(f"predicted bytes sent per step (mesh_cost.mesh_step_bytes; "
+                 f"{out['batch_per_replica']} sequences of {out['seq_len']} per dp replica):")
+    lines += ["  " + line for line in _bytes_lines(out["bytes_per_rank"])]
+    if out["bytes_note"]:
+        lines.append(f"  ({out['bytes_note']})")
+    return "\n".join(lines)
+
+
+def _groups_text(groups: list, size: int, shown: int = 4) -> str:
+    if size == 1:
+        return "none (size 1)"
+    text = " ".join("(" + ", ".join(map(str, g)) + ")" for g in groups[:shown])
+    return text + (f" ... {len(groups)} groups in all" if len(groups) > shown else "")
+
+
+def _stage_lines(out: dict) -> list[str]:
+    if out["mesh"]["axes"]["pp"] == 1:
+        return ["pipeline: none (pp = 1)"]
+    lines = ["pipeline stages (cut by stages.balance on each block's matmul weights):"]
+    for s in out["stages"]:
+        lines.append(f"  stage {s['stage']} on pp rank {s['pp_rank']}: "
+                     f"{', '.join(s['holds'])}; cost share {s['cost_share']:.1%}; forward "
+                     f"{s['forward_s'] * 1e3:.3f} ms per microbatch")
+    return lines
+
+
+def _time_lines(out: dict) -> list[str]:
+    link = out["pp_link"]
+    where = "between hosts" if link["between_hosts"] else "inside a host"
+    bubbles = ", ".join(f"{b:.3f}" for b in out["bubbles"])
+    return [f"predicted step {out['predicted_step_s'] * 1e3:.3f} ms: schedule "
+            f"{out['pipeline_step_s'] * 1e3:.3f} ms (pipeline.simulate) + dp all-reduce "
+            f"{out['dp_allreduce_s'] * 1e3:.3f} ms; bubble {out['bubble']:.3f} "
+            f"(per pp rank {bubbles})",
+            f"  compute {out['flops_per_s'] / 1e9:,.1f} GFLOP/s per rank ({out['flops_source']}); "
+            f"pp link {where}: {link['bandwidth_gbps']:g} Gbit/s, {link['latency_us']:g} us, "
+            f"{out['activation_bytes']:,} bytes per boundary; tp's and cp's exchanges are not "
+            "timed here (their bytes are below)"]
+
+
+def _bytes_lines(per_rank: list[dict]) -> list[str]:
+    """Ranks with the same bytes on one line."""
+    rows: dict[tuple, list[int]] = defaultdict(list)
+    for b in per_rank:
+        rows[tuple((k, v) for k, v in b.items() if k != "rank")].append(b["rank"])
+    lines = []
+    for axes, ranks in rows.items():
+        shown = ", ".join(map(str, ranks[:8])) + (f" ... ({len(ranks)})" if len(ranks) > 8 else "")
+        parts = ", ".join(f"{k} {_kb(v)}" for k, v in axes) or "nothing"
+        lines.append(f"ranks {shown}: {parts}")
+    return lines
+
+
+def _kb(n: int) -> str:
+    return f"{n:,} B" if n < 10_000 else f"{n / 1e3:,.1f} kB" if n < 10_000_000 else \
+        f"{n / 1e6:,.1f} MB"
