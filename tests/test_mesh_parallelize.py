@@ -76,7 +76,8 @@ def _train(rank, world_size, configs):
             losses.append(None if loss is None else loss.item())
         stats = tilework.stats(model)["last_step"]
         out.append((losses, tilework.state_dict(model, opt)["model"],
-                    {k: v["sent"] for k, v in stats.items()}, norms))
+                    {k: v["sent"] for k, v in stats.items()}, norms,
+                    model._tilework_engine.plan.recompute))
     return out
 
 
@@ -91,8 +92,10 @@ def _check(results, options, ref):
     for rank, r in enumerate(results):
         assert len(r[3]) == len(ref_norms) and all(
             abs(a - b) <= TOL * b for a, b in zip(r[3], ref_norms)), (options, rank, r[3])
+    # Bytes: the plain configurations (ZeRO's and the servers' are cost.py's, checked in
+    # test_cost; recompute's second forward repeats its tp collectives, not modelled here).
     if not options.get("zero") and not options.get("overrides") and "clip" not in options \
-            and "tied" not in options:
+            and "tied" not in options and "recompute" not in options:
         config = tilework.ParallelConfig(**options)
         for rank, r in enumerate(results):   # counted bytes per axis == the cost model's
             assert r[2] == mesh_step_bytes(new_gpt(), config, world, rank, GLOBAL_BATCH // dp,
@@ -109,7 +112,8 @@ def _check(results, options, ref):
         assert abs(mean - ref_losses[step]) <= TOL * abs(ref_losses[step]), (options, step)
 
 
-TWO = [{"cp": 2}, {"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 4},
+TWO = [{"cp": 2}, {"tp": 2}, {"tp": 2, "recompute": "full"},
+       {"pp": 2, "microbatches": 4, "recompute": "full"}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 4},
        {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
        {"pp": 2, "microbatches": 4, "schedule": "interleaved"}]
 # The embedding left whole by the layout and served by the parameter server over dp, while
@@ -134,7 +138,11 @@ def test_two_ranks_cp_tp_or_pp_train_as_one_process(ref):
     assert set(results[0][0][2]) == {"cp", "allreduce"}   # dp x cp average the gradients
     tp_only = results[0][1][2]
     assert tp_only.get("tp", 0) > 0 and "allreduce" not in tp_only   # dp = 1: no dp bytes
-    assert results[0][3][2].get("pipeline", 0) > 0
+    assert results[0][2][2]["tp"] > tp_only["tp"]   # full recompute repeats the forward's
+    assert results[0][5][2].get("pipeline", 0) > 0
+    # Each pipeline rank recomputes the blocks its stage holds (4 blocks, 2 stages).
+    assert [[name for name, _ in r[3][4]] for r in results] == [
+        ["blocks.layers.0", "blocks.layers.1"], ["blocks.layers.2", "blocks.layers.3"]]
 
 
 def test_four_ranks_dp_with_cp_tp_and_pp_train_as_one_process(ref):

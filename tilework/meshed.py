@@ -42,73 +42,108 @@ class MeshParallel:
 
 def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, world: Groups,
                         cluster, density, traffic, plan, log: bool):
-    from .pipeline import build as build_schedule
-    from .pipeline.model import PipelineModel
-    from .sync.engine import Engine
-    from .sync.recompute import apply_recompute
-    from .tensor import TensorParallel, apply_layout, build_mesh_groups, layout_for
-    from .tensor.groups import data_parallel_groups
+    _refuse(config, plan)
+    from .tensor import build_mesh_groups
 
-    if config.cp > 1 and (config.tp > 1 or config.pp > 1):
-        raise PlanError(f"cp={config.cp} with tp={config.tp}, pp={config.pp}: context "
-                        "parallelism composes with data parallelism only so far (ring attention "
-                        "and head-split attention both replace the attention modules)")
-    if plan is not None:
-        raise PlanError("plan=: with tp, pp or cp > 1 the data-parallel plan is made per dp "
-                        "group by parallelize itself")
     mesh = parallel_mesh(world.world_size, _ranks_per_host(world), tp=config.tp, pp=config.pp,
                          cp=config.cp)
     _start_alike(model, world)
     groups = build_mesh_groups(mesh, world.world, world.env)
     found = MeshParallel(mesh, world, groups, Stats())
-    target = model
     if config.cp > 1:
         from .context import apply_context_parallel
 
         apply_context_parallel(model, groups.group("cp"), found.stats)
     if config.tp > 1:
-        found.tp = TensorParallel.from_mesh(groups, found.stats, config.sequence_parallel)
-        before = dict(model.named_parameters())
-        found.layout = apply_layout(model, config.layout or layout_for(model), found.tp)
-        _swap_in_optimizer(optimizer, before, dict(model.named_parameters()))
-    if config.pp > 1:
-        if config.sequence_parallel:
-            raise PlanError("pp > 1 with sequence_parallel: the stages' boundaries would carry "
-                            "sequence slices; not supported yet")
-        m = config.microbatches or 2 * config.pp
-        schedule = build_schedule(config.schedule, config.pp, m, config.stages_per_rank)
-        before = dict(model.named_parameters())
-        found.pipeline = PipelineModel(model, schedule, groups.group("pp"), groups.coord("pp"),
-                                       found.stats)
-        target = found.pipeline.part
-        _swap_in_optimizer(optimizer, before, dict(target.named_parameters()))
-    # Under cp the ranks of a dp x cp group average their gradients together: each computes
-    # its tokens' mean loss, and every rank holds as many tokens.
-    dp = data_parallel_groups(groups, world, ("dp", "cp") if config.cp > 1 else ("dp",))
-    flat = dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None)
-    dp_plan = planner.plan(target, flat, cluster, density, traffic, topology=dp.topology)
-    # The pipeline's stages never run the part's own forward, where the input checks and the
-    # zeroed-without-a-step check look.
-    engine = Engine(target, optimizer, dp, dp_plan, config.check_inputs and config.pp == 1)
-    engine.mesh = found
-    apply_recompute(target, dp_plan.recompute, engine.changes)
+        _split_layers(model, optimizer, config, found)
+    target = model if config.pp == 1 else _cut_stages(model, optimizer, config, found)
+    engine = _engine_over_dp(model, target, optimizer, config, found, cluster, density, traffic)
     if config.cp > 1:
         engine.changes.hook("model: forward pre-hook (this rank's part of the sequence)",
                             model.register_forward_pre_hook(
                                 PicklesAsNoop(_SequenceCut(groups.coord("cp"), config.cp)),
                                 with_kwargs=True, prepend=True))
+    if log and world.rank == 0:
+        from .api import print_plan
+
+        print(f"tilework mesh: {mesh} ({', '.join(_axis_line(groups, a) for a in mesh.names)})")
+        print_plan(engine.plan)
+    return (found.pipeline or model), optimizer
+
+
+def _refuse(config: ParallelConfig, plan) -> None:
+    """What cannot be combined yet, before anything is changed."""
+    if config.cp > 1 and (config.tp > 1 or config.pp > 1):
+        raise PlanError(f"cp={config.cp} with tp={config.tp}, pp={config.pp}: context "
+                        "parallelism composes with data parallelism only so far (ring attention "
+                        "and head-split attention both replace the attention modules)")
+    if config.pp > 1 and config.sequence_parallel:
+        raise PlanError("pp > 1 with sequence_parallel: the stages' boundaries would carry "
+                        "sequence slices; not supported yet")
+    if plan is not None:
+        raise PlanError("plan=: with tp, pp or cp > 1 the data-parallel plan is made per dp "
+                        "group by parallelize itself")
+
+
+def _split_layers(model, optimizer, config: ParallelConfig, found: MeshParallel) -> None:
+    """The layout's modules replaced by tensor-parallel ones; the optimizer takes the shards."""
+    from .tensor import TensorParallel, apply_layout, layout_for
+
+    found.tp = TensorParallel.from_mesh(found.groups, found.stats, config.sequence_parallel)
+    before = dict(model.named_parameters())
+    found.layout = apply_layout(model, config.layout or layout_for(model), found.tp)
+    _swap_in_optimizer(optimizer, before, dict(model.named_parameters()))
+
+
+def _cut_stages(model, optimizer, config: ParallelConfig, found: MeshParallel) -> nn.Module:
+    """This rank's pipeline stages; the optimizer keeps their parameters. Returns the part."""
+    from .pipeline import build
+    from .pipeline.model import PipelineModel
+
+    m = config.microbatches or 2 * config.pp
+    schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
+    before = dict(model.named_parameters())
+    found.pipeline = PipelineModel(model, schedule, found.groups.group("pp"),
+                                   found.groups.coord("pp"), found.stats)
+    _swap_in_optimizer(optimizer, before, dict(found.pipeline.part.named_parameters()))
+    return found.pipeline.part
+
+
+def _engine_over_dp(model, target, optimizer, config: ParallelConfig, found: MeshParallel,
+                    cluster, density, traffic):
+    """The data-parallel engine over `target` (the model, or this rank's pipeline part) and
+    this rank's dp group, planned as data parallelism."""
+    from .sync.engine import Engine
+    from .sync.recompute import apply_recompute
+    from .tensor.groups import data_parallel_groups
+
+    # Under cp the ranks of a dp x cp group average their gradients together: each computes
+    # its tokens' mean loss, and every rank holds as many tokens.
+    dp = data_parallel_groups(found.groups, found.world,
+                              ("dp", "cp") if config.cp > 1 else ("dp",))
+    flat = dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None)
+    dp_plan = planner.plan(target, flat, cluster, density, traffic, topology=dp.topology)
+    if target is not model:
+        # The repeated blocks are found in the whole model (in the part they are no longer a
+        # ModuleList); this rank recomputes those its stages hold.
+        from .analysis import recompute_choices
+
+        mine = dict(target.named_modules())
+        dp_plan = dataclasses.replace(dp_plan, recompute=tuple(
+            (name, policy) for name, policy in recompute_choices(model, config.recompute)
+            if name in mine))
+    # The pipeline's stages never run the part's own forward, where the input checks and the
+    # zeroed-without-a-step check look.
+    engine = Engine(target, optimizer, dp, dp_plan, config.check_inputs and config.pp == 1)
+    engine.mesh = found
+    apply_recompute(target, dp_plan.recompute, engine.changes)
     if found.pipeline is not None:
         found.pipeline._tilework_engine = engine    # the runner ends its counted steps
     elif optimizer is not None:
         engine.changes.hook("optimizer: step post-hook (the mesh's counted step ends)",
                             optimizer.register_step_post_hook(
                                 lambda *_: found.stats.end_step()))
-    if log and world.rank == 0:
-        from .api import print_plan
-
-        print(f"tilework mesh: {mesh} ({', '.join(_axis_line(groups, a) for a in mesh.names)})")
-        print_plan(dp_plan)
-    return (found.pipeline or model), optimizer
+    return engine
 
 
 class _SequenceCut:
