@@ -14,7 +14,10 @@ Measured: the median over rounds of the step (barrier to the last rank's return)
 bubble (1 - the ranks' mean busy time / step, busy from the runner's timeline). Predicted:
 pipeline.simulate replaying the same schedule with each stage's median times, the send/recv
 link fitted in the same world (calibrate.time_points), and the ranks sharing the machine's
-cores (`processors`: pp = 4 puts 4 ranks on 2 cores here). torch.distributed.pipelining's
+cores (`processors`: pp = 4 puts 4 ranks on 2 cores here); once with the link alone, once with
+a per-message CPU overhead (LogP's o) that the same world measures first, apart from any
+schedule (pipeline_runs.message_overhead: busy ranks with and without activation-sized
+messages). torch.distributed.pipelining's
 ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B run the same stage modules in the same
 rounds: their step time beside ours. The machine may be shared: before each round the
 benchmark waits (--max-wait seconds at most) until other processes keep fewer than
@@ -36,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from tilework.bench.pipeline_runs import Shape, link_fit, run_rank  # noqa: E402
+from tilework.bench.pipeline_runs import (Shape, link_fit, message_overhead,  # noqa: E402
+                                          run_rank)
 from tilework.pipeline.schedule import build  # noqa: E402
 from tilework.pipeline.simulate import simulate  # noqa: E402
 from tilework.pipeline.timeline import draw  # noqa: E402
@@ -48,8 +52,9 @@ V = 2
 
 def _world(rank, world_size, shape, rounds, torch_peer, quiet):
     link = link_fit(rank, world_size, shape.activation_bytes)
+    overhead = message_overhead(world_size, shape, quiet=quiet)
     runs = run_rank(rank, world_size, shape, list(NAMES), V, rounds, torch_peer, quiet)
-    return {"link": (link.bandwidth_gbps, link.latency_us), "runs": runs}
+    return {"link": (link.bandwidth_gbps, link.latency_us), "overhead": overhead, "runs": runs}
 
 
 def measured(run: dict) -> dict:
@@ -59,14 +64,16 @@ def measured(run: dict) -> dict:
             "timeline": [(r, s, e, a) for r, tl in enumerate(run["timelines"]) for a, s, e in tl]}
 
 
-def predicted(stage_rounds: list[dict], schedule, link, shape: Shape):
+def predicted(stage_rounds: list[dict], schedule, link, shape: Shape, overhead_s: float):
     """The simulator on each stage's median forward and backward seconds over these rounds,
-    the ranks sharing this machine's cores."""
+    the ranks sharing this machine's cores: with the link alone, and with the link and the
+    per-message overhead measured apart from the schedules (`message_overhead`)."""
     fwd = [statistics.median(r[s][0] for r in stage_rounds) for s in range(schedule.stages)]
     bwd = [statistics.median(r[s][1] for r in stage_rounds) for s in range(schedule.stages)]
-    sim = simulate(schedule, fwd, bwd, link, shape.activation_bytes,
-                   processors=len(os.sched_getaffinity(0)))
-    return sim, fwd, bwd
+    sims = [simulate(schedule, fwd, bwd, link, shape.activation_bytes,
+                     processors=len(os.sched_getaffinity(0)), message_overhead_s=o)
+            for o in (0.0, overhead_s)]
+    return sims, fwd, bwd
 
 
 def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path | None,
@@ -77,17 +84,23 @@ def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path
 
     got = spawn(_world, pp, args=(shape, rounds, torch_peer, quiet), timeout=3600)[0]
     link, rows, background = Link(*got["link"]), [], got["runs"]["background"]
+    overhead = got["overhead"]
     keep = [i for i, b in enumerate(background) if b < quiet[0]] or list(range(len(background)))
     for name in NAMES:
         schedule = build(name, pp, shape.microbatches, V)
-        sim, fwd, bwd = predicted([got["runs"]["stages"][i][schedule.stages] for i in keep],
-                                  schedule, link, shape)
+        (plain, sim), fwd, bwd = predicted(
+            [got["runs"]["stages"][i][schedule.stages] for i in keep], schedule, link, shape,
+            overhead["overhead_s"])
         runs = [measured(got["runs"][f"ours/{name}"][i]) for i in keep]
         step = statistics.median(r["step_s"] for r in runs)
         bubble = statistics.median(r["bubble"] for r in runs)
         row = {"pp": pp, "schedule": schedule.name, "measured_s": step, "predicted_s": sim.step_s,
                "step_ratio": step / sim.step_s, "measured_bubble": bubble,
                "predicted_bubble": sim.bubble, "bubble_ratio": bubble / sim.bubble,
+               "link_only_s": plain.step_s, "link_only_step_ratio": step / plain.step_s,
+               "link_only_bubble": plain.bubble, "link_only_bubble_ratio": bubble / plain.bubble,
+               "overhead_s": overhead["overhead_s"], "overhead_cpu_s": overhead["cpu_s"],
+               "overhead_per_rank_s": overhead["per_rank_s"],
                "rounds_kept": len(keep), "rounds": len(background),
                "background_cores": statistics.median(background[i] for i in keep),
                "round_step_s": [r["step_s"] for r in runs],
@@ -107,19 +120,34 @@ def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| pp | schedule | measured step (ms) | predicted (ms) | ratio | measured bubble | "
-             "predicted bubble | ratio | torch's step (ms) | ours / torch's | rounds kept |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """Measured beside two predictions: the link alone (alpha-beta), and the link with the
+    measured per-message overhead (+o); ratios are measured / predicted."""
+    lines = ["| pp | schedule | measured step (ms) | link only (ms) | ratio | +o (ms) | ratio | "
+             "measured bubble | link only | ratio | +o | ratio | torch's step (ms) | "
+             "ours / torch's | rounds kept |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         torch_s = r.get("torch_s")
         peer = (f"{torch_s * 1e3:.1f} | {r['measured_s'] / torch_s:.2f}" if torch_s
                 else "- | -")
         lines.append(
             f"| {r['pp']} | {r['schedule']} | {r['measured_s'] * 1e3:.1f} | "
+            f"{r['link_only_s'] * 1e3:.1f} | {r['link_only_step_ratio']:.2f} | "
             f"{r['predicted_s'] * 1e3:.1f} | {r['step_ratio']:.2f} | "
-            f"{r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | "
+            f"{r['measured_bubble']:.3f} | {r['link_only_bubble']:.3f} | "
+            f"{r['link_only_bubble_ratio']:.2f} | {r['predicted_bubble']:.3f} | "
             f"{r['bubble_ratio']:.2f} | {peer} | {r['rounds_kept']}/{r['rounds']} |")
     return "\n".join(lines)
+
+
+def overheads(rows: list[dict]) -> str:
+    """One line per pp: the per-message overhead its world measured."""
+    seen = {r["pp"]: r for r in rows}
+    return "\n".join(
+        f"pp={pp}: message overhead o = {r['overhead_s'] * 1e3:.3f} ms per message end "
+        f"(ranks: {', '.join(f'{x * 1e3:.2f}' for x in r['overhead_per_rank_s'])}), "
+        f"CPU {r['overhead_cpu_s'] * 1e3:.3f} ms; link {r['link_gbps']:.1f} Gb/s, "
+        f"{r['link_latency_us']:.0f} us" for pp, r in seen.items())
 
 
 def paper_table() -> str:
@@ -173,6 +201,7 @@ def main(argv=None) -> int:
                         (a.quiet_cores, a.max_wait))
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores; shape {shape}")
+    print(overheads(rows))
     print(table(rows))
     if a.out:
         a.out.write_text(json.dumps({"cores": cores, "shape": vars(shape), "rows": rows},

@@ -18,7 +18,7 @@ from tilework.pipeline.schedule import (Action, Schedule, build, gpipe, in_fligh
 from tilework.pipeline import megatron
 from tilework.pipeline.megatron import TABLE1
 from tilework.pipeline.runtime import PipelineRunner
-from tilework.pipeline.simulate import p2p_bytes, simulate
+from tilework.pipeline.simulate import messages, p2p_bytes, simulate
 from tilework.pipeline.stages import balance, split_stages
 from tilework.pipeline.timeline import draw
 from tilework.testing import spawn
@@ -141,6 +141,43 @@ def test_links_delay_each_hop_between_ranks_and_bytes_are_counted_per_boundary()
     # interleaved: every F but the last stage's and every B but stage 0's crosses ranks
     s = interleaved_1f1b(2, 4, 2)
     assert p2p_bytes(s, 10) == [(3 * 4 + 3 * 4) * 10 // 2] * 2
+
+
+def test_message_overhead_is_charged_to_the_sender_and_the_receiver():
+    """LogP's o: each cross-rank message costs its sending action and its receiving action o
+    before they compute; it delays the step and is not computing."""
+    ms, o = 1e-3, 0.5e-3
+    sim = simulate(gpipe(2, 1), [ms, ms], message_overhead_s=o)
+    # 0F0 (sends): 1.5, 1F0 (receives): 1.5, 1B0 (sends): 2.5, 0B0 (receives): 2.5
+    assert sim.step_s == pytest.approx(8e-3)
+    assert sim.busy_s == pytest.approx((3e-3, 3e-3)) and sim.overhead_s == pytest.approx((2 * o, 2 * o))
+    assert sim.bubble == pytest.approx(1 - 3 / 8)
+    link = Link(bandwidth_gbps=8.0, latency_us=100.0)
+    with_link = simulate(gpipe(2, 1), [ms, ms], link=link, activation_bytes=1_000_000,
+                         message_overhead_s=o)
+    assert with_link.step_s == pytest.approx(8e-3 + 2 * 1.1e-3)
+    # one processor for both ranks: the step is all the work, overhead included; an action's
+    # wall time (stretched while both ranks run) is its overhead's and its compute's
+    shared = simulate(one_f_one_b(2, 2), [ms, ms], message_overhead_s=o, processors=1)
+    assert shared.step_s == pytest.approx(12 * ms + 8 * o)
+    walls = [sum(e - b for r, b, e, _ in shared.timeline if r == rank) for rank in (0, 1)]
+    assert [b + v for b, v in zip(shared.busy_s, shared.overhead_s)] == pytest.approx(walls)
+    assert simulate(gpipe(2, 1), [ms, ms], message_overhead_s=o, processors=1) == sim
+
+
+@given(pp_m, st.floats(0.0, 1.0))
+def test_message_overhead_counts_every_message_twice_and_zero_changes_nothing(args, o):
+    pp, m = args
+    for s in every_schedule(pp, m):
+        sends = sum(p2p_bytes(s, 1))   # one byte a message: the messages sent
+        assert sum(messages(s, a) for acts in s.ranks for a in acts) == 2 * sends
+        plain = simulate(s, [1.0] * s.stages)
+        assert simulate(s, [1.0] * s.stages, message_overhead_s=0.0) == plain
+        for cores in (1, 2):
+            zero = simulate(s, [1.0] * s.stages, processors=cores, message_overhead_s=0.0)
+            assert zero == simulate(s, [1.0] * s.stages, processors=cores)
+        one = simulate(s, [1.0] * s.stages, processors=1, message_overhead_s=o)
+        assert one.step_s == pytest.approx(3 * m * s.stages + o * 2 * sends)
 
 
 # -- the runtime: the GPT trained through each schedule equals one process --------------------

@@ -235,3 +235,70 @@ def link_fit(rank: int, world_size: int, nbytes: int):
     points = time_points(dist.group.WORLD, world_size, sizes, repeats=15,
                          collectives=("send_recv",))
     return fit_points("send_recv", world_size, points["send_recv"]).link()
+
+
+def _message_trial(block, x, world_size: int, actions: int, lag: int, talk: bool):
+    """One rank's loop of `actions` block forwards on a microbatch; with `talk`, action i also
+    takes rank - 1's message i - lag as its input and sends its output, message i, to rank + 1,
+    posted as the runtime posts them (the receive one action ahead, waited when the action
+    starts; the send after the compute, waited at the end of the loop). The lag keeps the
+    link's latency (the simulator's alpha-beta) off the loop: what remains is each message's
+    cost to the ranks. Returns (wall seconds, this process's CPU seconds)."""
+    rank = dist.get_rank()
+    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    incoming, sends, last = {}, [], actions - lag   # messages 0 .. last - 1
+
+    def post(i: int) -> None:
+        if talk and lag <= i < actions and i not in incoming:
+            buffer = torch.empty_like(x)
+            incoming[i] = (dist.irecv(buffer, prv, tag=i - lag), buffer)
+
+    dist.barrier()
+    wall, cpu = time.perf_counter(), _own_cpu_s()
+    for i in range(actions):
+        post(i)
+        post(i + 1)
+        inp = x
+        if i in incoming:
+            work, inp = incoming.pop(i)
+            work.wait()
+        with torch.no_grad():
+            out = block(inp)
+        if talk and i < last:
+            sends.append((dist.isend(out, nxt, tag=i), out))
+    for work, _ in sends:
+        work.wait()
+    return time.perf_counter() - wall, _own_cpu_s() - cpu
+
+
+def message_overhead(world_size: int, shape: Shape, actions: int = 40, lag: int = 2,
+                     repeats: int = 9, quiet: tuple[float, float] = (0.3, 60.0)) -> dict:
+    """LogP's o on this world's busy ranks, for pipeline.simulate's `message_overhead_s`,
+    measured apart from any schedule: every rank runs the same loop of one GPT block's forward
+    on a microbatch, with and without exchanging an activation-sized message per action
+    (`_message_trial`), alternately. Every rank computing all along, the simulator would
+    replay a loop as (compute + o x its messages' ends) / rate, rate = min(1, cores / ranks):
+    so o = the extra wall time per rank x rate / (messages it sends + receives). Returns
+    {"overhead_s": o (median over repeats, mean over ranks), "cpu_s": the extra CPU seconds
+    (all threads, gloo's too) per message end, "per_rank_s": each rank's o}."""
+    torch.manual_seed(0)
+    block = shape.model().blocks.layers[0]
+    x = torch.randn(shape.microbatch, shape.seq, shape.dim)
+    ends = 2 * (actions - lag)                        # each rank's sends + receives
+    rate = min(1.0, len(os.sched_getaffinity(0)) / world_size)
+    for talk in (False, True):                        # warm up: connections, allocator
+        _message_trial(block, x, world_size, actions, lag, talk)
+    wall, cpu = [], []
+    for _ in range(repeats):
+        wait_for_quiet(*quiet)
+        plain = _message_trial(block, x, world_size, actions, lag, False)
+        talking = _message_trial(block, x, world_size, actions, lag, True)
+        wall.append((talking[0] - plain[0]) * rate / ends)
+        cpu.append((talking[1] - plain[1]) / ends)
+    mine = (statistics.median(wall), statistics.median(cpu))
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    return {"overhead_s": statistics.mean(o for o, _ in every),
+            "cpu_s": statistics.mean(c for _, c in every),
+            "per_rank_s": [o for o, _ in every], "actions": actions, "lag": lag,
+            "message_bytes": x.numel() * x.element_size()}
