@@ -148,6 +148,7 @@ class MemoryEstimate:
     gathered: int = 0    # ZeRO-3's full values while their units run
     offloaded: int = 0   # in memory-mapped files (not in the peak)
     last_flight: int = 0   # ZeRO-3: the model's own unit's reduce-scatter, the last of backward
+    pipelined: int = 0     # pp: activations still held (and backward's transient) beside gradients
 
     @property
     def peak(self) -> int:
@@ -155,8 +156,9 @@ class MemoryEstimate:
         # While the blocks run backward: their gathered values, and either a module's rebuilt
         # activations or a bucket in flight (a bucket is launched once its module's backward,
         # recompute included, is done). Then, alone, the model's own unit's reduce-scatter.
+        # Under pp later microbatches' activations are held while the gradients exist.
         backward = self.gradients + max(self.gathered + max(self.buckets, self.recompute),
-                                        self.last_flight)
+                                        self.last_flight, self.pipelined)
         step = self.gradients + self.step_temporaries
         return self.parameters + self.optimizer_state + max(forward, backward, step)
 
@@ -180,11 +182,24 @@ def optimizer_kind(optimizer) -> str:
 
 
 def estimate_memory(model: nn.Module, config=None, example_inputs: tuple = (), cluster=None,
-                    optimizer="adam", rank: int = 0) -> MemoryEstimate:
+                    optimizer="adam", rank: int = 0, world_size: int | None = None
+                    ) -> MemoryEstimate:
     """Bytes rank `rank` holds training `model` on `example_inputs` (one rank's batch) under
     the plan `tilework.plan(model, config, cluster)` makes, with `optimizer` (a torch optimizer,
-    its class or its name). Pure: runs on the meta device, needs no process group."""
+    its class or its name). Pure: runs on the meta device, needs no process group.
+
+    With tp, pp or cp > 1 (mesh_memory.py): rank `rank` of `world_size` ranks (default: the
+    cluster's, else tp x pp x cp, dp = 1), `example_inputs` one data-parallel replica's batch."""
     from .planner import plan as make_plan
+
+    if config is not None and config.model_parallel:
+        from .mesh_memory import estimate_mesh_memory
+
+        if world_size is None:
+            world_size = cluster.world_size if cluster is not None else \
+                config.tp * config.pp * config.cp
+        return estimate_mesh_memory(model, config, example_inputs, world_size, rank, optimizer,
+                                    cluster)
 
     plan = make_plan(model, config, cluster)
     if not 0 <= rank < plan.world_size:
@@ -193,9 +208,10 @@ def estimate_memory(model: nn.Module, config=None, example_inputs: tuple = (), c
 
 
 def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="adam",
-                      ranks=None) -> list[MemoryEstimate]:
+                      ranks=None, facts=None) -> list[MemoryEstimate]:
     """`estimate_memory` for `ranks` (default: every rank) of a given plan: the forward runs
-    once, each table's layout is built once."""
+    once, each table's layout is built once. `facts`: the forward's, when the caller ran it
+    (mesh_memory.py, on a transformed model)."""
     from .layout import TableLayout
 
     kind = optimizer_kind(optimizer)
@@ -204,7 +220,8 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
     # amsgrad keeps a third moment-sized tensor, the running maximum.
     amsgrad = {name for group, names in groups if kind in ("adam", "adamw")
                and group.get("amsgrad", False) for name in names}
-    facts = meta_forward(model, example_inputs, plan.recompute)
+    if facts is None:
+        facts = meta_forward(model, example_inputs, plan.recompute)
     zero = zero_figures(plan, per_element, STEP_COUNTER_BYTES.get(kind, 0), amsgrad)
     served = [(pp, TableLayout(pp, plan.world_size, device="meta").shard_sizes)
               for pp in plan.of("ps")]

@@ -1,0 +1,244 @@
+"""What one rank holds on a dp x pp x cp x tp mesh (`estimate_memory` with tp, pp or cp > 1):
+pure, on the meta device, without a process group.
+
+The model is transformed on a meta copy as `parallelize` transforms it on the rank
+(meshed.py), with stand-ins for the collectives that only make tensors of the right shapes:
+the layout applied for this rank's tp coordinate (`_ShapeOnlyTP`), ring attention for its cp
+coordinate (`_ShapeOnlyRing`), the blocks cut into the schedule's stages and this rank's kept
+(pipeline/model.local_part). Then:
+
+- parameters, gradients, optimizer state, buckets, the step's temporaries: memory.py's rules
+  on that part (its parameters are the layout's local shapes, only this rank's stages'),
+  planned over the rank's dp group (dp x cp under context parallelism) as parallelize plans
+  it, ZeRO included.
+- activations: measured by the meta forward of the transformed model, so tensor parallelism's
+  split regions, sequence parallelism's slices (and the all-gathered inputs the column-parallel
+  layers save), the vocabulary-parallel loss's saved exponentials, and ring attention's saved
+  q, k, v, output and log-normalisers on the rank's 1/cp of the sequence are what the layers
+  really save, not a formula. Under pp each of the rank's stages runs forward on one microbatch
+  (batch / microbatches sequences), and the schedule is walked action by action (`_walk`): a
+  microbatch-stage's activations live from its F to its B (`schedule.in_flight` of them at
+  most), the receive buffers posted one action ahead, and what the runtime keeps in its send
+  queue until the step ends (each sent output, each sent input gradient).
+- temporaries: memory.py's rule on the largest saved tensor of the transformed forward.
+
+Under pp the gradients exist from the rank's first backward on while later microbatches'
+activations are still held: `MemoryEstimate.pipelined` is what the walk holds then (plus the
+backward's temporaries), counted beside the gradients in the peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .memory import MemoryEstimate, estimate_per_rank
+from .meta_forward import ForwardFacts, _on_meta, meta_forward
+from .tensor.regions import SEQ_DIM, TensorParallel
+
+
+def estimate_mesh_memory(model: nn.Module, config, example_inputs: tuple, world_size: int,
+                         rank: int = 0, optimizer="adam", cluster=None) -> MemoryEstimate:
+    """Bytes rank `rank` of `world_size` holds training `model` under `config` (tp, pp, cp, and
+    dp = what they leave), `example_inputs` being one data-parallel replica's batch: whole
+    sequences, as the script passes them to `parallelize`'s model (every tp, pp and cp rank of
+    a replica gets the same). `cluster` gives the ranks' hosts (default: one host)."""
+    from .mesh import parallel_mesh
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected 0..{world_size - 1}, got {rank}")
+    per_host = _ranks_per_host(cluster)
+    mesh = parallel_mesh(world_size, per_host, tp=config.tp, pp=config.pp, cp=config.cp)
+    at = mesh.coords(rank)
+    meta = _transformed(model, config, at)
+    part, stages, schedule = meta, None, None
+    if config.pp > 1:
+        part, stages, schedule = _pipeline_part(meta, config, at["pp"])
+    axes = ("dp", "cp") if config.cp > 1 else ("dp",)
+    dp_ranks = next(g for g in mesh.groups(axes) if rank in g)
+    dp_plan = _dp_plan(part, config, cluster, dp_ranks)
+    inputs = _cut_sequence(example_inputs, at["cp"], config.cp)
+    if stages is None:
+        facts = meta_forward(meta, inputs, dp_plan.recompute)
+        return dataclasses.replace(estimate_per_rank(
+            part, dp_plan, inputs, optimizer, [dp_ranks.index(rank)], facts)[0], rank=rank)
+    return _pipelined(part, stages, schedule, at["pp"], dp_plan, inputs, optimizer,
+                      dp_ranks.index(rank), rank)
+
+
+@dataclass(frozen=True, eq=False)
+class _ShapeOnlyTP(TensorParallel):
+    """A tp rank whose collectives return new tensors of the results' shapes: the layers'
+    arithmetic and what autograd saves are the real rank's, nothing is sent."""
+
+    def all_reduce(self, x: torch.Tensor, op=None) -> torch.Tensor:
+        return x.contiguous().clone()   # as the real one: a reduced copy
+
+    def gather_seq(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        shape = list(x.shape)
+        shape[dim] *= self.size
+        return x.new_empty(shape)
+
+    def reduce_scatter_seq(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        return x.chunk(self.size, dim=dim)[self.rank].contiguous().clone()
+
+
+def _shape_only_ring(rank: int, size: int):
+    """A cp rank's ring whose shift receives a new tensor of the sent one's shape."""
+    from .comm.counted import Stats
+    from .context.comm import Ring, _Shifted
+
+    class ShapeOnlyRing(Ring):
+        def __init__(self):
+            self.group, self.stats, self.method = None, Stats(), "cp"
+            self.rank, self.size = rank, size
+
+        def shift(self, tensor, tag):
+            return _Shifted([], tensor, torch.empty_like(tensor))
+
+    return ShapeOnlyRing()
+
+
+def _transformed(model: nn.Module, config, at: dict[str, int]) -> nn.Module:
+    """A meta copy of `model` as parallelize leaves it on the rank at `at` (pp aside)."""
+    from .comm.counted import Stats
+
+    meta = _on_meta(model)
+    if config.cp > 1:
+        from .context import apply_context_parallel
+
+        apply_context_parallel(meta, None, Stats())
+        ring = _shape_only_ring(at["cp"], config.cp)
+        for m in meta.modules():
+            if hasattr(m, "ring"):
+                m.ring = ring
+    if config.tp > 1:
+        from .tensor import apply_layout, layout_for
+
+        tp = _ShapeOnlyTP(None, at["tp"], config.tp, config.sequence_parallel)
+        apply_layout(meta, config.layout or layout_for(model), tp)
+    return meta
+
+
+def _pipeline_part(meta: nn.Module, config, pp_rank: int):
+    """This rank's stages of the schedule parallelize builds, and the module tree of them."""
+    from .pipeline import build, split_stages
+    from .pipeline.model import _stage_modules, local_part
+
+    m = config.microbatches or 2 * config.pp
+    schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
+    stages = split_stages(meta, schedule.stages)
+    mine = {s: stages[s] for s in schedule.stages_of(pp_rank)}
+    part = local_part(meta, [mod for s in mine.values() for mod in _stage_modules(s)])
+    return part, mine, schedule
+
+
+def _dp_plan(part: nn.Module, config, cluster, dp_ranks: tuple[int, ...]):
+    """The data-parallel plan parallelize makes for the part over the rank's dp group."""
+    from .cluster import Topology
+    from .planner import plan
+
+    flat = dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None,
+                               sequence_parallel=False)
+    if cluster is not None:
+        hosts = cluster.topology()
+        topology = Topology.from_host_ids([hosts.host_of(r) for r in dp_ranks])
+    else:
+        topology = Topology.from_sizes([len(dp_ranks)])
+    return plan(part, flat, topology=topology)
+
+
+def _ranks_per_host(cluster) -> int | None:
+    if cluster is None:
+        return None
+    sizes = {h.procs for h in cluster.hosts}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _cut_sequence(inputs: tuple, cp_rank: int, cp: int) -> tuple:
+    """The (batch, sequence, ...) inputs cut to the rank's load-balanced part, as
+    meshed._SequenceCut does before the model sees them."""
+    if cp == 1:
+        return tuple(inputs)
+    from .context import shard
+
+    return tuple(shard(x, cp_rank, cp) if torch.is_tensor(x) and x.dim() >= 2 else x
+                 for x in inputs)
+
+
+def _pipelined(part: nn.Module, stages: dict, schedule, pp_rank: int, dp_plan, inputs: tuple,
+               optimizer, dp_index: int, rank: int) -> MemoryEstimate:
+    """The estimate of a pipeline rank: each of its stages' forward on one microbatch, the
+    schedule walked for what is held when."""
+    m = schedule.microbatches
+    tokens, targets = (x.to("meta").chunk(m)[0] for x in inputs[:2])
+    last = schedule.stages - 1
+    names = {id(mod): name for name, mod in part.named_modules()}
+    facts, boundary = {}, 0
+    for s, stage in stages.items():
+        x = tokens if s == 0 else stage.boundary_like(tokens).requires_grad_()
+        boundary = stage.boundary_like(tokens).untyped_storage().nbytes()
+        # The plan names recomputed modules in the part; the stage holds them under its own.
+        inside = {id(mod): name for name, mod in stage.named_modules()}
+        recompute = [(inside[id(part.get_submodule(n))], policy) for n, policy
+                     in dp_plan.recompute if id(part.get_submodule(n)) in inside]
+        facts[s] = meta_forward(stage, (x, targets if s == last else None), recompute)
+    held, pipelined = _walk(schedule, pp_rank, {s: f.activations for s, f in facts.items()},
+                            boundary)
+    largest = max(f.largest for f in facts.values())
+    merged = ForwardFacts(held, largest, {k: v for f in facts.values()
+                                          for k, v in f.lookups.items()},
+                          max(f.recomputed for f in facts.values()))
+    out = estimate_per_rank(part, dp_plan, inputs, optimizer, [dp_index], merged)[0]
+    return dataclasses.replace(out, rank=rank, pipelined=pipelined + out.temporaries)
+
+
+def _walk(schedule, pp_rank: int, acts: dict[int, int], boundary: int) -> tuple[int, int]:
+    """Bytes a pipeline rank holds over its actions, as runtime.py holds them: (the most at
+    once, the most once the first backward has made the gradients). A microbatch-stage's
+    activations (its input and output included) live from F to B (W when split); each action's
+    receive buffer is posted one action ahead (an input becomes the stage's saved input; a
+    gradient is freed after its B); a sent output and a sent input gradient stay in the send
+    queue until the step ends. The sent gradients are made in backward (MemTracker's "Temp"):
+    they count in the second figure only."""
+    actions = schedule.ranks[pp_rank]
+    last = schedule.stages - 1
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+
+    def remote(stage: int) -> bool:
+        return schedule.rank_of(stage) != pp_rank
+
+    def receives(a) -> tuple | None:
+        if a.kind == "F" and a.stage > 0 and remote(a.stage - 1):
+            return ("F", a.stage, a.microbatch)
+        if a.kind == "B" and a.stage < last and remote(a.stage + 1):
+            return ("B", a.stage, a.microbatch)
+        return None
+
+    posted: set = set()
+    live = sent_grads = peak = with_grads = 0
+    backward = False
+    for i, a in enumerate(actions):
+        for b in actions[i:i + 2]:   # this action's receive and the next one's
+            if receives(b) and receives(b) not in posted:
+                posted.add(receives(b))
+                live += boundary
+        released = a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split)
+        if a.kind == "F":
+            live += acts[a.stage] - (boundary if receives(a) else 0)
+        if a.kind == "B":
+            backward = True
+            live -= boundary if receives(a) else 0
+            sent_grads += boundary if a.stage > 0 and remote(a.stage - 1) else 0
+        if released:   # the output, if sent, stays queued
+            live -= acts[a.stage] - (boundary if a.stage < last and remote(a.stage + 1) else 0)
+        peak = max(peak, live)
+        with_grads = max(with_grads, live + sent_grads) if backward else with_grads
+    return peak, with_grads
