@@ -219,3 +219,61 @@ def test_job_file_gpt_and_mesh_fields_are_checked(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match=message):
             Job.load(path)
+
+
+GPT_TOML = """workload = "gpt"
+[gpt]
+corpus = "zipf"
+vocab = 64
+dim = 16
+heads = 4
+layers = 4
+seq_len = 8
+zipf_tokens = 20000
+eval_sequences = 16
+[data]
+batch_size = 8
+[train]
+steps = {steps}
+lr = 0.01
+log_every = 1
+checkpoint_every = 2
+out_dir = "{out}"
+[parallel]
+{parallel}
+"""
+
+
+def test_tilework_train_cli_runs_a_pipeline_then_resumes_it_at_tp2(tmp_path):
+    """The launcher's path (`tilework train job.toml -n 2`, the job through the worker's spec):
+    pp=2 for 2 steps, then --resume at tp=2 to 4; metrics.jsonl holds one process's losses."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    one = train(Job.load(_write(tmp_path / "one.toml", GPT_TOML.format(
+        steps=4, out=tmp_path / "one", parallel=""))))
+    for name, steps, parallel, extra in (("pp", 2, "pp = 2\nmicrobatches = 4", []),
+                                         ("tp", 4, "tp = 2", ["--resume"])):
+        path = _write(tmp_path / f"{name}.toml",
+                      GPT_TOML.format(steps=steps, out=out, parallel=parallel))
+        done = subprocess.run([sys.executable, "-m", "tilework", "train", str(path), "-n", "2",
+                               *extra], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _assert_close([r["loss"] for r in records if "loss" in r], one.losses)
+    assert "resumed from" in done.stdout and "step-00000002.pt" in done.stdout
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_pipeline_batch_that_does_not_split_into_microbatches_is_refused(tmp_path):
+    from tilework.testing import RankFailed, spawn
+
+    job = gpt_job(tmp_path, steps=1, pp=2, microbatches=3)
+    with pytest.raises(RankFailed, match="data.batch_size: expected each data-parallel "
+                                         "replica's 8 sequences to split into"):
+        spawn(_train_on_ranks, 2, (job, False), timeout=120)

@@ -148,9 +148,9 @@ def _sampler(job: Job, work: Workload, session: _Session) -> ShardedBatches:
         if per_replica % m:
             from ..errors import ConfigError
 
-            raise ConfigError("data.batch_size", f"each data-parallel replica's {per_replica} "
-                              f"sequences to split into parallel.microbatches = {m} equal "
-                              "microbatches (the pipeline's loss is the batch's mean)")
+            raise ConfigError("data.batch_size", f"expected each data-parallel replica's "
+                              f"{per_replica} sequences to split into parallel.microbatches = "
+                              f"{m} equal microbatches (the pipeline's loss is the batch's mean)")
     return sampler
 
 
