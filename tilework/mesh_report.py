@@ -189,8 +189,9 @@ def format_mesh_report(out: dict, title: str) -> str:
     for axis in ("tp", "cp", "pp", "dp"):
         lines.append(f"  {axis} groups: " + _groups_text(out["mesh"]["groups"][axis], axes[axis]))
     lines += _stage_lines(out)
-    lines += ["schedule (rank x time, one unit per action):",
-              *("  " + line for line in out["schedule"]["text"].splitlines())]
+    if axes["pp"] > 1:
+        lines += ["schedule (rank x time, one unit per action):",
+                  *("  " + line for line in out["schedule"]["text"].splitlines())]
     lines += _time_lines(out)
     lines.append(f"predicted bytes sent per step (mesh_cost.mesh_step_bytes; "
                  f"{out['batch_per_replica']} sequences of {out['seq_len']} per dp replica):")
@@ -219,17 +220,19 @@ def _stage_lines(out: dict) -> list[str]:
 
 
 def _time_lines(out: dict) -> list[str]:
-    link = out["pp_link"]
+    link, pipelined = out["pp_link"], out["mesh"]["axes"]["pp"] > 1
     where = "between hosts" if link["between_hosts"] else "inside a host"
     bubbles = ", ".join(f"{b:.3f}" for b in out["bubbles"])
-    return [f"predicted step {out['predicted_step_s'] * 1e3:.3f} ms: schedule "
-            f"{out['pipeline_step_s'] * 1e3:.3f} ms (pipeline.simulate) + dp all-reduce "
-            f"{out['dp_allreduce_s'] * 1e3:.3f} ms; bubble {out['bubble']:.3f} "
-            f"(per pp rank {bubbles})",
-            f"  compute {out['flops_per_s'] / 1e9:,.1f} GFLOP/s per rank ({out['flops_source']}); "
-            f"pp link {where}: {link['bandwidth_gbps']:g} Gbit/s, {link['latency_us']:g} us, "
-            f"{out['activation_bytes']:,} bytes per boundary; tp's and cp's exchanges are not "
-            "timed here (their bytes are below)"]
+    first = (f"predicted step {out['predicted_step_s'] * 1e3:.3f} ms: "
+             + (f"schedule {out['pipeline_step_s'] * 1e3:.3f} ms (pipeline.simulate)"
+                if pipelined else f"forward and backward {out['pipeline_step_s'] * 1e3:.3f} ms")
+             + f" + dp all-reduce {out['dp_allreduce_s'] * 1e3:.3f} ms"
+             + (f"; bubble {out['bubble']:.3f} (per pp rank {bubbles})" if pipelined else ""))
+    pp_link = (f"pp link {where}: {link['bandwidth_gbps']:g} Gbit/s, {link['latency_us']:g} us, "
+               f"{out['activation_bytes']:,} bytes per boundary; " if pipelined else "")
+    return [first, f"  compute {out['flops_per_s'] / 1e9:,.1f} GFLOP/s per rank "
+                   f"({out['flops_source']}); {pp_link}tp's and cp's exchanges are not timed "
+                   "here (their bytes are below)"]
 
 
 def _bytes_lines(per_rank: list[dict]) -> list[str]:
