@@ -1,0 +1,149 @@
+"""The mesh search's predictions against measured steps on this machine.
+
+    .venv/bin/python bench/mesh_search.py [--world 2] [--steps 6] [--out FILE]
+
+Every runnable candidate of tilework/mesh_search.py for the GPT below on `--world` real gloo
+ranks (one thread each) is run through `tilework.parallelize` for a few steps, and its median
+step (barrier to the slowest rank's optimizer step) is printed beside the prediction. The
+prediction's inputs are measured in the same world first, never fitted to the steps:
+
+- FLOP/s: one rank times the whole model's forward and backward on one replica's batch
+  (2 ranks on 2 cores: each rank has a core), divided into the search's own FLOP count;
+- the link: calibrate's send/recv timing around the activations' size, fitted alpha-beta.
+
+Read: the ratio per candidate, and whether the search's order is the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import tilework  # noqa: E402
+from tilework.bench.pipeline_runs import link_fit  # noqa: E402
+from tilework.cluster import Links  # noqa: E402
+from tilework.mesh_search import _forward_flops, search_mesh  # noqa: E402
+from tilework.models.gpt import TinyGPT  # noqa: E402
+from tilework.testing import spawn  # noqa: E402
+
+VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 1024, 256, 8, 8, 64, 16
+
+
+def new_model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(VOCAB, DIM, HEADS, LAYERS, SEQ)
+
+
+def batch(step: int, part: int, parts: int):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    per = BATCH // parts
+    tokens = tokens[part * per:(part + 1) * per]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def flops_rate(sequences: int, repeats: int = 3) -> float:
+    """FLOP/s of this process on the whole model's step, by the search's own count."""
+    model = new_model()
+    tokens, targets = batch(0, 0, BATCH // sequences)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        model(tokens, targets).backward()
+        times.append(time.perf_counter() - start)
+        model.zero_grad()
+    flops = 3 * _forward_flops([*model.children()], sequences * SEQ, SEQ, 1)
+    return flops / statistics.median(times[1:])
+
+
+def run_candidate(config: dict, steps: int) -> list[float]:
+    model = new_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = tilework.parallelize(model, opt, log=False, **config)
+    mesh = getattr(model._tilework_engine, "mesh", None)   # None: data parallel only
+    dp, at = ((dist.get_world_size(), dist.get_rank()) if mesh is None
+              else (mesh.mesh.size_of("dp"), mesh.groups.coord("dp")))
+    out = []
+    for step in range(steps):
+        tokens, targets = batch(step, at, dp)
+        dist.barrier()
+        start = time.perf_counter()
+        if config.get("pp", 1) > 1:
+            model.step(tokens, targets)
+        else:
+            model(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        out.append(took.item())
+    return out
+
+
+def _world(rank, world_size, configs, steps):
+    link = link_fit(rank, world_size, BATCH // world_size * SEQ * DIM * 4)
+    rate = None
+    if rank == 0:
+        rate = flops_rate(BATCH // world_size)
+    rates = [rate]
+    dist.broadcast_object_list(rates, src=0)
+    return {"link": (link.bandwidth_gbps, link.latency_us), "flops": rates[0],
+            "steps": [run_candidate(c, steps) for c in configs]}
+
+
+def _as_options(config) -> dict:
+    out = {k: getattr(config, k) for k in ("tp", "pp", "cp") if getattr(config, k) > 1}
+    if config.pp > 1:
+        out["microbatches"] = config.microbatches
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    with torch.device("meta"):
+        meta = TinyGPT(VOCAB, DIM, HEADS, LAYERS, SEQ)
+    runnable = [c for c in search_mesh(meta, a.world, BATCH, SEQ, ranks_per_host=a.world)
+                if c.step_s is not None]
+    options = [_as_options(c.config) for c in runnable]
+    got = spawn(_world, a.world, args=(options, a.steps), timeout=3600)[0]
+    link = tilework.cluster.Link(*got["link"])
+    predicted = search_mesh(meta, a.world, BATCH, SEQ, Links(intra=link, inter=link),
+                            got["flops"], ranks_per_host=a.world)
+    by_label = {c.label: c for c in predicted if c.step_s is not None}
+    rows = []
+    for c, steps in zip(runnable, got["steps"]):
+        measured = statistics.median(steps[1:])
+        p = by_label[c.label].step_s
+        rows.append({"mesh": c.label, "predicted_ms": p * 1e3, "measured_ms": measured * 1e3,
+                     "ratio": measured / p})
+    print(f"FLOP/s per rank {got['flops']:.3g}, link {link.bandwidth_gbps:.3g} Gb/s "
+          f"{link.latency_us:.0f} us")
+    print("| mesh | predicted ms | measured ms | measured / predicted |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['mesh']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
+              f"{r['ratio']:.2f} |")
+    order_p = [r["mesh"] for r in sorted(rows, key=lambda r: r["predicted_ms"])]
+    order_m = [r["mesh"] for r in sorted(rows, key=lambda r: r["measured_ms"])]
+    print(f"predicted order: {order_p}\nmeasured order:  {order_m}")
+    if a.out:
+        a.out.write_text(json.dumps({"rows": rows, "flops": got["flops"],
+                                     "link": got["link"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
