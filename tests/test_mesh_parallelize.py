@@ -59,8 +59,7 @@ def _train(rank, world_size, configs):
         model = new_gpt(tied=options.pop("tied", False))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = tilework.parallelize(model, opt, log=False, **options)
-        mesh = model._tilework_engine.mesh
-        dp, dp_rank = mesh.mesh.size_of("dp"), mesh.groups.coord("dp")
+        dp_rank, dp = tilework.data_parallel_rank(model)
         losses, norms = [], []
         for step in range(STEPS):
             tokens, targets = batch(step, dp_rank, dp)
@@ -176,6 +175,29 @@ def test_tied_embedding_and_head_stay_one_parameter_under_tp():
     results = spawn(_train, 2, (configs,), timeout=240)
     for k, options in enumerate(configs):
         _check([r[k] for r in results], options, reference(tied=True))
+
+
+def _sharded_by_world_rank(rank, world_size, options):
+    """The mistake the check catches: a loader sharding by the world's rank."""
+    model = new_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = tilework.parallelize(model, opt, log=False, **options)
+    tokens, targets = batch(0, rank, world_size)
+    try:
+        if options.get("pp", 1) > 1:
+            model.step(tokens, targets)
+        else:
+            model(tokens, targets)
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("options", [{"tp": 2}, {"pp": 2}, {"cp": 2}])
+def test_ranks_of_a_replica_given_different_batches_are_refused(options):
+    messages = spawn(_sharded_by_world_rank, 2, (options,))
+    assert all("were given different batches" in (m or "") and "data_parallel_rank" in m
+               for m in messages), messages
 
 
 def _tied_pipeline(rank, world_size):

@@ -4,8 +4,8 @@
     plan = tilework.plan(model, tilework.ParallelConfig(), cluster)   # pure: what it would do
 """
 
-from .api import (clip_grad_norm_, clip_grad_value_, full_parameters, load, load_state_dict,
-                  parallelize, save, state_dict, stats, unparallelize)
+from .api import (clip_grad_norm_, clip_grad_value_, data_parallel_rank, full_parameters, load,
+                  load_state_dict, parallelize, save, state_dict, stats, unparallelize)
 from .cluster import Cluster, Host, Link, Topology
 from .errors import UserError
 from .memory import estimate_memory
@@ -17,4 +17,4 @@ from .planner import plan  # noqa: E402
 __version__ = "0.1.0"
 __all__ = ["parallelize", "unparallelize", "plan", "ParallelConfig", "clip_grad_norm_", "clip_grad_value_",
            "stats", "save", "load", "state_dict", "load_state_dict", "Cluster", "Host", "Link",
-           "Topology", "UserError", "estimate_memory", "full_parameters"]
+           "Topology", "UserError", "estimate_memory", "full_parameters", "data_parallel_rank"]

@@ -131,6 +131,18 @@ def unparallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     return model, engine.optimizer
 
 
+def data_parallel_rank(model: nn.Module) -> tuple[int, int]:
+    """(this rank's data-parallel replica, how many replicas): how to shard the data, e.g.
+    `ShardedBatches(n, batch, *tilework.data_parallel_rank(model))`. Without tp, pp or cp it
+    is (rank, world size); on a mesh every rank of a replica (its tp, cp and pp peers) must
+    take the same batch, so it is the dp coordinate."""
+    engine = _engine(model)
+    mesh = getattr(engine, "mesh", None)
+    if mesh is None:
+        return engine.groups.rank, engine.groups.world_size
+    return mesh.groups.coord("dp"), mesh.mesh.size_of("dp")
+
+
 def full_parameters(model: nn.Module):
     """A context in which every ZeRO-3 parameter holds its full values (FSDP's
     `summon_full_params`): for code that reads parameters directly rather than through a

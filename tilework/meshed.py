@@ -22,6 +22,7 @@ from .comm.counted import Stats
 from .comm.groups import Groups
 from .errors import PlanError
 from .mesh import Mesh, parallel_mesh
+from .mesh_checks import SameBatchCheck
 from .parallel_config import ParallelConfig
 from .sync.hooks import PicklesAsNoop
 
@@ -38,6 +39,7 @@ class MeshParallel:
     tp: object | None = None  # tensor.regions.TensorParallel
     layout: object | None = None  # tensor.layout.LayoutPlan
     pipeline: nn.Module | None = None  # pipeline.model.PipelineModel
+    same_batch: object = None  # mesh_checks.SameBatchCheck
 
 
 def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, world: Groups,
@@ -62,6 +64,13 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
         engine.changes.hook("model: forward pre-hook (this rank's part of the sequence)",
                             model.register_forward_pre_hook(
                                 PicklesAsNoop(_SequenceCut(groups.coord("cp"), config.cp)),
+                                with_kwargs=True, prepend=True))
+    found.same_batch = SameBatchCheck(found)
+    if found.pipeline is None:   # before the cut: a replica's ranks get whole sequences
+        engine.changes.hook("model: forward pre-hook (a replica's ranks got one batch)",
+                            model.register_forward_pre_hook(
+                                PicklesAsNoop(lambda module, args, kwargs: found.same_batch(
+                                    [*args, *kwargs.values()])),
                                 with_kwargs=True, prepend=True))
     if log and world.rank == 0:
         from .api import print_plan

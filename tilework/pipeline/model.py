@@ -65,6 +65,9 @@ class PipelineModel(nn.Module):
         loss on the last stage's rank, None on the others. Every rank of a pipeline passes the
         same batch (each data-parallel replica its own)."""
         part = self.part
+        engine = getattr(self, "_tilework_engine", None)
+        if engine is not None and engine.mesh.same_batch is not None:
+            engine.mesh.same_batch([inputs, targets])
         with _local_backwards(part):
             return self.runner.step(inputs, targets, on_last_backward=lambda: setattr(
                 part, "require_backward_grad_sync", True))
