@@ -1,0 +1,107 @@
+"""The pure parts of bench/comm_prediction.py (tilework/bench/comm_prediction.py): traffic from
+the ids, fitted links, predictions, the measured communication of a step. No timing."""
+
+import math
+
+import pytest
+import torch
+
+from tilework import cost
+from tilework.bench import comm_prediction as cp
+from tilework.cluster import Link, Links, Topology
+from tilework.wire import ID_BYTES
+
+
+def test_table_ids_lm_and_recommender():
+    tokens, targets, negatives = torch.tensor([[1, 2]]), torch.tensor([[3, 4]]), torch.tensor([5])
+    got = cp.table_ids("lm100k", (tokens, targets, negatives))
+    assert got["embedding.weight"].tolist() == [1, 2]
+    assert got["softmax_weight.weight"].tolist() == [3, 4, 5]
+    assert got["softmax_bias.weight"].tolist() == [3, 4, 5]
+    ids = torch.tensor([[1, 7], [2, 7]])
+    rec = cp.table_ids("recommender", (None, ids, None))
+    assert rec["tables.0.weight"].tolist() == [1, 2] and rec["tables.1.weight"].tolist() == [7, 7]
+    with pytest.raises(ValueError):
+        cp.table_ids("cnn", ())
+
+
+def test_measured_traffic_counts_distinct_rows():
+    t = lambda *x: torch.tensor(x)  # noqa: E731
+    steps = [[{"a": t(1, 1, 2)}, {"a": t(2, 3)}],          # step 0: 2 and 2 distinct, world 3
+             [{"a": t(5)}, {"a": t(5, 5)}]]                # step 1: 1 and 1, world 1
+    got = cp.measured_traffic(steps)["a"]
+    assert got.per_rank == pytest.approx(1.5)
+    assert got.per_host == pytest.approx(1.5)              # one rank per host
+    assert got.world == pytest.approx(2.0)
+    two = cp.measured_traffic(steps, ranks_per_host=2)["a"]
+    assert two.per_host == pytest.approx(2.0) and two.per_rank == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        cp.measured_traffic(steps, ranks_per_host=3)
+
+
+def test_fitted_link_reproduces_the_line():
+    alpha, beta = 2e-3, 5e6   # 2 ms a call, 5 MB/s
+    pts = [(b, alpha + b / beta) for b in (10_000, 100_000, 1_000_000)]
+    link = cp.fitted_link(pts, "all_to_all", 4)
+    assert link.bytes_per_s == pytest.approx(beta)
+    # all_to_all on 4 ranks: 3 messages carry the call's alpha
+    assert cost.seconds(500_000, link, 3) == pytest.approx(alpha + 500_000 / beta)
+    assert cp.fitted_link(pts, "all_reduce", 4).latency_us == pytest.approx(alpha * 1e6 / 6)
+
+
+class _Plan:
+    """The few Plan attributes predict_hybrid reads."""
+
+    def __init__(self, params, bucket_bytes=25 * 2**20, local_aggregation=True):
+        self.params, self.bucket_bytes, self.local_aggregation = params, bucket_bytes, local_aggregation
+
+    def of(self, method):
+        return [p for p in self.params if p.method == method]
+
+
+def test_predict_hybrid_is_the_cost_model_on_its_links():
+    from tilework.plan import ParamPlan
+
+    table = ParamPlan(name="emb", shape=(1000, 16), dtype="float32", method="ps", partitions=2,
+                      kind="sparse")
+    dense = ParamPlan(name="w", shape=(64, 64), dtype="float32", method="allreduce")
+    traffic = {"emb": cost.TableTraffic(100.0, 100.0, 150.0)}
+    ar, a2a = Link(0.1, 100.0), Link(0.05, 0.0)
+    links = {"all_reduce": ar, "all_to_all": a2a, "all_gather": ar}
+    got = cp.predict_hybrid(_Plan([table, dense]), traffic, 2, links)
+    topo = Topology.from_sizes([1, 1])
+    want_dense = cost.ring_allreduce(dense.nbytes, topo, Links(inter=ar), 1)
+    want_ps = cost.ps_expected(table, traffic["emb"], topo, Links(inter=a2a), True)
+    assert got.seconds == pytest.approx(want_dense.seconds + want_ps.seconds)
+    assert got.bytes_sent == pytest.approx(want_dense.bytes_sent + want_ps.bytes_sent)
+    on_ar = cost.ps_expected(table, traffic["emb"], topo, Links(inter=ar), True)
+    assert got.single_link_s == pytest.approx(want_dense.seconds + on_ar.seconds)
+
+
+def test_predict_ddp_sparse_all_gathers_each_table():
+    traffic = {"t": cost.TableTraffic(100.0, 100.0, 300.0)}
+    link = Link(0.08, 0.0)   # 10 MB/s, no latency
+    links = {"all_reduce": link, "all_to_all": link, "all_gather": link}
+    got = cp.predict_ddp_sparse(0, {"t": 64}, traffic, 4, links)
+    sent = 3 * 100 * (ID_BYTES + 64)             # (n - 1) times a rank's ids and rows
+    assert got.bytes_sent == pytest.approx(sent)
+    assert got.seconds == pytest.approx(sent / 1e7)
+    with_dense = cp.predict_ddp_sparse(4_000_000, {"t": 64}, traffic, 4, links)
+    assert with_dense.terms["dense all-reduce"] == pytest.approx(2 * 3 / 4 * 4e6 / 1e7)
+
+
+def test_measured_comm_and_lead():
+    assert cp.measured_comm([0.10, 0.30, 0.20], [0.05, 0.05, 0.10]) == pytest.approx(0.10)
+    with pytest.raises(ValueError):
+        cp.measured_comm([0.1], [])
+    assert cp.lead(0.3, 0.1) == pytest.approx(3.0)
+    assert cp.within(1.25) and cp.within(0.75) and not cp.within(1.26)
+
+
+def test_markdown_rows():
+    row = {"hosts": 2, "workload": "lm100k", "system": "hybrid", "step_s": 0.2, "compute_s": 0.05,
+           "measured_s": 0.15, "predicted_s": 0.1, "single_link_s": 0.12,
+           "predicted_bytes": 7e5, "counted_bytes": None}
+    lines = cp.markdown_rows([row])
+    assert len(lines) == 3 and "| 1.50 | NO |" in lines[2] and "0.700 / -" in lines[2]
+    assert not math.isnan(float(lines[2].split("|")[8]))
