@@ -200,6 +200,29 @@ def test_ranks_of_a_replica_given_different_batches_are_refused(options):
                for m in messages), messages
 
 
+def _torch_clip(rank, world_size, options):
+    """nanoGPT's line on a mesh: refused, where it would clip by this rank's part."""
+    model = new_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = tilework.parallelize(model, opt, log=False, **options)
+    dp_rank, dp = tilework.data_parallel_rank(model)
+    if options.get("pp", 1) > 1:
+        model.step(*batch(0, dp_rank, dp))
+    else:
+        model(*batch(0, dp_rank, dp)).backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("options", [{"tp": 2}, {"pp": 2}])
+def test_torch_clip_on_a_mesh_is_refused_with_the_fix(options):
+    messages = spawn(_torch_clip, 2, (options,))
+    assert all("tilework.clip_grad_norm_(model, max_norm)" in (m or "") for m in messages)
+
+
 def _tied_pipeline(rank, world_size):
     model = new_gpt(tied=True)
     try:

@@ -262,7 +262,8 @@ def save(path: str | Path, model, optimizer) -> None:
     state = state_dict(model, optimizer)
     engine = getattr(model, "_tilework_engine", None)
     # On a mesh the engine's groups are one dp group's: the world is the mesh's.
-    world = engine.groups if getattr(engine, "mesh", None) is None else engine.mesh.world
+    world = None if engine is None else \
+        engine.groups if getattr(engine, "mesh", None) is None else engine.mesh.world
     if engine is None or world.rank == 0:
         checkpoint.write(path, state)
     if engine is not None and world.world_size > 1:

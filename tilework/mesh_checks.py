@@ -48,3 +48,38 @@ class SameBatchCheck:
                 f"the ranks of data-parallel replica {bad[0]} were given different batches: "
                 "on a tp/pp/cp mesh every rank of a replica takes the same batch (shard the "
                 "data by tilework.data_parallel_rank(model), not by the world's rank)")
+
+
+_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm,
+          torch._foreach_norm}
+
+
+class LocalGradient(torch.Tensor):
+    """A parameter's `.grad` on a tp or pp mesh (an alias of it, the same storage): this rank
+    holds a shard of it, or only its stages' gradients, so a norm of it is not one process's.
+    torch's own `clip_grad_norm_(model.parameters(), c)` (nanoGPT's line) would clip by this
+    rank's part and train silently differently: every norm is refused, naming the fix;
+    everything else (the optimizer, accumulation, reads) goes through as on a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _NORMS:
+            raise PlanError("a norm of a gradient on a tp/pp mesh sees only this rank's shards "
+                            "and stages: clip with tilework.clip_grad_norm_(model, max_norm), "
+                            "which combines them into one process's norm")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def plain(grad: torch.Tensor) -> torch.Tensor:
+    return grad.as_subclass(torch.Tensor) if isinstance(grad, LocalGradient) else grad
+
+
+def mark_local(param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook: the gradient as a LocalGradient (ZeRO's stand-ins, which
+    refuse every use already, stay)."""
+    from .sync.shards import ShardedGradient
+
+    g = param.grad
+    if g is not None and type(g) is torch.Tensor and not isinstance(g, ShardedGradient):
+        param.grad = g.as_subclass(LocalGradient)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .comm.counted import all_reduce
+from .mesh_checks import plain
 from .sync.clip import clip_by_total_norm, coalesced_grads, head_gradients
 
 
@@ -26,7 +27,7 @@ def _named_gradients(engine) -> list[tuple[torch.Tensor, bool, bool]]:
     out = []
     for name, p in engine.model.named_parameters():
         for g in coalesced_grads([p]):
-            out.append((g, name in specs, False))
+            out.append((plain(g), name in specs, False))
     if engine._unsynced:
         engine._sync_servers()
     for name, part in [*engine.tables.items(), *engine.served.items()]:

@@ -22,7 +22,7 @@ from .comm.counted import Stats
 from .comm.groups import Groups
 from .errors import PlanError
 from .mesh import Mesh, parallel_mesh
-from .mesh_checks import SameBatchCheck
+from .mesh_checks import SameBatchCheck, mark_local
 from .parallel_config import ParallelConfig
 from .sync.hooks import PicklesAsNoop
 
@@ -65,6 +65,10 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
                             model.register_forward_pre_hook(
                                 PicklesAsNoop(_SequenceCut(groups.coord("cp"), config.cp)),
                                 with_kwargs=True, prepend=True))
+    if config.tp > 1 or config.pp > 1:
+        for name, p in target.named_parameters():
+            engine.changes.hook(f"{name}: post-accumulate-grad hook (norms of a part refused)",
+                                p.register_post_accumulate_grad_hook(PicklesAsNoop(mark_local)))
     found.same_batch = SameBatchCheck(found)
     if found.pipeline is None:   # before the cut: a replica's ranks get whole sequences
         engine.changes.hook("model: forward pre-hook (a replica's ranks got one batch)",
