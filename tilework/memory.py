@@ -40,6 +40,10 @@ The peak is parameters + optimizer state + the largest of (activations + tempora
 gathered) at the end of forward, gradients + the larger of (gathered + the larger of buckets
 and recompute) and the last flight in backward, and (gradients + the step's temporaries)
 during the step.
+
+With tp, pp or cp > 1, `estimate_memory` hands over to mesh_memory.py: the same rules on one
+rank's part of a model transformed as `parallelize` transforms it, its forward measured on the
+meta device.
 """
 
 from __future__ import annotations
