@@ -30,8 +30,8 @@ import torch.distributed as dist  # noqa: E402
 
 import tilework  # noqa: E402
 from tilework.bench.pipeline_runs import link_fit  # noqa: E402
-from tilework.cluster import Links  # noqa: E402
-from tilework.mesh_search import _forward_flops, search_mesh  # noqa: E402
+from tilework.cluster import Cluster, Host, Links  # noqa: E402
+from tilework.mesh_search import forward_flops, search_mesh  # noqa: E402
 from tilework.models.gpt import TinyGPT  # noqa: E402
 from tilework.testing import spawn  # noqa: E402
 
@@ -61,7 +61,7 @@ def flops_rate(sequences: int, repeats: int = 3) -> float:
         model(tokens, targets).backward()
         times.append(time.perf_counter() - start)
         model.zero_grad()
-    flops = 3 * _forward_flops([*model.children()], sequences * SEQ, SEQ, 1)
+    flops = 3 * forward_flops([*model.children()], sequences * SEQ, SEQ, 1)
     return flops / statistics.median(times[1:])
 
 
@@ -115,13 +115,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     with torch.device("meta"):
         meta = TinyGPT(VOCAB, DIM, HEADS, LAYERS, SEQ)
-    runnable = [c for c in search_mesh(meta, a.world, BATCH, SEQ, ranks_per_host=a.world)
-                if c.step_s is not None]
+    here = Cluster([Host("localhost", a.world)])
+    runnable = [c for c in search_mesh(meta, here, BATCH, SEQ, 1e11) if c.step_s is not None]
     options = [_as_options(c.config) for c in runnable]
     got = spawn(_world, a.world, args=(options, a.steps), timeout=3600)[0]
     link = tilework.cluster.Link(*got["link"])
-    predicted = search_mesh(meta, a.world, BATCH, SEQ, Links(intra=link, inter=link),
-                            got["flops"], ranks_per_host=a.world)
+    measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))
+    predicted = search_mesh(meta, measured_here, BATCH, SEQ, got["flops"])
     by_label = {c.label: c for c in predicted if c.step_s is not None}
     rows = []
     for c, steps in zip(runnable, got["steps"]):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tilework.cluster import Link, Links
+from tilework.cluster import Cluster, Host, Link, Links
 from tilework.cost import seconds
 from tilework.mesh_cost import mesh_step_bytes
 from tilework.mesh_search import candidates, predict, search_mesh
@@ -15,6 +15,10 @@ from tilework.parallel_config import ParallelConfig
 from tilework.pipeline import build, simulate
 
 BATCH, SEQ = 16, 64
+
+
+def cluster(hosts: int, per_host: int, links: Links | None = None) -> Cluster:
+    return Cluster([Host(f"h{i}", per_host) for i in range(hosts)], links=links or Links())
 
 
 def gpt(heads: int = 8, layers: int = 4) -> TinyGPT:
@@ -33,31 +37,32 @@ def test_candidates_cover_every_split_with_tp_inside_a_host():
 @pytest.mark.parametrize("config, reason", [
     (ParallelConfig(tp=4), "heads do not split over tp=4"),
     (ParallelConfig(cp=2, tp=2), "cp composes with dp only"),
-    (ParallelConfig(pp=2, microbatches=3), "does not split into"),
+    (ParallelConfig(pp=2, microbatches=3), "do not split into 3 microbatches"),
 ])
 def test_refused_candidates_say_why(config, reason):
-    found = predict(gpt(heads=2), config, 4, BATCH, SEQ, Links(), 1e11)
+    found = predict(gpt(heads=2), config, cluster(1, 4), BATCH // 2, SEQ, 1e11)
     assert found.step_s is None and reason in found.why
 
 
 def test_the_pipeline_part_is_the_simulators_replay():
     model, links = gpt(), Links()
     config = ParallelConfig(pp=2, microbatches=4)
-    found = predict(model, config, 2, BATCH, SEQ, links, 1e11)
-    sim = simulate(build("1f1b", 2, 4), [f / 4 for f in found.parts["stage_forward_s"]],
-                   [b / 4 for b in found.parts["stage_backward_s"]], links.intra,
-                   BATCH // 4 * SEQ * 256 * 4)
+    found = predict(model, config, cluster(1, 2), BATCH, SEQ, 1e11)
+    sim = simulate(build("1f1b", 2, 4), found.parts["stage_forward_s"],
+                   found.parts["stage_backward_s"], links.intra, BATCH // 4 * SEQ * 256 * 4)
     assert found.parts["pipeline"] == pytest.approx(sim.step_s)
     assert found.step_s == pytest.approx(sim.step_s)     # dp = 1: no all-reduce
+    assert found.parts["bubble"] == pytest.approx(sim.bubble)
 
 
 def test_dp_and_tp_times_are_their_counted_bytes_on_their_links():
-    model, links = gpt(), Links(intra=Link(50.0, 10.0), inter=Link(1.0, 100.0))
-    config = ParallelConfig(tp=2)
-    found = predict(model, config, 4, BATCH, SEQ, links, 1e11, ranks_per_host=2)
+    links = Links(intra=Link(50.0, 10.0), inter=Link(1.0, 100.0))
+    model, config = gpt(), ParallelConfig(tp=2)
+    found = predict(model, config, cluster(2, 2, links), BATCH // 2, SEQ, 1e11)
     sent = mesh_step_bytes(model, config, 4, 0, BATCH // 2, SEQ)
     assert found.parts["tp"] == pytest.approx(seconds(sent["tp"], links.intra, 2))
     assert found.parts["dp"] == pytest.approx(seconds(sent["allreduce"], links.inter, 2))
+    assert found.parts["dp_between_hosts"] and not found.parts["pp_between_hosts"]
 
 
 def test_a_slow_network_between_hosts_moves_the_choice_to_pipeline_across_them():
@@ -65,10 +70,8 @@ def test_a_slow_network_between_hosts_moves_the_choice_to_pipeline_across_them()
     parallel (tp at most inside a host, no pipeline bubble); across a slow link only a
     pipeline's activations should cross it, tensor parallelism staying inside each host."""
     model = gpt()
-    fast = search_mesh(model, 4, BATCH, SEQ, Links(inter=Link(100.0, 5.0)), 1e11,
-                       ranks_per_host=2)
-    slow = search_mesh(model, 4, BATCH, SEQ, Links(inter=Link(0.1, 500.0)), 1e11,
-                       ranks_per_host=2)
+    fast = search_mesh(model, cluster(2, 2, Links(inter=Link(100.0, 5.0))), BATCH, SEQ, 1e11)
+    slow = search_mesh(model, cluster(2, 2, Links(inter=Link(0.1, 500.0))), BATCH, SEQ, 1e11)
     assert fast[0].config.pp == 1 and fast[0].parts["dp_size"] >= 2
     assert (slow[0].config.pp, slow[0].config.tp, slow[0].parts["dp_size"]) == (2, 2, 1)
     for found in (fast, slow):

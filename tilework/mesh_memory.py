@@ -59,7 +59,7 @@ def estimate_mesh_memory(model: nn.Module, config, example_inputs: tuple, world_
         part, stages, schedule = _pipeline_part(meta, config, at["pp"])
     axes = ("dp", "cp") if config.cp > 1 else ("dp",)
     dp_ranks = next(g for g in mesh.groups(axes) if rank in g)
-    dp_plan = _dp_plan(part, config, cluster, dp_ranks)
+    dp_plan = _dp_plan(meta, part, config, cluster, dp_ranks)
     inputs = _cut_sequence(example_inputs, at["cp"], config.cp)
     if stages is None:
         facts = meta_forward(meta, inputs, dp_plan.recompute)
@@ -140,19 +140,17 @@ def _pipeline_part(meta: nn.Module, config, pp_rank: int):
     return part, mine, schedule
 
 
-def _dp_plan(part: nn.Module, config, cluster, dp_ranks: tuple[int, ...]):
+def _dp_plan(model: nn.Module, part: nn.Module, config, cluster, dp_ranks: tuple[int, ...]):
     """The data-parallel plan parallelize makes for the part over the rank's dp group."""
     from .cluster import Topology
-    from .planner import plan
+    from .meshed import plan_for_part
 
-    flat = dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None,
-                               sequence_parallel=False)
     if cluster is not None:
         hosts = cluster.topology()
         topology = Topology.from_host_ids([hosts.host_of(r) for r in dp_ranks])
     else:
         topology = Topology.from_sizes([len(dp_ranks)])
-    return plan(part, flat, topology=topology)
+    return plan_for_part(model, part, config, topology, cluster)
 
 
 def _ranks_per_host(cluster) -> int | None:
@@ -180,7 +178,6 @@ def _pipelined(part: nn.Module, stages: dict, schedule, pp_rank: int, dp_plan, i
     m = schedule.microbatches
     tokens, targets = (x.to("meta").chunk(m)[0] for x in inputs[:2])
     last = schedule.stages - 1
-    names = {id(mod): name for name, mod in part.named_modules()}
     facts, boundary = {}, 0
     for s, stage in stages.items():
         x = tokens if s == 0 else stage.boundary_like(tokens).requires_grad_()

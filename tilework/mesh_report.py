@@ -7,35 +7,31 @@ process group is made. Where each figure comes from:
     mesh      mesh.parallel_mesh (dp x pp x cp x tp, tp fastest: inside a host when it fits)
     stages    pipeline.split_stages, balanced by stages.balance on each block's matmul weights
     schedule  pipeline.build, printed by its own printer (schedule.format_schedule)
-    step      pipeline.simulate replaying that schedule: per stage the forward FLOPs of one
-              microbatch (2 x matmul weights x tokens, attention's 4 x batch x seq^2 x dim, the
-              head on the last stage), over tp and cp, at `flops` FLOP/s per rank (backward
-              2x); the pp links the cluster file's (inter-host where neighbours are on
-              different hosts); then the dp all-reduce of this rank's gradients, not overlapped
+    step      mesh_search.predict, the one step model (the mesh search ranks candidates by
+              it): per stage the forward FLOPs of a microbatch over tp and cp at `flops` FLOP/s
+              per rank (backward 2x), tp's and cp's exchanges on their links, the schedule
+              replayed by pipeline.simulate, then the dp all-reduce, not overlapped
     bytes     mesh_cost.mesh_step_bytes for every rank: what tilework.stats counts in a step
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 from torch import nn
 
 from .cluster import Cluster
-from .cost import seconds
 from .errors import PlanError
 from .mesh import Mesh, parallel_mesh
 from .mesh_cost import mesh_step_bytes
+from .mesh_search import predict
 from .parallel_config import ParallelConfig
-from .plan import bucket_bytes
-from .wire import ALL_REDUCE
 
 
 def mesh_report(job, cluster: Cluster, flops: float, flops_source: str = "given") -> dict:
     """The report's content for a model-parallel `job` on `cluster` at `flops` FLOP/s of
     compute per rank (`flops_source` says where that figure came from)."""
-    from .pipeline import build, simulate
+    from .pipeline import build
     from .report import meta_model
 
     if not flops > 0:
@@ -54,14 +50,15 @@ def mesh_report(job, cluster: Cluster, flops: float, flops_source: str = "given"
     except ValueError as e:
         raise PlanError(f"parallel.schedule: {e}") from None
     model, seq = meta_model(job), job.gpt.seq_len
-    stages = _stages(model, schedule, config, batch // m, seq, flops)
-    link, crossing = _pp_link(mesh, cluster)
-    activation = batch // m * seq * model.head.in_features * 4
-    sim = simulate(schedule, [s["forward_s"] for s in stages], link=link,
-                   activation_bytes=activation)
-    per_rank = _bytes_per_rank(model, config, mesh, batch, seq)
-    allreduce_s = max(_allreduce_seconds(b.get("allreduce", 0), mesh, cluster, config)
-                      for b in per_rank)
+    stages = _stages(model, schedule)
+    found = predict(model, config, cluster, batch, seq, flops)
+    if found.step_s is None:
+        raise PlanError(f"[parallel]: {found.why}")
+    parts = found.parts
+    # A stage's time per microbatch holds its share of tp's and cp's exchanges too.
+    for s, forward, count in zip(stages, parts["stage_forward_s"], parts["stage_forward_flops"]):
+        s["forward_s"], s["forward_flops"] = forward, count
+    link = parts["pp_link"]
     return {"world_size": n, "hosts": cluster.topology().num_hosts, "mode": "mesh",
             "mesh": {"axes": dict(mesh.axes),
                      "groups": {a: mesh.groups(a) for a in ("tp", "cp", "pp", "dp")}},
@@ -70,11 +67,12 @@ def mesh_report(job, cluster: Cluster, flops: float, flops_source: str = "given"
             "schedule": {"name": schedule.name, "microbatches": m, "text": schedule.format()},
             "flops_per_s": flops, "flops_source": flops_source,
             "pp_link": {"bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us,
-                        "between_hosts": crossing},
-            "activation_bytes": activation,
-            "pipeline_step_s": sim.step_s, "bubble": sim.bubble, "bubbles": list(sim.bubbles),
-            "dp_allreduce_s": allreduce_s, "predicted_step_s": sim.step_s + allreduce_s,
-            "bytes_per_rank": per_rank,
+                        "between_hosts": parts["pp_between_hosts"]},
+            "activation_bytes": parts["activation_bytes"],
+            "pipeline_step_s": parts["pipeline"], "bubble": parts["bubble"],
+            "bubbles": parts["bubbles"], "tp_s": parts["tp"], "cp_s": parts["cp"],
+            "dp_allreduce_s": parts["dp"], "predicted_step_s": found.step_s,
+            "bytes_per_rank": _bytes_per_rank(model, config, mesh, batch, seq),
             "bytes_note": "dense all-reduce as replicated parameters (ZeRO's and the servers' "
                           "bytes are not in this model)" if config.zero else None}
 
@@ -105,47 +103,30 @@ def _matmul_params(module: nn.Module) -> int:
     return weights(module)
 
 
-def _stages(model: nn.Module, schedule, config: ParallelConfig, micro: int, seq: int,
-            flops: float) -> list[dict]:
-    """Each stage: its pp rank, the modules it holds (blocks as a range), its share of the
-    balance's cost, and its forward seconds on one microbatch."""
+def _stages(model: nn.Module, schedule) -> list[dict]:
+    """Each stage: its pp rank, the modules it holds (blocks as a range) and its share of the
+    balance's cost (its time is mesh_search.predict's)."""
     from .pipeline import split_stages
 
     try:
         stages = split_stages(model, schedule.stages)
     except ValueError as e:
         raise PlanError(f"parallel.pp: {e}") from None
-    dim = model.head.in_features
-    tokens = micro * seq
-    attention = 4 * micro * seq * seq * dim          # scores and their weighted sum, per block
     ends = _matmul_params(model.head) + _matmul_params(model.norm)
     costs = [sum(_matmul_params(layer) for layer in s.layers) + (ends if s.last else 0)
              for s in stages]
     out = []
     for k, s in enumerate(stages):
-        forward = sum(2 * _matmul_params(layer) * tokens + attention for layer in s.layers)
-        forward += 2 * _matmul_params(model.head) * tokens if s.last else 0
-        forward /= config.tp * config.cp            # every matmul split over tp; cp cuts seq
         holds = (["tokens", "positions"] if s.first else []) + [_blocks(s.index_range)] \
             + (["norm", "head"] if s.last else [])
         out.append({"stage": k, "pp_rank": schedule.rank_of(k), "holds": holds,
                     "blocks": [s.index_range.start, s.index_range.stop],
-                    "cost_share": costs[k] / sum(costs), "forward_flops": forward,
-                    "forward_s": forward / flops})
+                    "cost_share": costs[k] / sum(costs)})
     return out
 
 
 def _blocks(r: range) -> str:
     return f"block {r.start}" if len(r) == 1 else f"blocks {r.start}-{r.stop - 1}"
-
-
-def _pp_link(mesh: Mesh, cluster: Cluster):
-    """The link a pipeline's neighbours talk over: the inter-host one when any pipeline has
-    neighbours on different hosts (the simulator takes one link for all hops)."""
-    topo = cluster.topology()
-    crossing = any(topo.host_of(a) != topo.host_of(b)
-                   for g in mesh.groups("pp") for a, b in zip(g, g[1:]))
-    return (cluster.links.inter if crossing else cluster.links.intra), crossing
 
 
 def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: int
@@ -161,22 +142,6 @@ def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: 
             seen[key] = mesh_step_bytes(model, config, mesh.size, rank, batch, seq)
         out.append({"rank": rank, **seen[key]})
     return out
-
-
-def _allreduce_seconds(sent: int, mesh: Mesh, cluster: Cluster, config: ParallelConfig
-                       ) -> float:
-    """The dp (x cp) group's ring all-reduce of what this rank sends, in buckets: alpha-beta
-    on the inter-host link when the group spans hosts."""
-    n = mesh.size_of("dp") * config.cp
-    if n == 1 or not sent:
-        return 0.0
-    topo = cluster.topology()
-    axes = ("dp", "cp") if config.cp > 1 else ("dp",)
-    spans = any(len({topo.host_of(r) for r in g}) > 1 for g in mesh.groups(axes))
-    link = cluster.links.inter if spans else cluster.links.intra
-    params = sent * n / (2 * (n - 1))               # ring: 2 (n - 1) / n of the bucket each
-    buckets = max(1, math.ceil(params / bucket_bytes(config.bucket_mb)))
-    return seconds(sent, link, ALL_REDUCE.messages(n) * buckets)
 
 
 # -- text ------------------------------------------------------------------------------------------
@@ -230,9 +195,12 @@ def _time_lines(out: dict) -> list[str]:
              + (f"; bubble {out['bubble']:.3f} (per pp rank {bubbles})" if pipelined else ""))
     pp_link = (f"pp link {where}: {link['bandwidth_gbps']:g} Gbit/s, {link['latency_us']:g} us, "
                f"{out['activation_bytes']:,} bytes per boundary; " if pipelined else "")
+    exchanges = ", ".join(f"{axis} {out[f'{axis}_s'] * 1e3:.3f} ms" for axis in ("tp", "cp")
+                          if out[f"{axis}_s"])
     return [first, f"  compute {out['flops_per_s'] / 1e9:,.1f} GFLOP/s per rank "
-                   f"({out['flops_source']}); {pp_link}tp's and cp's exchanges are not timed "
-                   "here (their bytes are below)"]
+                   f"({out['flops_source']}); {pp_link}"
+                   + (f"exchanges on the critical path, in the stages' times: {exchanges}"
+                      if exchanges else "no tp or cp exchanges")]
 
 
 def _bytes_lines(per_rank: list[dict]) -> list[str]:

@@ -1,18 +1,19 @@
-"""Choose the mesh: every dp x pp x cp x tp that can run the model on `world_size` ranks, each
-with a predicted step time, fastest first. Pure (a meta-device model will do).
+"""Choose the mesh: every dp x pp x cp x tp that can run the model on a cluster's ranks, each
+with a predicted step time, fastest first. Pure (a meta-device model will do); `predict` is
+also the step `tilework plan` shows for a model-parallel job (mesh_report.py).
 
 The step of a candidate, for its slowest pipeline rank (Megatron-LM's reasoning, paper 16):
 
 - compute: each stage's matmul FLOPs (2 per weight per token forward, twice that backward)
   and attention scores (causal: seq/2 keys per query, 2 x 2 x dim FLOPs per key forward), on
   its tokens (batch / dp sequences, seq / cp tokens each), split tp ways, at `flops_per_s`;
-- tp and cp: the bytes `mesh_cost.mesh_step_bytes` counts, on the link their groups use (inside
-  a host when the group is), a latency per ring step of each collective; on the critical
+- tp and cp: the bytes `mesh_cost.mesh_step_bytes` counts, on the link their groups use (the
+  cluster's inter-host one if a group spans hosts), a latency per ring step; on the critical
   path (Megatron does not overlap them either), spread over forward and backward;
 - pp: `pipeline.simulate` replays the schedule with those per-stage times and the link between
   stages: bubble and hops included;
-- dp: the gradient all-reduce of the rank's parameters over its dp group, after the last
-  backward (not overlapped: an upper bound).
+- dp: the gradient all-reduce of the rank's parameters over its dp (x cp) group, in buckets,
+  after the last backward (not overlapped: an upper bound).
 
 Refused candidates keep the reason (a layout that does not split, more stages than blocks, a
 batch that does not divide), so a user sees why the mesh they expected is absent.
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .cluster import Link, Links
+from .cluster import Cluster, Link
 from .cost import seconds
 from .mesh import parallel_mesh
 from .parallel_config import ParallelConfig
@@ -67,77 +68,111 @@ def _attention(model: nn.Module) -> list[nn.MultiheadAttention]:
     return [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
 
 
-def _forward_flops(modules: list[nn.Module], tokens: int, seq: int, tp: int) -> float:
-    """Forward FLOPs of `modules` on `tokens` tokens of sequences `seq` long, split tp ways:
-    2 per matmul weight (Linear, attention's projections; an embedding is looked up) and the
-    causal attention scores."""
-    weights = sum(p.numel() for m in modules for sub in m.modules()
-                  if isinstance(sub, (nn.Linear, nn.MultiheadAttention))
-                  for p in sub.parameters(recurse=False) if p.dim() >= 2)
+def forward_flops(modules: list[nn.Module], tokens: int, seq: int, tp: int) -> float:
+    """Forward FLOPs of `modules` on `tokens` tokens of sequences `seq` long, split tp ways: 2
+    per matmul weight and bias per token (stages.balance's weights: an embedding is looked
+    up, not multiplied) and the causal attention scores and their weighted sum (2 x 2 x dim
+    per key, seq / 2 keys per query on average)."""
+    from .pipeline.stages import _matmul_params
+
+    weights = sum(_matmul_params(m) for m in modules)
     scores = sum(4 * a.embed_dim * seq / 2 for m in modules for a in _attention(m))
     return (2 * weights + scores) * tokens / tp
 
 
-def predict(model: nn.Module, config: ParallelConfig, world_size: int, batch: int, seq: int,
-            links: Links, flops_per_s: float, ranks_per_host: int | None = None,
-            itemsize: int = 4) -> MeshCandidate:
-    """One candidate's predicted step (see the module's docstring), or why it cannot run."""
+def _link(cluster: Cluster, groups: list[tuple[int, ...]]) -> tuple[Link, bool]:
+    """The link a collective over `groups` runs on: the inter-host one if any group spans
+    hosts."""
+    topo = cluster.topology()
+    spans = any(len({topo.host_of(r) for r in g}) > 1 for g in groups)
+    return (cluster.links.inter if spans else cluster.links.intra), spans
+
+
+def _pp_link(cluster: Cluster, mesh) -> tuple[Link, bool]:
+    """Where a pipeline's neighbours talk: inter-host if any neighbours are on two hosts (the
+    simulator takes one link for every hop)."""
+    topo = cluster.topology()
+    crossing = any(topo.host_of(a) != topo.host_of(b)
+                   for g in mesh.groups("pp") for a, b in zip(g, g[1:]))
+    return (cluster.links.inter if crossing else cluster.links.intra), crossing
+
+
+def allreduce_seconds(sent: int, n: int, link: Link, bucket_mb: float) -> float:
+    """A ring all-reduce of what one rank sends (2 (n - 1) / n of the buckets), in buckets."""
+    from .plan import bucket_bytes
+    from .wire import ALL_REDUCE
+
+    if n == 1 or not sent:
+        return 0.0
+    params = sent * n / (2 * (n - 1))
+    buckets = max(1, -(-int(params) // bucket_bytes(bucket_mb)))
+    return seconds(sent, link, ALL_REDUCE.messages(n) * buckets)
+
+
+def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_batch: int,
+            seq: int, flops_per_s: float, itemsize: int = 4) -> MeshCandidate:
+    """One candidate's predicted step (see the module's docstring) for `replica_batch`
+    sequences per dp replica, or why it cannot run."""
     from .mesh_cost import mesh_step_bytes
     from .pipeline import build, simulate, split_stages
     from .pipeline.model import _stage_modules
 
+    world, sizes = cluster.world_size, {h.procs for h in cluster.hosts}
+    m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
     try:
-        mesh = parallel_mesh(world_size, ranks_per_host, config.tp, config.pp, config.cp)
-        dp = mesh.size_of("dp")
-        if batch % dp or (batch // dp) % (config.microbatches or 1):
-            raise ValueError(f"a batch of {batch} does not split into {dp} replicas of "
-                             f"{config.microbatches or 1} microbatches")
+        mesh = parallel_mesh(world, sizes.pop() if len(sizes) == 1 else None, config.tp,
+                             config.pp, config.cp)
+        if replica_batch % m:
+            raise ValueError(f"each replica's {replica_batch} sequences do not split into {m} "
+                             "microbatches")
         if seq % (2 * config.cp):
             raise ValueError(f"a sequence of {seq} does not split into 2 x cp = "
                              f"{2 * config.cp} chunks")
         if config.cp > 1 and (config.tp > 1 or config.pp > 1):
             raise ValueError("cp composes with dp only so far")
-        per_rank = [mesh_step_bytes(model, config, world_size, r, batch // dp, seq, itemsize)
-                    for r in range(world_size) if _first_of_replica(mesh, r)]
+        schedule = build(config.schedule if config.pp > 1 else "1f1b", config.pp, m,
+                         config.stages_per_rank)
+        stages = split_stages(model, schedule.stages) if config.pp > 1 else None
+        first = [r for r in range(world) if _first_of_replica(mesh, r)]
+        per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize)
+                    for r in first]
     except ValueError as e:
         return MeshCandidate(config, None, str(e))
-    tokens = batch // dp * seq // config.cp
-    stages = split_stages(model, config.pp) if config.pp > 1 else None
-    modules = [[*model.children()]] if stages is None else \
-        [_stage_modules(s) for s in stages]
-    inside = ranks_per_host is None or ranks_per_host >= config.tp * config.cp * config.pp
-    tp_link = links.intra if ranks_per_host is None or config.tp <= ranks_per_host else links.inter
-    fwd, bwd, comm, compute = [], [], {"tp": 0.0, "cp": 0.0}, 0.0
+    dp = mesh.size_of("dp")
+    tokens = replica_batch * seq // config.cp
+    modules = [[*model.children()]] if stages is None else [_stage_modules(s) for s in stages]
+    links = {"tp": _link(cluster, mesh.groups("tp"))[0], "cp": _link(cluster, mesh.groups("cp"))[0]}
+    fwd, bwd, comm, compute, flops = [], [], {"tp": 0.0, "cp": 0.0}, 0.0, []
     for k, mods in enumerate(modules):
-        f = _forward_flops(mods, tokens, seq, config.tp) / flops_per_s
+        flops.append(forward_flops(mods, tokens, seq, config.tp) / m)
+        f = flops[-1] * m / flops_per_s
         compute = max(compute, 3 * f)
-        sent = per_rank[k]
+        sent = per_rank[schedule.rank_of(k)]    # a rank's bytes, over the stages it holds
+        share = len(schedule.stages_of(schedule.rank_of(k)))
         extra = 0.0
         for axis, n in (("tp", config.tp), ("cp", config.cp)):
             if sent.get(axis):
-                s = seconds(sent[axis], tp_link if axis == "tp" else
-                            (links.intra if inside else links.inter), 2 * (n - 1))
-                comm[axis] = max(comm[axis], s)
-                extra += s
-        fwd.append(f + extra / 3)
-        bwd.append(2 * f + 2 * extra / 3)
-    dp_link = links.intra if ranks_per_host is None or world_size <= ranks_per_host \
-        else links.inter
+                took = seconds(sent[axis] / share, links[axis], 2 * (n - 1))
+                comm[axis] = max(comm[axis], took)
+                extra += took
+        # A step's exchanges sit on the critical path, a third forward, two thirds backward.
+        fwd.append((f + extra / 3) / m)
+        bwd.append((2 * f + 2 * extra / 3) / m)
+    pp_link, crossing = _pp_link(cluster, mesh)
+    activation = replica_batch // m * seq * model.head.in_features * itemsize \
+        if config.pp > 1 else 0
+    sim = simulate(schedule, fwd, bwd, pp_link, activation)
     averaged = dp * config.cp   # the ranks that average gradients together
-    dp_s = max(seconds(s.get("allreduce", 0), dp_link, 2 * (averaged - 1)) for s in per_rank)
-    if stages is None:
-        body = fwd[0] + bwd[0]
-    else:
-        m = config.microbatches
-        schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
-        pp_link = links.intra if inside else links.inter
-        act = batch // dp // m * seq * model.head.in_features * itemsize
-        body = simulate(schedule, [f / m for f in fwd], [b / m for b in bwd], pp_link,
-                        act).step_s
-    parts = {"compute": compute, **comm,
-             "pipeline": body, "dp": dp_s, "dp_size": dp,
-             "stage_forward_s": fwd, "stage_backward_s": bwd}
-    return MeshCandidate(config, body + dp_s, "", parts)
+    dp_link, dp_spans = _link(cluster, mesh.groups(("dp", "cp") if config.cp > 1 else "dp"))
+    dp_s = max(allreduce_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb)
+               for s in per_rank)
+    parts = {"compute": compute, **comm, "pipeline": sim.step_s, "dp": dp_s, "dp_size": dp,
+             "bubble": sim.bubble, "bubbles": list(sim.bubbles), "microbatches": m,
+             "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_forward_flops": flops,
+             "activation_bytes": activation,
+             "pp_link": pp_link, "pp_between_hosts": crossing, "dp_link": dp_link,
+             "dp_between_hosts": dp_spans, "bytes_per_rank": per_rank}
+    return MeshCandidate(config, sim.step_s + dp_s, "", parts)
 
 
 def _first_of_replica(mesh, rank: int) -> bool:
@@ -146,15 +181,22 @@ def _first_of_replica(mesh, rank: int) -> bool:
     return at["dp"] == 0 and at["cp"] == 0 and at["tp"] == 0
 
 
-def search_mesh(model: nn.Module, world_size: int, batch: int, seq: int,
-                links: Links | None = None, flops_per_s: float = 1e11,
-                ranks_per_host: int | None = None) -> list[MeshCandidate]:
-    """Every candidate, predicted; runnable ones fastest first, then the refused with why."""
-    links = links or Links()
+def search_mesh(model: nn.Module, cluster: Cluster, batch: int, seq: int,
+                flops_per_s: float) -> list[MeshCandidate]:
+    """Every candidate for a global batch of `batch` sequences, predicted; runnable ones
+    fastest first, then the refused with why."""
+    sizes = {h.procs for h in cluster.hosts}
     layers = len(getattr(getattr(model, "blocks", None), "layers", [])) or 1
-    found = [predict(model, c, world_size, batch, seq, links, flops_per_s, ranks_per_host)
-             for c in candidates(world_size, ranks_per_host, layers)]
+    found = []
+    for c in candidates(cluster.world_size, sizes.pop() if len(sizes) == 1 else None, layers):
+        dp = cluster.world_size // (c.tp * c.pp * c.cp)
+        if batch % dp:
+            found.append(MeshCandidate(c, None, f"a batch of {batch} does not split over "
+                                                f"dp = {dp} replicas"))
+            continue
+        found.append(predict(model, c, cluster, batch // dp, seq, flops_per_s))
     return sorted(found, key=lambda c: (c.step_s is None, c.step_s or 0.0))
 
 
-__all__ = ["Link", "MeshCandidate", "candidates", "predict", "search_mesh"]
+__all__ = ["MeshCandidate", "allreduce_seconds", "candidates", "forward_flops", "predict",
+           "search_mesh"]

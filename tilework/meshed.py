@@ -134,17 +134,7 @@ def _engine_over_dp(model, target, optimizer, config: ParallelConfig, found: Mes
     # its tokens' mean loss, and every rank holds as many tokens.
     dp = data_parallel_groups(found.groups, found.world,
                               ("dp", "cp") if config.cp > 1 else ("dp",))
-    flat = dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None)
-    dp_plan = planner.plan(target, flat, cluster, density, traffic, topology=dp.topology)
-    if target is not model:
-        # The repeated blocks are found in the whole model (in the part they are no longer a
-        # ModuleList); this rank recomputes those its stages hold.
-        from .analysis import recompute_choices
-
-        mine = dict(target.named_modules())
-        dp_plan = dataclasses.replace(dp_plan, recompute=tuple(
-            (name, policy) for name, policy in recompute_choices(model, config.recompute)
-            if name in mine))
+    dp_plan = plan_for_part(model, target, config, dp.topology, cluster, density, traffic)
     # The pipeline's stages never run the part's own forward, where the input checks and the
     # zeroed-without-a-step check look.
     engine = Engine(target, optimizer, dp, dp_plan, config.check_inputs and config.pp == 1)
@@ -157,6 +147,25 @@ def _engine_over_dp(model, target, optimizer, config: ParallelConfig, found: Mes
                             optimizer.register_step_post_hook(
                                 lambda *_: found.stats.end_step()))
     return engine
+
+
+def plan_for_part(model: nn.Module, part: nn.Module, config: ParallelConfig, topology,
+                  cluster=None, density=None, traffic=None):
+    """The data-parallel plan of `part` (the model, or a rank's pipeline part) over a dp
+    group of `topology`: pure, what parallelize runs and the memory estimate replays."""
+    flat = dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None,
+                               sequence_parallel=False)
+    dp_plan = planner.plan(part, flat, cluster, density, traffic, topology=topology)
+    if part is model:
+        return dp_plan
+    # The repeated blocks are found in the whole model (in the part they are no longer a
+    # ModuleList); this rank recomputes those its stages hold.
+    from .analysis import recompute_choices
+
+    mine = dict(part.named_modules())
+    return dataclasses.replace(dp_plan, recompute=tuple(
+        (name, policy) for name, policy in recompute_choices(model, config.recompute)
+        if name in mine))
 
 
 class _SequenceCut:
