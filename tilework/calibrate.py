@@ -267,13 +267,59 @@ def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def matmul_flops(size: int = 512, repeats: int = 20) -> float:
+    """One thread's fp32 matmul FLOP/s on this machine (what one rank computes with): the
+    compute rate the pipeline simulator and the mesh search time stages at."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        return 2 * size**3 * repeats / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_compute(group, world_size: int) -> float:
+    """Every rank's matmul FLOP/s at once (ranks share the host as in training), the slowest
+    rank's: a step waits for it."""
+    import torch
+    import torch.distributed as dist
+
+    rate = torch.tensor([matmul_flops()], dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
+    return float(rate.item())
+
+
+def calibrated_flops(cluster_path: str | Path) -> tuple[float, str] | None:
+    """The compute rate `tilework calibrate` wrote beside the cluster file, and when."""
+    path = calibration_path(cluster_path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    rate = data.get("compute", {}).get("flops_per_s") if isinstance(data, dict) else None
+    if not isinstance(rate, (int, float)) or not rate > 0:
+        return None
+    return float(rate), f"{path.name}, {data.get('when', 'undated')}"
+
+
 def calibration_path(cluster_path: str | Path) -> Path:
     p = Path(cluster_path)
     return p.with_name(f"{p.stem}.calibration.json")
 
 
 def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
-                      spans_hosts: bool, when: str | None = None) -> tuple[str, Path]:
+                      spans_hosts: bool, when: str | None = None,
+                      flops_per_s: float | None = None) -> tuple[str, Path]:
     """Put the all-reduce fit into the cluster file's `links.inter` (`spans_hosts`) or
     `links.intra`, and every fit into `calibration_path(cluster_path)`. Returns the link's key and
     the JSON's path. Other keys of the file are kept; its comments are not (TOML writers drop
@@ -308,6 +354,9 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     report = {"cluster": path.name, "when": when, "world_size": n,
               "spans_hosts": spans_hosts, "updated": f"links.{kind}", "link": values,
               "calibration": {name: m.as_dict() for name, m in results.items()}}
+    if flops_per_s is not None:
+        report["compute"] = {"flops_per_s": _sig(flops_per_s),
+                             "how": "one thread's fp32 512x512 matmul, the slowest rank's"}
     json_path = calibration_path(path)
     write_atomic(json_path, json.dumps(report, indent=2) + "\n")
     return f"links.{kind}", json_path

@@ -168,17 +168,22 @@ def _cmd_plan(a, argv, env) -> int:
 
 
 def _plan_flops(a, job) -> tuple[float | None, str]:
-    """The compute rate a model-parallel plan times its stages at: --gflops, else one thread's
-    matmul here (a data-parallel plan times only communication and needs none)."""
+    """The compute rate a model-parallel plan times its stages at: --gflops, else what
+    `tilework calibrate` measured for the cluster file, else one thread's matmul here (a
+    data-parallel plan times only communication and needs none)."""
+    from .calibrate import calibrated_flops, matmul_flops
+
     if a.gflops is not None:
         if not 0 < a.gflops < float("inf"):
             raise UserError(f"--gflops: expected a positive number, got {a.gflops}")
         return a.gflops * 1e9, "--gflops"
     if not job.parallel.model_parallel:
         return None, ""
-    from .bench.suite import matmul_flops
-
-    return matmul_flops(), "measured here: one thread's fp32 matmul; --gflops to set it"
+    found = calibrated_flops(a.cluster) if a.cluster is not None else None
+    if found is not None:
+        return found[0], f"tilework calibrate: {found[1]}"
+    return matmul_flops(), ("measured here: one thread's fp32 matmul; `tilework calibrate` "
+                            "or --gflops to set it")
 
 
 def _print_report(out: dict, title: str, console) -> None:

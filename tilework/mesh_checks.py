@@ -19,10 +19,10 @@ def _digest(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Two sums per tensor, one weighted by position (a permuted batch differs too)."""
     out = []
     for t in tensors:
-        flat = t.detach().reshape(-1).to("cpu", torch.float64)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+        flat = t.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
         out += [float(flat.numel()), flat.sum().item(), (flat * weights).sum().item()]
-    return torch.tensor(out, dtype=torch.float64)
+    return torch.tensor(out, dtype=torch.float64, device="cpu")   # host numbers
 
 
 class SameBatchCheck:
@@ -38,8 +38,10 @@ class SameBatchCheck:
         dp, at = mesh.size_of("dp"), groups.coord("dp")
         # Row r holds replica r's largest digest and its negated smallest (every other rank
         # leaves the row at -inf): after a MAX all-reduce they agree iff the replica's did.
-        table = torch.full((dp, 2, len(mine)), float("-inf"), dtype=torch.float64)
-        table[at, 0], table[at, 1] = mine, -mine
+        # On the world's backend device (NCCL reduces CUDA tensors only).
+        table = torch.full((dp, 2, len(mine)), float("-inf"), dtype=torch.float64,
+                           device=self.mesh.world.device)
+        table[at, 0], table[at, 1] = mine.to(table.device), -mine.to(table.device)
         counted.all_reduce(table, self.mesh.world.world, self.mesh.stats, "check",
                            op=dist.ReduceOp.MAX)
         bad = [r for r in range(dp) if not torch.equal(table[r, 0], -table[r, 1])]

@@ -104,10 +104,13 @@ def _calibrate(spec: dict, env: WorkerEnv) -> int:
     sizes, repeats = ((calibrate.QUICK_SIZES, calibrate.QUICK_REPEATS) if spec["quick"]
                       else (calibrate.DEFAULT_SIZES, calibrate.DEFAULT_REPEATS))
     results = calibrate.measure(groups.world, groups.world_size, sizes, repeats)
+    flops = calibrate.measure_compute(groups.world, groups.world_size)
     if groups.rank == 0:
         key, json_path = calibrate.write_calibration(spec["cluster"], results,
-                                                     spans_hosts=groups.topology.num_hosts > 1)
+                                                     spans_hosts=groups.topology.num_hosts > 1,
+                                                     flops_per_s=flops)
         print(calibrate.summary(results))
+        print(f"compute: {flops / 1e9:.1f} GFLOP/s per rank (fp32 matmul, one thread)")
         print(f"{spec['cluster']}: {key} set from the all_reduce fit; every fit in {json_path}")
     return _done(groups)
 

@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,19 +26,6 @@ from .netns import LinkShape, available, emulated_cluster
 from .worker import SYSTEMS, TORCHREC_SYSTEMS
 
 PARALLAX_FLOP_PER_BYTE = 12e12 / (100e9 / 8)   # TITAN Xp fp32 over 100 Gb/s InfiniBand (~960)
-
-
-def matmul_flops(size: int = 512, repeats: int = 20) -> float:
-    """One thread's fp32 matmul FLOP/s on this machine (what one rank computes with)."""
-    import torch
-
-    torch.set_num_threads(1)
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
 @dataclass(frozen=True)
@@ -132,6 +118,8 @@ def _peer_missing(systems: list[str], workloads: list[str], log) -> str | None:
 
 def run_suite(workloads: list[str], systems: list[str], quick: bool, steps: int, warmup: int,
               log=print) -> dict:
+    from ..calibrate import matmul_flops
+
     flops = matmul_flops()
     chosen, note = settings(quick, flops)
     log(f"per-process matmul: {flops / 1e9:.1f} GFLOP/s; {note}")

@@ -34,11 +34,13 @@ def chunks_of(cp_rank: int, cp: int) -> tuple[int, int]:
     return cp_rank, 2 * cp - 1 - cp_rank
 
 
-def local_positions(seq: int, cp_rank: int, cp: int) -> torch.Tensor:
-    """The global positions of rank `cp_rank`'s local tokens, in local order (int64)."""
+def local_positions(seq: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
+    """The global positions of rank `cp_rank`'s local tokens, in local order (int64), on
+    `device` (default the CPU)."""
     _check(seq, cp_rank, cp)
     c = seq // (2 * cp)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks_of(cp_rank, cp)])
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device)
+                      for i in chunks_of(cp_rank, cp)])
 
 
 def global_of_local(ids: torch.Tensor, local_len: int, cp_rank: int, cp: int) -> torch.Tensor:
