@@ -130,3 +130,16 @@ def test_time_points_on_two_real_ranks_gives_every_rank_the_same_counted_points(
             "all_to_all": [(4 << 10, 2 << 10), (4 << 20, 2 << 20)],
             "send_recv": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)]}[name]
         assert all(math.isfinite(s) and s > 0 for _, _, s in points), name
+
+
+def test_the_compute_rate_written_beside_the_cluster_file_is_what_plan_reads(tmp_path):
+    from tilework.calibrate import calibrated_flops
+
+    path = tmp_path / "cluster.toml"
+    path.write_text("[[hosts]]\nname = \"a\"\nprocs = 2\n")
+    assert calibrated_flops(path) is None                   # not calibrated yet
+    results = {"all_reduce": _fit("all_reduce", 2, 800e-6, 1e9)}
+    write_calibration(path, results, spans_hosts=False, when="T", flops_per_s=3.25e10)
+    assert calibrated_flops(path) == (3.25e10, "cluster.calibration.json, T")
+    calibration_path(path).write_text("{not json")
+    assert calibrated_flops(path) is None                   # damaged: measured afresh
