@@ -130,3 +130,24 @@ def test_cli_prints_the_mesh_plan_and_its_json(tmp_path, capsys):
     assert printed == expected
     assert main(["plan", "--job", str(path), "--world-size", "0"]) == 2
     assert "--world-size: expected at least 1 process per host, got 0" in capsys.readouterr().err
+
+
+def test_memory_per_rank_is_the_estimate_with_its_budget():
+    import torch
+
+    from tilework.mesh_memory import estimate_mesh_memory
+    from tilework.report import meta_model
+
+    job = gpt_job(tp=2, pp=2, microbatches=4)
+    cluster = Cluster([Host("a", 2, memory_gb=1e-5), Host("b", 2, memory_gb=1.0)])
+    out = mesh_report(job, cluster, FLOPS)
+    ids = torch.zeros(out["batch_per_replica"], job.gpt.seq_len, dtype=torch.long)
+    for m in out["memory"]:
+        e = estimate_mesh_memory(meta_model(job), job.parallel, (ids, ids), 4, m["rank"],
+                                 job.train.optimizer, cluster)
+        assert m["peak"] == e.peak and m["parameters"] == e.parameters
+    # Host a's ranks (0, 1) get 80% of 10 kB: over; host b's fit.
+    assert [m["over_budget"] for m in out["memory"]] == [True, True, False, False]
+    assert out["memory"][2]["budget"] == pytest.approx(0.8e9)
+    text = format_mesh_report(out, "job")
+    assert "OVER its budget" in text and "estimated memory per rank" in text

@@ -16,6 +16,7 @@ process group is made. Where each figure comes from:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from torch import nn
@@ -73,6 +74,7 @@ def mesh_report(job, cluster: Cluster, flops: float, flops_source: str = "given"
             "bubbles": parts["bubbles"], "tp_s": parts["tp"], "cp_s": parts["cp"],
             "dp_allreduce_s": parts["dp"], "predicted_step_s": found.step_s,
             "bytes_per_rank": _bytes_per_rank(model, config, mesh, batch, seq),
+            "memory": _memory_per_rank(job, cluster, mesh, batch),
             "bytes_note": "dense all-reduce as replicated parameters (ZeRO's and the servers' "
                           "bytes are not in this model)" if config.zero else None}
 
@@ -144,6 +146,28 @@ def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: 
     return out
 
 
+def _memory_per_rank(job, cluster: Cluster, mesh: Mesh, batch: int) -> list[dict]:
+    """estimate_memory for every rank (mesh_memory.py), computed once per (pp, cp, tp)
+    coordinate, the rest mirror it; with each rank's budget."""
+    import torch
+
+    from .mesh_memory import estimate_mesh_memory
+    from .report import meta_model, with_budget
+
+    model, seq = meta_model(job), job.gpt.seq_len
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="cpu")   # only shapes matter
+    seen: dict[tuple, object] = {}
+    out = []
+    for rank in range(mesh.size):
+        at = mesh.coords(rank)
+        key = (at["pp"], at["cp"], at["tp"])
+        if key not in seen:
+            seen[key] = estimate_mesh_memory(model, job.parallel, (ids, ids), mesh.size, rank,
+                                             job.train.optimizer, cluster)
+        out.append(with_budget(dataclasses.replace(seen[key], rank=rank), cluster))
+    return out
+
+
 # -- text ------------------------------------------------------------------------------------------
 
 def format_mesh_report(out: dict, title: str) -> str:
@@ -163,7 +187,28 @@ def format_mesh_report(out: dict, title: str) -> str:
     lines += ["  " + line for line in _bytes_lines(out["bytes_per_rank"])]
     if out["bytes_note"]:
         lines.append(f"  ({out['bytes_note']})")
+    lines.append("estimated memory per rank (tilework.estimate_memory; docs/memory.md):")
+    lines += ["  " + line for line in _memory_lines(out["memory"])]
     return "\n".join(lines)
+
+
+def _memory_lines(memory: list[dict]) -> list[str]:
+    """Ranks with the same estimate on one line; a rank over its budget says so."""
+    rows: dict[tuple, list[int]] = defaultdict(list)
+    keys = ("peak", "parameters", "gradients", "optimizer_state", "activations")
+    for m in memory:
+        rows[tuple(m.get(k, 0) for k in keys) + (m["budget"], m["over_budget"])].append(
+            m["rank"])
+    lines = []
+    for (peak, params, grads, opt, acts, budget, over), ranks in rows.items():
+        shown = ", ".join(map(str, ranks[:8])) + (f" ... ({len(ranks)})" if len(ranks) > 8 else "")
+        line = (f"ranks {shown}: peak {_kb(peak)} (parameters {_kb(params)}, gradients "
+                f"{_kb(grads)}, optimizer state {_kb(opt)}, activations {_kb(acts)})")
+        if budget is not None:
+            line += (f"; OVER its budget of {_kb(int(budget))} (80% of memory_gb)" if over
+                     else f"; budget {_kb(int(budget))}")
+        lines.append(line)
+    return lines
 
 
 def _groups_text(groups: list, size: int, shown: int = 4) -> str:

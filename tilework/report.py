@@ -153,14 +153,18 @@ def memory_per_rank(job: Job, cluster: Cluster, chosen: Plan) -> list[dict]:
     file's memory per process, where it says) and whether the estimate's peak exceeds it."""
     from .memory import estimate_per_rank
 
+    return [with_budget(e, cluster)
+            for e in estimate_per_rank(meta_model(job), chosen, example_batch(job, cluster),
+                                       job.train.optimizer)]
+
+
+def with_budget(estimate, cluster: Cluster) -> dict:
+    """An estimate's figures and its rank's budget: 80% of the memory the cluster file gives
+    the process (paper 4's margin), and whether the peak exceeds it."""
     budgets = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
-    out = []
-    for e in estimate_per_rank(meta_model(job), chosen, example_batch(job, cluster),
-                               job.train.optimizer):
-        budget = None if budgets[e.rank] is None else 0.8 * budgets[e.rank] * 1e9
-        out.append(e.as_dict() | {"budget": budget,
-                                  "over_budget": budget is not None and e.peak > budget})
-    return out
+    budget = None if budgets[estimate.rank] is None else 0.8 * budgets[estimate.rank] * 1e9
+    return estimate.as_dict() | {"budget": budget,
+                                 "over_budget": budget is not None and estimate.peak > budget}
 
 
 def report(job: Job, cluster: Cluster, flops: float | None = None,
