@@ -151,3 +151,22 @@ def test_memory_per_rank_is_the_estimate_with_its_budget():
     assert out["memory"][2]["budget"] == pytest.approx(0.8e9)
     text = format_mesh_report(out, "job")
     assert "OVER its budget" in text and "estimated memory per rank" in text
+
+
+def test_cli_search_ranks_the_meshes_and_prunes_what_does_not_fit(tmp_path, capsys):
+    job = tmp_path / "job.toml"
+    job.write_text('workload = "gpt"\n[gpt]\nvocab = 64\ndim = 16\nheads = 2\nlayers = 2\n'
+                   'seq_len = 8\n[data]\nbatch_size = 8\n')
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('[[hosts]]\nname = "a"\nprocs = 2\nmemory_gb = 1.0\n')
+    assert main(["plan", "--job", str(job), "--cluster", str(cluster), "--search",
+                 "--gflops", "10", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    labels = [c["mesh"] for c in out["candidates"]]
+    assert set(labels) == {"dp2 x pp1 x cp1 x tp1", "dp1 x pp1 x cp1 x tp2",
+                           "dp1 x pp1 x cp2 x tp1", "dp1 x pp2 x cp1 x tp1"}
+    steps = [c["predicted_step_s"] for c in out["candidates"]]
+    assert all(s is not None for s in steps) and steps == sorted(steps)
+    assert main(["plan", "--job", str(job), "--world-size", "2", "--search",
+                 "--gflops", "10"]) == 0
+    assert "fastest first" in capsys.readouterr().out

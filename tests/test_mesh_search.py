@@ -77,3 +77,20 @@ def test_a_slow_network_between_hosts_moves_the_choice_to_pipeline_across_them()
     for found in (fast, slow):
         ordered = [c.step_s for c in found if c.step_s is not None]
         assert ordered == sorted(ordered)
+
+
+def test_candidates_that_would_not_fit_are_refused_with_their_peak():
+    """Paper 4's pruning: with 80% of memory_gb below what data parallelism holds (every rank
+    the whole model, its gradients and Adam's two moments), only the splits fit."""
+    from tilework.mesh_memory import estimate_mesh_memory
+
+    model = gpt()
+    ids = torch.zeros(BATCH // 4, SEQ, dtype=torch.long)
+    replicated = estimate_mesh_memory(model, ParallelConfig(), (ids, ids), 1, 0)
+    tight = 0.9 * replicated.peak / 0.8 / 1e9     # memory_gb whose 80% misses dp's peak
+    found = search_mesh(model, Cluster([Host("h", 4, memory_gb=tight)]), BATCH, SEQ, 1e11)
+    dp4 = next(c for c in found if c.label.startswith("dp4"))
+    assert dp4.step_s is None and "exceeds its budget" in dp4.why
+    fits = [c for c in found if c.step_s is not None]
+    assert fits and all(c.parts["peak_bytes"] <= 0.8 * tight * 1e9 for c in fits)
+    assert all(c.config.tp * c.config.pp > 1 for c in fits)

@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="compute per rank for a tp/pp/cp job's step time (default: one "
                            "thread's fp32 matmul measured here)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--search", action="store_true",
+                      help="rank every dp x pp x cp x tp for the job's gpt model on this "
+                           "cluster by predicted step, pruning those over its memory")
 
     cal = sub.add_parser("calibrate", help="time collectives here and fit the cluster file's link")
     cal.add_argument("--cluster", required=True, help="cluster file (TOML) to update")
@@ -151,6 +154,8 @@ def _cmd_plan(a, argv, env) -> int:
         except ConfigError as e:   # Host's own bounds on procs, named by this flag
             raise UserError(f"--world-size: {e.problem}") from None
         where = f"{a.world_size} local ranks"
+    if a.search:
+        return _search(a, job, cluster, where)
     flops, source = _plan_flops(a, job)
     out = report(job, cluster, flops, source)
     if a.json:
@@ -164,6 +169,45 @@ def _cmd_plan(a, argv, env) -> int:
         print(format_mesh_report(out, f"{a.job} on {where}"))
         return 0
     _print_report(out, f"{a.job} on {where}", Console(soft_wrap=True))
+    return 0
+
+
+def _search(a, job, cluster, where: str) -> int:
+    """`tilework plan --search`: mesh_search's ranking for the job's model."""
+    import dataclasses
+    import json
+
+    from .mesh_search import search_mesh
+    from .report import meta_model
+
+    if job.workload != "gpt":
+        raise UserError(f"--search: the mesh search splits the gpt workload's model; this job "
+                        f"trains {job.workload!r} (its plan: tilework plan without --search)")
+    flops, source = _plan_flops(a, dataclasses.replace(
+        job, parallel=dataclasses.replace(job.parallel, tp=2)))   # a rate is needed here
+    batch = job.data.batch_size * (cluster.world_size if job.data.scaling == "weak" else 1)
+    found = search_mesh(meta_model(job), cluster, batch, job.gpt.seq_len, flops,
+                        job.train.optimizer)
+    rows = [{"mesh": c.label, "config": {k: getattr(c.config, k) for k in
+                                         ("tp", "pp", "cp", "microbatches")},
+             "predicted_step_s": c.step_s, "why": c.why,
+             "parts": {k: v for k, v in c.parts.items() if isinstance(v, (int, float))}}
+            for c in found]
+    if a.json:
+        print(json.dumps({"flops_per_s": flops, "flops_source": source, "candidates": rows},
+                         indent=2))
+        return 0
+    print(f"mesh search for {a.job} on {where}: global batch {batch}, compute "
+          f"{flops / 1e9:,.1f} GFLOP/s per rank ({source}); fastest first")
+    for r in rows:
+        p = r["parts"]
+        if r["predicted_step_s"] is None:
+            print(f"  {r['mesh']:<24} refused: {r['why']}")
+            continue
+        print(f"  {r['mesh']:<24} {r['predicted_step_s'] * 1e3:10.3f} ms  (compute "
+              f"{p['compute'] * 1e3:.3f}, tp {p['tp'] * 1e3:.3f}, cp {p['cp'] * 1e3:.3f}, "
+              f"bubble {p['bubble']:.2f}, dp {p['dp'] * 1e3:.3f} ms; peak "
+              f"{p.get('peak_bytes', 0) / 1e6:,.1f} MB)")
     return 0
 
 

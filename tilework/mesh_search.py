@@ -137,7 +137,8 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize)
                     for r in first]
     except ValueError as e:
-        return MeshCandidate(config, None, str(e))
+        return MeshCandidate(config, None, str(e),
+                             {"dp_size": world // (config.tp * config.pp * config.cp)})
     dp = mesh.size_of("dp")
     tokens = replica_batch * seq // config.cp
     modules = [[*model.children()]] if stages is None else [_stage_modules(s) for s in stages]
@@ -182,9 +183,11 @@ def _first_of_replica(mesh, rank: int) -> bool:
 
 
 def search_mesh(model: nn.Module, cluster: Cluster, batch: int, seq: int,
-                flops_per_s: float) -> list[MeshCandidate]:
+                flops_per_s: float, optimizer="adam") -> list[MeshCandidate]:
     """Every candidate for a global batch of `batch` sequences, predicted; runnable ones
-    fastest first, then the refused with why."""
+    fastest first, then the refused with why. Where the cluster file gives hosts' memory, a
+    candidate whose estimated peak (tilework.estimate_memory) exceeds 80% of it on any rank is
+    refused, as paper 4 prunes plans that would not fit."""
     sizes = {h.procs for h in cluster.hosts}
     layers = len(getattr(getattr(model, "blocks", None), "layers", [])) or 1
     found = []
@@ -192,10 +195,46 @@ def search_mesh(model: nn.Module, cluster: Cluster, batch: int, seq: int,
         dp = cluster.world_size // (c.tp * c.pp * c.cp)
         if batch % dp:
             found.append(MeshCandidate(c, None, f"a batch of {batch} does not split over "
-                                                f"dp = {dp} replicas"))
+                                                f"dp = {dp} replicas", {"dp_size": dp}))
             continue
-        found.append(predict(model, c, cluster, batch // dp, seq, flops_per_s))
+        candidate = predict(model, c, cluster, batch // dp, seq, flops_per_s)
+        if candidate.step_s is not None:
+            candidate = _within_memory(model, candidate, cluster, batch // dp, seq, optimizer)
+        found.append(candidate)
     return sorted(found, key=lambda c: (c.step_s is None, c.step_s or 0.0))
+
+
+def _within_memory(model, candidate: MeshCandidate, cluster: Cluster, replica_batch: int,
+                   seq: int, optimizer) -> MeshCandidate:
+    """The candidate with its largest estimated peak; refused where a rank's exceeds 80% of
+    the memory the cluster file gives its process."""
+    import dataclasses
+
+    import torch
+
+    from .mesh import parallel_mesh
+    from .mesh_memory import estimate_mesh_memory
+    from .report import with_budget
+
+    config, world = candidate.config, cluster.world_size
+    mesh = parallel_mesh(world, None, config.tp, config.pp, config.cp)
+    ids = torch.zeros(replica_batch, seq, dtype=torch.long, device="cpu")   # shapes only
+    seen, worst = {}, None
+    for rank in range(world):
+        at = mesh.coords(rank)
+        key = (at["pp"], at["cp"], at["tp"])
+        if key not in seen:
+            seen[key] = estimate_mesh_memory(model, config, (ids, ids), world, rank, optimizer,
+                                             cluster)
+        figure = with_budget(dataclasses.replace(seen[key], rank=rank), cluster)
+        if worst is None or figure["peak"] > worst["peak"]:
+            worst = figure
+        if figure["over_budget"]:
+            return MeshCandidate(config, None, f"rank {rank}'s estimated peak "
+                                 f"{figure['peak'] / 1e9:.2f} GB exceeds its budget of "
+                                 f"{figure['budget'] / 1e9:.2f} GB (80% of memory_gb)",
+                                 candidate.parts | {"peak_bytes": figure["peak"]})
+    return dataclasses.replace(candidate, parts=candidate.parts | {"peak_bytes": worst["peak"]})
 
 
 __all__ = ["MeshCandidate", "allreduce_seconds", "candidates", "forward_flops", "predict",
