@@ -215,7 +215,8 @@ def _plan_flops(a, job) -> tuple[float | None, str]:
     """The compute rate a model-parallel plan times its stages at: --gflops, else what
     `tilework calibrate` measured for the cluster file, else one thread's matmul here (a
     data-parallel plan times only communication and needs none)."""
-    from .calibrate import calibrated_flops, matmul_flops
+    from .calibrate import matmul_flops
+    from .calibration_file import calibrated_flops
 
     if a.gflops is not None:
         if not 0 < a.gflops < float("inf"):
