@@ -77,9 +77,11 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
 # nothing from the values (shape queries, hooks, display).
 _PASS = {torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.flatten, torch.Tensor.contiguous,
          torch.Tensor.float, torch.Tensor.to, torch.Tensor.detach, torch.reshape, torch.flatten}
+# Questions about the tensor, not its values (untyped_storage: memory tools such as torch's
+# MemTracker ask every module output for its storage).
 _QUERIES = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
             torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.__repr__,
-            torch.Tensor.__format__}
+            torch.Tensor.__format__, torch.Tensor.untyped_storage}
 
 
 class ShardedLogits(torch.Tensor):
