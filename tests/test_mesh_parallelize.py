@@ -123,6 +123,8 @@ FOUR = [{"cp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches
         {"tp": 2, "pp": 2, "microbatches": 2}, {"tp": 2, "zero": 1}, {"tp": 2, "zero": 3},
         SERVED_TOKENS]
 EIGHT = [{"tp": 2, "pp": 2, "microbatches": 2}]
+# Context parallelism with the other axes: ring attention on tp's heads; on pipeline stages.
+CP_MIXED = [{"cp": 2, "tp": 2}, {"cp": 2, "pp": 2, "microbatches": 2}]
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +238,13 @@ def test_tied_parameter_across_pipeline_ranks_is_refused():
     messages = spawn(_tied_pipeline, 2)
     assert all("tokens.weight and head.weight are one tied parameter" in (m or "")
                for m in messages), messages
+
+
+def test_cp_with_tp_or_pp_trains_as_one_process(ref):
+    results = spawn(_train, 4, (CP_MIXED,), timeout=300)
+    for k, options in enumerate(CP_MIXED):
+        _check([r[k] for r in results], options, ref)
+        assert {"cp", "tp" if "tp" in options else "pipeline"} <= set(results[0][k][2])
 
 
 def test_eight_ranks_dp2_pp2_tp2_train_as_one_process(ref):

@@ -36,7 +36,7 @@ def test_candidates_cover_every_split_with_tp_inside_a_host():
 
 @pytest.mark.parametrize("config, reason", [
     (ParallelConfig(tp=4), "heads do not split over tp=4"),
-    (ParallelConfig(cp=2, tp=2), "cp composes with dp only"),
+    (ParallelConfig(pp=8), "does not divide the world of 4"),
     (ParallelConfig(pp=2, microbatches=3), "do not split into 3 microbatches"),
 ])
 def test_refused_candidates_say_why(config, reason):
@@ -68,12 +68,16 @@ def test_dp_and_tp_times_are_their_counted_bytes_on_their_links():
 def test_a_slow_network_between_hosts_moves_the_choice_to_pipeline_across_them():
     """Megatron-LM's placement, found by the search: with fast links the step is data
     parallel (tp at most inside a host, no pipeline bubble); across a slow link only a
-    pipeline's activations should cross it, tensor parallelism staying inside each host."""
+    pipeline's activations should cross it, the other split (tp, or cp, whose ranks each send
+    half a sequence) staying inside each host."""
     model = gpt()
     fast = search_mesh(model, cluster(2, 2, Links(inter=Link(100.0, 5.0))), BATCH, SEQ, 1e11)
     slow = search_mesh(model, cluster(2, 2, Links(inter=Link(0.1, 500.0))), BATCH, SEQ, 1e11)
     assert fast[0].config.pp == 1 and fast[0].parts["dp_size"] >= 2
-    assert (slow[0].config.pp, slow[0].config.tp, slow[0].parts["dp_size"]) == (2, 2, 1)
+    best = slow[0]
+    assert (best.config.pp, best.parts["dp_size"]) == (2, 1)
+    assert best.parts["pp_between_hosts"] and not best.parts["dp_between_hosts"]
+    assert best.config.tp * best.config.cp == 2       # the other split inside each host
     for found in (fast, slow):
         ordered = [c.step_s for c in found if c.step_s is not None]
         assert ordered == sorted(ordered)

@@ -45,24 +45,27 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
         stages = split_stages(model, schedule.stages)
         mine = [mod for s in schedule.stages_of(at["pp"]) for mod in _stage_modules(stages[s])]
         part = local_part(model, mine)
-        out["pipeline"] = p2p_bytes(schedule, batch // m * seq * model.head.in_features
-                                    * itemsize)[at["pp"]]
+        out["pipeline"] = p2p_bytes(schedule, batch // m * (seq // config.cp)
+                                    * model.head.in_features * itemsize)[at["pp"]]
     local_modules = {names[id(mod)] for mod in part.modules() if id(mod) in names}
     shapes = {n: tuple(p.shape) for n, p in part.named_parameters()}
     if config.tp > 1:
         layout = plan_layout(model, config.layout or layout_for(model), config.tp,
                              config.sequence_parallel)
-        out["tp"] = sum(_placement_bytes(p, batch, seq, config.tp, config.sequence_parallel,
-                                         itemsize)
+        # On this rank's part of the sequence (cp cuts it before any layer).
+        out["tp"] = sum(_placement_bytes(p, batch, seq // config.cp, config.tp,
+                                         config.sequence_parallel, itemsize)
                         for p in layout.placements if p.module in local_modules)
         held = layout.local_shapes()
         shapes = {n: held[n] for n in shapes}
     if config.cp > 1:
         from .context import cp_attention_bytes
 
-        attention = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
-        out["cp"] = cp_attention_bytes(batch, attention[0].num_heads, seq, attention[0].head_dim,
-                                       config.cp, len(attention), itemsize)
+        # The rank's stages' attentions, each ringing its own heads (tp splits them).
+        attention = [m for m in part.modules() if isinstance(m, nn.MultiheadAttention)]
+        out["cp"] = cp_attention_bytes(batch, attention[0].num_heads // config.tp, seq,
+                                       attention[0].head_dim, config.cp, len(attention),
+                                       itemsize)
     dp = mesh.size_of("dp") * config.cp   # a dp x cp group averages the gradients
     carried = CHECK_WORDS * itemsize if config.check_inputs and config.pp == 1 else 0
     out["allreduce"] = dense_sync_bytes([prod(s) * itemsize for s in shapes.values()],

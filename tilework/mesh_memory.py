@@ -111,6 +111,11 @@ def _transformed(model: nn.Module, config, at: dict[str, int]) -> nn.Module:
     from .comm.counted import Stats
 
     meta = _on_meta(model)
+    if config.tp > 1:   # tp first, then cp: parallelize's order (meshed.py)
+        from .tensor import apply_layout, layout_for
+
+        tp = _ShapeOnlyTP(None, at["tp"], config.tp, config.sequence_parallel)
+        apply_layout(meta, config.layout or layout_for(model), tp)
     if config.cp > 1:
         from .context import apply_context_parallel
 
@@ -119,11 +124,6 @@ def _transformed(model: nn.Module, config, at: dict[str, int]) -> nn.Module:
         for m in meta.modules():
             if hasattr(m, "ring"):
                 m.ring = ring
-    if config.tp > 1:
-        from .tensor import apply_layout, layout_for
-
-        tp = _ShapeOnlyTP(None, at["tp"], config.tp, config.sequence_parallel)
-        apply_layout(meta, config.layout or layout_for(model), tp)
     return meta
 
 

@@ -128,8 +128,6 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         if seq % (2 * config.cp):
             raise ValueError(f"a sequence of {seq} does not split into 2 x cp = "
                              f"{2 * config.cp} chunks")
-        if config.cp > 1 and (config.tp > 1 or config.pp > 1):
-            raise ValueError("cp composes with dp only so far")
         schedule = build(config.schedule if config.pp > 1 else "1f1b", config.pp, m,
                          config.stages_per_rank)
         stages = split_stages(model, schedule.stages) if config.pp > 1 else None
@@ -160,7 +158,7 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         fwd.append((f + extra / 3) / m)
         bwd.append((2 * f + 2 * extra / 3) / m)
     pp_link, crossing = _pp_link(cluster, mesh)
-    activation = replica_batch // m * seq * model.head.in_features * itemsize \
+    activation = replica_batch // m * (seq // config.cp) * model.head.in_features * itemsize \
         if config.pp > 1 else 0
     sim = simulate(schedule, fwd, bwd, pp_link, activation)
     averaged = dp * config.cp   # the ranks that average gradients together

@@ -52,15 +52,17 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
     _start_alike(model, world)
     groups = build_mesh_groups(mesh, world.world, world.env)
     found = MeshParallel(mesh, world, groups, Stats())
-    if config.cp > 1:
+    if config.tp > 1:
+        _split_layers(model, optimizer, config, found)
+    if config.cp > 1:   # after tp: attention split by heads runs the ring on its own heads
         from .context import apply_context_parallel
 
         apply_context_parallel(model, groups.group("cp"), found.stats)
-    if config.tp > 1:
-        _split_layers(model, optimizer, config, found)
     target = model if config.pp == 1 else _cut_stages(model, optimizer, config, found)
     engine = _engine_over_dp(model, target, optimizer, config, found, cluster, density, traffic)
-    if config.cp > 1:
+    if config.cp > 1 and found.pipeline is not None:
+        found.pipeline.cut = _SequenceCut(groups.coord("cp"), config.cp)
+    elif config.cp > 1:
         engine.changes.hook("model: forward pre-hook (this rank's part of the sequence)",
                             model.register_forward_pre_hook(
                                 PicklesAsNoop(_SequenceCut(groups.coord("cp"), config.cp)),
@@ -86,10 +88,9 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
 
 def _refuse(config: ParallelConfig, plan) -> None:
     """What cannot be combined yet, before anything is changed."""
-    if config.cp > 1 and (config.tp > 1 or config.pp > 1):
-        raise PlanError(f"cp={config.cp} with tp={config.tp}, pp={config.pp}: context "
-                        "parallelism composes with data parallelism only so far (ring attention "
-                        "and head-split attention both replace the attention modules)")
+    if config.cp > 1 and config.sequence_parallel:
+        raise PlanError(f"cp={config.cp} with sequence_parallel: both would cut the sequence "
+                        "(ring attention's chunks, and slices between tp's layers); choose one")
     if config.pp > 1 and config.sequence_parallel:
         raise PlanError("pp > 1 with sequence_parallel: the stages' boundaries would carry "
                         "sequence slices; not supported yet")

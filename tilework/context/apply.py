@@ -1,6 +1,7 @@
 """Context parallelism applied to an unmodified model: every nn.MultiheadAttention becomes ring
-attention over the cp group, holding the same parameters under the same names, and the position
-table looks up this rank's global positions. Everything else in a Transformer (norms, MLPs,
+attention over the cp group, holding the same parameters under the same names (attention
+already split by heads over tp runs the ring on its own heads), and the position table looks
+up this rank's global positions. Everything else in a Transformer (norms, MLPs,
 residuals, the head, the loss) is per token and needs nothing.
 
     stats = Stats()
@@ -42,6 +43,31 @@ def _is_causal_mask(mask: torch.Tensor, seq: int) -> bool:
     return torch.equal(mask, torch.zeros_like(mask).masked_fill(cut, float("-inf")))
 
 
+def ring_call_causal(name: str, ring: Ring, dropout: float, query, key, value,
+                     key_padding_mask, need_weights, attn_mask, is_causal) -> bool:
+    """Refuse by name what ring attention cannot do with this call; else whether its mask is
+    causal. (`dropout`: the attention's dropout probability in this mode.)"""
+    where = f"{name} (ring attention over cp={ring.size})"
+    if not (query is key and key is value):
+        raise ValueError(f"{where}: self-attention only (query, key and value the same tensor)")
+    if need_weights:
+        raise ValueError(f"{where}: need_weights=True (the weights span every rank's keys); "
+                         "call with need_weights=False")
+    if key_padding_mask is not None:
+        raise ValueError(f"{where}: key_padding_mask is not supported")
+    if dropout > 0:
+        raise ValueError(f"{where}: attention dropout={dropout} in training (each rank would "
+                         "drop its own pattern)")
+    if is_causal and attn_mask is None:
+        raise RuntimeError("need attn_mask if specifying the is_causal hint")
+    if is_causal or attn_mask is None:
+        return bool(is_causal)
+    if _is_causal_mask(attn_mask, query.shape[1]):
+        return True
+    raise ValueError(f"{where}: only a causal attn_mask or none; this "
+                     f"{tuple(attn_mask.shape)} mask is neither")
+
+
 class RingSelfAttention(nn.Module):
     """Causal (or unmasked) self-attention over the whole sequence, this rank holding its
     load-balanced share; called as nn.TransformerEncoderLayer calls nn.MultiheadAttention."""
@@ -64,27 +90,9 @@ class RingSelfAttention(nn.Module):
 
     def _causal(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                 is_causal) -> bool:
-        """Refuse by name what ring attention cannot do; else whether the mask is causal."""
-        where = f"{self.name} (ring attention over cp={self.ring.size})"
-        if not (query is key and key is value):
-            raise ValueError(f"{where}: self-attention only (query, key and value the same "
-                             "tensor)")
-        if need_weights:
-            raise ValueError(f"{where}: need_weights=True (the weights span every rank's keys); "
-                             "call with need_weights=False")
-        if key_padding_mask is not None:
-            raise ValueError(f"{where}: key_padding_mask is not supported")
-        if self.training and self.dropout > 0:
-            raise ValueError(f"{where}: attention dropout={self.dropout} in training (each "
-                             "rank would drop its own pattern)")
-        if is_causal and attn_mask is None:
-            raise RuntimeError("need attn_mask if specifying the is_causal hint")
-        if is_causal or attn_mask is None:
-            return bool(is_causal)
-        if _is_causal_mask(attn_mask, query.shape[1]):
-            return True
-        raise ValueError(f"{where}: only a causal attn_mask or none; this "
-                         f"{tuple(attn_mask.shape)} mask is neither")
+        return ring_call_causal(self.name, self.ring, self.dropout if self.training else 0.0,
+                                query, key, value, key_padding_mask, need_weights, attn_mask,
+                                is_causal)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                 attn_mask=None, average_attn_weights=True, is_causal=False):
@@ -154,10 +162,18 @@ def apply_context_parallel(model: nn.Module, group, stats: Stats,
     cannot run. `positions`: the model's position nn.Embedding, looked up with local slots.
     Bytes are counted in `stats` under `method`. Make the optimizer afterwards (same
     Parameters, but new modules)."""
+    from ..tensor.attention import HeadParallelAttention
+
     ring = Ring(group, stats, method)
+    # Attention already split by heads (tensor parallelism, applied first): its heads run
+    # the ring in place.
+    split = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, HeadParallelAttention)]
+    for name, m in split:
+        m.ring, m.ring_name = ring, name
     found = [(name, m) for name, m in model.named_modules()
              if isinstance(m, nn.MultiheadAttention)]
-    if not found:
+    if not found and not split:
         raise ValueError(f"{type(model).__name__} has no nn.MultiheadAttention to make ring "
                          "attention")
     for name, mha in found:
@@ -169,4 +185,4 @@ def apply_context_parallel(model: nn.Module, group, stats: Stats,
         _replace(model, name, RingSelfAttention(mha, ring, name))
     if table is not None:
         _replace(model, positions, ShardedPositions(table, ring))
-    return [name for name, _ in found]
+    return [name for name, _ in [*split, *found]]

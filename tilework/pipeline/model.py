@@ -59,6 +59,7 @@ class PipelineModel(nn.Module):
         self.part = local_part(model, [m for s in mine.values() for m in _stage_modules(s)])
         self.runner = PipelineRunner(mine, schedule, group, stats)
         self.schedule = schedule
+        self.cut = None   # context parallelism's: (module, args, kwargs) -> this rank's part
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One schedule: forward and backward of the batch in microbatches; the batch's mean
@@ -68,6 +69,8 @@ class PipelineModel(nn.Module):
         engine = getattr(self, "_tilework_engine", None)
         if engine is not None and engine.mesh.same_batch is not None:
             engine.mesh.same_batch([inputs, targets])
+        if self.cut is not None:
+            (inputs, targets), _ = self.cut(self, (inputs, targets), {})
         with _local_backwards(part):
             return self.runner.step(inputs, targets, on_last_backward=lambda: setattr(
                 part, "require_backward_grad_sync", True))

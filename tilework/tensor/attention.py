@@ -64,9 +64,19 @@ class HeadParallelAttention(nn.Module):
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
         q, k, v = (t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
                    for t in qkv.chunk(3, dim=-1))
-        mask = None if is_causal else _float_mask(attn_mask, q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        ring = getattr(self, "ring", None)   # context parallelism's, on these heads
+        if ring is not None:
+            from ..context.apply import ring_call_causal
+            from ..context.ring import ring_attention
+
+            causal = ring_call_causal(self.ring_name, ring,
+                                      self.dropout if self.training else 0.0, query, key,
+                                      value, None, False, attn_mask, is_causal)
+            out = ring_attention(q, k, v, ring, causal)
+        else:
+            mask = None if is_causal else _float_mask(attn_mask, q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                 dropout_p=self.dropout if self.training else 0.0)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.out_proj(out), None
 
