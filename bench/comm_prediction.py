@@ -151,6 +151,12 @@ def main() -> None:
                            "terms": pred.terms,
                            "steps_s": r["step_s"], "computes_s": r["compute_s"],
                            "traffic": {k: vars(v) for k, v in traffic.items()}}
+                    if s == "hybrid":
+                        plan = pickle.loads(bytes.fromhex(r["plan"]))
+                        ids = [[cp.table_ids(w, workload.batch(st, rk, n)) for rk in range(n)]
+                               for st in range(a.warmup, a.warmup + a.steps)]
+                        row["exact_s"], row["exact_bytes"] = cp.hybrid_exact(plan, ids, n,
+                                                                             fit["links"])
                     rows.append(row)
                     print(f"{n} hosts {w:>11} {s:>10}: step {row['step_s'] * 1e3:7.1f} ms, "
                           f"compute {row['compute_s'] * 1e3:6.1f}, comm measured "

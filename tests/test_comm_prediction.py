@@ -105,3 +105,19 @@ def test_markdown_rows():
     lines = cp.markdown_rows([row])
     assert len(lines) == 3 and "| 1.50 | NO |" in lines[2] and "0.700 / -" in lines[2]
     assert not math.isnan(float(lines[2].split("|")[8]))
+
+
+def test_hybrid_exact_uses_the_busiest_ranks_replayed_bytes():
+    from tilework.plan import ParamPlan
+
+    table = ParamPlan(name="emb", shape=(100, 4), dtype="float32", method="ps", partitions=2,
+                      kind="sparse")
+    link = Link(0.08, 0.0)
+    links = {"all_reduce": link, "all_to_all": link, "all_gather": link}
+    # rank 0 owns rows 0-49: every id is its own, so the two ranks send unlike amounts
+    steps = [[{"emb": torch.tensor([0, 1])}, {"emb": torch.tensor([0, 1, 2])}]]
+    t, per_rank = cp.hybrid_exact(_Plan([table]), steps, 2, links)
+    topo = Topology.from_sizes([1, 1])
+    want = cost.ps_table_bytes(table, [s["emb"] for s in steps[0]], topo, True)
+    assert per_rank == pytest.approx(want) and per_rank[0] != per_rank[1]
+    assert t == pytest.approx(max(want) / 1e7)
