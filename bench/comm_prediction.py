@@ -83,8 +83,10 @@ def model_facts(workload) -> tuple[int, dict[str, int]]:
 
 
 def traffic_of(workload_name: str, workload, n: int, steps: range) -> dict:
+    with torch.device("meta"):
+        rows = {i.name: i.shape[0] for i in analyze(workload.make(True)) if i.is_table}
     return cp.measured_traffic([[cp.table_ids(workload_name, workload.batch(s, r, n))
-                                 for r in range(n)] for s in steps])
+                                 for r in range(n)] for s in steps], rows=rows)
 
 
 def predict(result: dict, workload, traffic: dict, links: dict, n: int) -> cp.Prediction:

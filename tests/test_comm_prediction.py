@@ -121,3 +121,15 @@ def test_hybrid_exact_uses_the_busiest_ranks_replayed_bytes():
     want = cost.ps_table_bytes(table, [s["emb"] for s in steps[0]], topo, True)
     assert per_rank == pytest.approx(want) and per_rank[0] != per_rank[1]
     assert t == pytest.approx(max(want) / 1e7)
+
+
+def test_measured_ids_give_the_busiest_servers_share():
+    """Ids crowded into the low rows (a frequency-sorted table) load partition 0's server
+    beyond 1/servers; hashed rows spread evenly."""
+    t = lambda *x: torch.tensor(x)  # noqa: E731
+    steps = [[{"a": t(0, 1, 2, 90)}, {"a": t(0, 3, 50, 99)}]]
+    got = cp.measured_traffic(steps, rows={"a": 100})["a"]
+    # 8 distinct ids over 2 (rank, step)s: rows [0, 50) hold 5 of them, [50, 100) 3.
+    assert got.busiest_share(2, 2, "contiguous") == pytest.approx(5 / 8)
+    assert got.busiest_share(2, 2, "hashed") == pytest.approx(1 / 2)
+    assert cp.measured_traffic(steps)["a"].busiest_share(2, 2, "contiguous") == 0.5

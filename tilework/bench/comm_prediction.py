@@ -64,11 +64,14 @@ def table_ids(workload: str, inputs: tuple) -> dict[str, torch.Tensor]:
 
 
 def measured_traffic(steps: list[list[dict[str, torch.Tensor]]],
-                     ranks_per_host: int = 1) -> dict[str, TableTraffic]:
+                     ranks_per_host: int = 1,
+                     rows: dict[str, int] | None = None) -> dict[str, TableTraffic]:
     """Each table's traffic as the cost model reads it, from the ids really looked up:
     `steps[s][r][table]` are rank r's ids in step s. Distinct rows per rank (mean over ranks and
     steps), per host (the union of a host's `ranks_per_host` consecutive ranks) and in the
-    world (the union of every rank's), each averaged over the steps."""
+    world (the union of every rank's), each averaged over the steps. With each table's `rows`,
+    the ids themselves too (`TableTraffic.measured`): how they spread over a contiguous
+    table's partitions, which decides the busiest server's load."""
     if not steps or not steps[0]:
         raise ValueError("need at least one step of one rank")
     n = len(steps[0])
@@ -76,15 +79,20 @@ def measured_traffic(steps: list[list[dict[str, torch.Tensor]]],
         raise ValueError(f"{n} ranks do not split into hosts of {ranks_per_host}")
     out = {}
     for name in steps[0][0]:
-        per_rank, per_host, world = [], [], []
+        per_rank, per_host, world, pooled = [], [], [], []
         for ranks in steps:
             uniq = [torch.unique(r[name]) for r in ranks]
+            pooled += uniq
             per_rank += [len(u) for u in uniq]
             per_host += [len(torch.unique(torch.cat(uniq[h:h + ranks_per_host])))
                          for h in range(0, n, ranks_per_host)]
             world.append(len(torch.unique(torch.cat(uniq))))
+        measured = None
+        if rows is not None and name in rows:
+            ids = torch.sort(torch.cat(pooled)).values
+            measured = (rows[name], tuple(ids.tolist()), len(pooled))
         out[name] = TableTraffic(statistics.fmean(per_rank), statistics.fmean(per_host),
-                                 statistics.fmean(world))
+                                 statistics.fmean(world), measured=measured)
     return out
 
 
