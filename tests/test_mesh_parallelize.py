@@ -127,124 +127,141 @@ EIGHT = [{"tp": 2, "pp": 2, "microbatches": 2}]
 CP_MIXED = [{"cp": 2, "tp": 2}, {"cp": 2, "pp": 2, "microbatches": 2}]
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference()
-
-
-def test_two_ranks_cp_tp_or_pp_train_as_one_process(ref):
-    results = spawn(_train, 2, (TWO,), timeout=240)
-    for k, options in enumerate(TWO):
-        _check([r[k] for r in results], options, ref)
-    assert set(results[0][0][2]) == {"cp", "allreduce"}   # dp x cp average the gradients
-    tp_only = results[0][1][2]
-    assert tp_only.get("tp", 0) > 0 and "allreduce" not in tp_only   # dp = 1: no dp bytes
-    assert results[0][2][2]["tp"] > tp_only["tp"]   # full recompute repeats the forward's
-    assert results[0][5][2].get("pipeline", 0) > 0
-    # Each pipeline rank recomputes the blocks its stage holds (4 blocks, 2 stages).
-    assert [[name for name, _ in r[3][4]] for r in results] == [
-        ["blocks.layers.0", "blocks.layers.1"], ["blocks.layers.2", "blocks.layers.3"]]
-
-
-def test_four_ranks_dp_with_cp_tp_and_pp_train_as_one_process(ref):
-    results = spawn(_train, 4, (FOUR,), timeout=300)
-    for k, options in enumerate(FOUR):
-        _check([r[k] for r in results], options, ref)
-
-
 CLIP = 0.5   # below the GPT's gradient norms (0.66-0.71): every step clips
 CLIPPED_TWO = [{"tp": 2, "clip": CLIP}, {"pp": 2, "clip": CLIP},
                {"tp": 2, "sequence_parallel": True, "clip": CLIP}]
 CLIPPED_FOUR = [{"tp": 2, "pp": 2, "clip": CLIP}, {"tp": 2, "zero": 2, "clip": CLIP},
                 {"cp": 2, "zero": 3, "clip": CLIP}, dict(SERVED_TOKENS, clip=CLIP)]
+TIED = [{"tp": 2, "tied": True}, {"tp": 2, "tied": True, "sequence_parallel": True}]
 
 
-def test_clip_grad_norm_on_a_mesh_is_one_process_clip():
+@pytest.fixture(scope="module")
+def ref():
+    return reference()
+
+
+# One world per size runs every configuration in turn (a world's start costs seconds on 2
+# cores); each test reads its configurations' results.
+@pytest.fixture(scope="module")
+def two_ranks():
+    configs = TWO + CLIPPED_TWO + TIED
+    results = spawn(_train, 2, (configs,), timeout=400)
+    return {i: [r[i] for r in results] for i in range(len(configs))}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    configs = FOUR + CP_MIXED + CLIPPED_FOUR
+    results = spawn(_train, 4, (configs,), timeout=500)
+    return {i: [r[i] for r in results] for i in range(len(configs))}
+
+
+def test_two_ranks_cp_tp_or_pp_train_as_one_process(ref, two_ranks):
+    for k, options in enumerate(TWO):
+        _check(two_ranks[k], options, ref)
+    first = [two_ranks[k][0] for k in range(len(TWO))]
+    assert set(first[0][2]) == {"cp", "allreduce"}   # dp x cp average the gradients
+    tp_only = first[1][2]
+    assert tp_only.get("tp", 0) > 0 and "allreduce" not in tp_only   # dp = 1: no dp bytes
+    assert first[2][2]["tp"] > tp_only["tp"]   # full recompute repeats the forward's
+    assert first[5][2].get("pipeline", 0) > 0
+    # Each pipeline rank recomputes the blocks its stage holds (4 blocks, 2 stages).
+    assert [[name for name, _ in r[4]] for r in two_ranks[3]] == [
+        ["blocks.layers.0", "blocks.layers.1"], ["blocks.layers.2", "blocks.layers.3"]]
+
+
+def test_four_ranks_dp_with_cp_tp_and_pp_train_as_one_process(ref, four_ranks):
+    for k, options in enumerate(FOUR):
+        _check(four_ranks[k], options, ref)
+
+
+def test_cp_with_tp_or_pp_trains_as_one_process(ref, four_ranks):
+    for k, options in enumerate(CP_MIXED, start=len(FOUR)):
+        _check(four_ranks[k], options, ref)
+        assert {"cp", "tp" if "tp" in options else "pipeline"} <= set(four_ranks[k][0][2])
+
+
+def test_clip_grad_norm_on_a_mesh_is_one_process_clip(two_ranks, four_ranks):
     """tilework.clip_grad_norm_ over tp shards, pipeline stages, ZeRO chunks and server rows:
     the norm and the clipped step of torch's clip_grad_norm_ in one process."""
     ref = reference(CLIP)
     assert min(ref[2]) > CLIP
-    for world, configs in ((2, CLIPPED_TWO), (4, CLIPPED_FOUR)):
-        results = spawn(_train, world, (configs,), timeout=300)
-        for k, options in enumerate(configs):
-            _check([r[k] for r in results], options, ref)
+    for k, options in enumerate(CLIPPED_TWO, start=len(TWO)):
+        _check(two_ranks[k], options, ref)
+    for k, options in enumerate(CLIPPED_FOUR, start=len(FOUR) + len(CP_MIXED)):
+        _check(four_ranks[k], options, ref)
 
 
-def test_tied_embedding_and_head_stay_one_parameter_under_tp():
+def test_tied_embedding_and_head_stay_one_parameter_under_tp(two_ranks):
     """vocab_embedding and vocab_head split the tied weight alike: one shard per rank, as
     Megatron-LM ties them; the gradient is the sum of both uses, as in one process."""
-    configs = [{"tp": 2, "tied": True}, {"tp": 2, "tied": True, "sequence_parallel": True}]
-    results = spawn(_train, 2, (configs,), timeout=240)
-    for k, options in enumerate(configs):
-        _check([r[k] for r in results], options, reference(tied=True))
+    for k, options in enumerate(TIED, start=len(TWO) + len(CLIPPED_TWO)):
+        _check(two_ranks[k], options, reference(tied=True))
 
 
-def _sharded_by_world_rank(rank, world_size, options):
-    """The mistake the check catches: a loader sharding by the world's rank."""
-    model = new_gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = tilework.parallelize(model, opt, log=False, **options)
-    tokens, targets = batch(0, rank, world_size)
+def _refused(run) -> str | None:
     try:
-        if options.get("pp", 1) > 1:
-            model.step(tokens, targets)
+        run()
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+def _mistakes(rank, world_size):
+    """Each refusal in turn on one world: what the program did wrong, and the message."""
+    out = {}
+
+    def parallel(options, tied=False):
+        model = new_gpt(tied=tied)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return tilework.parallelize(model, opt, log=False, **options)
+
+    for options in ({"tp": 2}, {"pp": 2}, {"cp": 2}):
+        # A loader sharding by the world's rank: the replica's ranks get different batches.
+        model, _ = parallel(options)
+        step = model.step if options.get("pp", 1) > 1 else model
+        out[("batches", *options)] = _refused(lambda: step(*batch(0, rank, world_size)))
+    for options in ({"tp": 2}, {"pp": 2}):
+        # nanoGPT's clipping line on a mesh.
+        model, _ = parallel(options)
+        if "pp" in options:
+            model.step(*batch(0))
         else:
-            model(tokens, targets)
-    except PlanError as e:
-        return str(e)
-    return None
+            model(*batch(0)).backward()
+        out[("torch clip", *options)] = _refused(
+            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    out["tied pipeline"] = _refused(lambda: parallel({"pp": 2}, tied=True))
+    model, _ = parallel({"pp": 2})
+    out["plain forward"] = _refused(lambda: model(*batch(0)))
+    return out
 
 
-@pytest.mark.parametrize("options", [{"tp": 2}, {"pp": 2}, {"cp": 2}])
-def test_ranks_of_a_replica_given_different_batches_are_refused(options):
-    messages = spawn(_sharded_by_world_rank, 2, (options,))
-    assert all("were given different batches" in (m or "") and "data_parallel_rank" in m
-               for m in messages), messages
+@pytest.fixture(scope="module")
+def mistakes():
+    return spawn(_mistakes, 2, timeout=240)
 
 
-def _torch_clip(rank, world_size, options):
-    """nanoGPT's line on a mesh: refused, where it would clip by this rank's part."""
-    model = new_gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = tilework.parallelize(model, opt, log=False, **options)
-    dp_rank, dp = tilework.data_parallel_rank(model)
-    if options.get("pp", 1) > 1:
-        model.step(*batch(0, dp_rank, dp))
-    else:
-        model(*batch(0, dp_rank, dp)).backward()
-    try:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    except PlanError as e:
-        return str(e)
-    return None
+@pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
+def test_ranks_of_a_replica_given_different_batches_are_refused(mistakes, axis):
+    for m in mistakes:
+        message = m[("batches", axis)] or ""
+        assert "were given different batches" in message and "data_parallel_rank" in message
 
 
-@pytest.mark.parametrize("options", [{"tp": 2}, {"pp": 2}])
-def test_torch_clip_on_a_mesh_is_refused_with_the_fix(options):
-    messages = spawn(_torch_clip, 2, (options,))
-    assert all("tilework.clip_grad_norm_(model, max_norm)" in (m or "") for m in messages)
+@pytest.mark.parametrize("axis", ["tp", "pp"])
+def test_torch_clip_on_a_mesh_is_refused_with_the_fix(mistakes, axis):
+    for m in mistakes:
+        assert "tilework.clip_grad_norm_(model, max_norm)" in (m[("torch clip", axis)] or "")
 
 
-def _tied_pipeline(rank, world_size):
-    model = new_gpt(tied=True)
-    try:
-        tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), pp=2, log=False)
-    except PlanError as e:
-        return str(e)
-    return None
+def test_tied_parameter_across_pipeline_ranks_is_refused(mistakes):
+    for m in mistakes:
+        assert "tokens.weight and head.weight are one tied parameter" in (m["tied pipeline"]
+                                                                         or "")
 
 
-def test_tied_parameter_across_pipeline_ranks_is_refused():
-    messages = spawn(_tied_pipeline, 2)
-    assert all("tokens.weight and head.weight are one tied parameter" in (m or "")
-               for m in messages), messages
-
-
-def test_cp_with_tp_or_pp_trains_as_one_process(ref):
-    results = spawn(_train, 4, (CP_MIXED,), timeout=300)
-    for k, options in enumerate(CP_MIXED):
-        _check([r[k] for r in results], options, ref)
-        assert {"cp", "tp" if "tp" in options else "pipeline"} <= set(results[0][k][2])
+def test_pipeline_model_refuses_a_plain_forward(mistakes):
+    assert all("model.step(inputs, targets)" in (m["plain forward"] or "") for m in mistakes)
 
 
 def test_eight_ranks_dp2_pp2_tp2_train_as_one_process(ref):
@@ -261,21 +278,6 @@ def test_eight_ranks_dp2_pp2_tp2_train_as_one_process(ref):
 def test_config_refuses_bad_mesh_fields(options, message):
     with pytest.raises(ConfigError, match=message):
         tilework.ParallelConfig(**options)
-
-
-def _plain_forward(rank, world_size):
-    model = new_gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = tilework.parallelize(model, opt, pp=2, log=False)
-    try:
-        model(*batch(0))
-    except PlanError as e:
-        return str(e)
-    return None
-
-
-def test_pipeline_model_refuses_a_plain_forward():
-    assert all("model.step(inputs, targets)" in (m or "") for m in spawn(_plain_forward, 2))
 
 
 # SGD with momentum: its state travels through the checkpoint. (Not Adam: the attention's key
