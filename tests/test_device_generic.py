@@ -47,6 +47,9 @@ ALLOWED = {
     ("tilework/bench/workloads.py", "*"):
         "benchmark batches, generated on the host from seeded CPU generators (the benchmark "
         "suite runs gloo on the CPU)",
+    ("tilework/bench/comm_prediction.py", "*"):
+        "the communication-prediction bench runs gloo on the CPU inside emulated hosts: its "
+        "timings and buffers are host numbers",
     ("tilework/bench/worker.py", "*"):
         "the benchmark worker joins a gloo world on the CPU: its timing and memory figures "
         "are host numbers reduced over gloo",

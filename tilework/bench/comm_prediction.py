@@ -41,7 +41,7 @@ import torch
 from ..cluster import Cluster, Host, Link, Links, Topology
 from ..cost import (TableTraffic, predict, ps_table_bytes, ring_allreduce, seconds,
                     sparse_allgather)
-from ..wire import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES
+from ..wire import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL
 
 SPARSE_WORKLOADS = ("lm100k", "lm800k", "recommender")
 LINK_COLLECTIVES = ("all_reduce", "all_to_all", "all_gather")
