@@ -17,7 +17,8 @@ link fitted in the same world (calibrate.time_points), and the ranks sharing the
 cores (`processors`: pp = 4 puts 4 ranks on 2 cores here); once with the link alone, once with
 a per-message CPU overhead (LogP's o) that the same world measures first, apart from any
 schedule (pipeline_runs.message_overhead: busy ranks with and without activation-sized
-messages). torch.distributed.pipelining's
+messages); its bubble counts as busy the share of o that the same microbenchmark found inside
+the actions' timed intervals, as the runner's timeline does. torch.distributed.pipelining's
 ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B run the same stage modules in the same
 rounds: their step time beside ours. The machine may be shared: before each round the
 benchmark waits (--max-wait seconds at most) until other processes keep fewer than
@@ -76,6 +77,14 @@ def predicted(stage_rounds: list[dict], schedule, link, shape: Shape, overhead_s
     return sims, fwd, bwd
 
 
+def as_timed(sim, inside: float) -> float:
+    """The simulated bubble as the runner's timeline measures it: the share `inside` of each
+    rank's message overhead falls within its actions' timed intervals (busy), the rest in the
+    gaps between them (idle); `message_overhead` measured that share."""
+    busy = [b + inside * o for b, o in zip(sim.busy_s, sim.overhead_s)]
+    return 1 - sum(busy) / len(busy) / sim.step_s
+
+
 def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path | None,
             quiet: tuple[float, float]):
     """Per schedule, medians over the quiet rounds (others used under quiet[0] cores; every
@@ -96,7 +105,10 @@ def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path
         bubble = statistics.median(r["bubble"] for r in runs)
         row = {"pp": pp, "schedule": schedule.name, "measured_s": step, "predicted_s": sim.step_s,
                "step_ratio": step / sim.step_s, "measured_bubble": bubble,
-               "predicted_bubble": sim.bubble, "bubble_ratio": bubble / sim.bubble,
+               "predicted_bubble": as_timed(sim, overhead["inside"]),
+               "bubble_ratio": bubble / as_timed(sim, overhead["inside"]),
+               "predicted_bubble_overhead_idle": sim.bubble,
+               "overhead_inside": overhead["inside"],
                "link_only_s": plain.step_s, "link_only_step_ratio": step / plain.step_s,
                "link_only_bubble": plain.bubble, "link_only_bubble_ratio": bubble / plain.bubble,
                "overhead_s": overhead["overhead_s"], "overhead_cpu_s": overhead["cpu_s"],
@@ -146,7 +158,8 @@ def overheads(rows: list[dict]) -> str:
     return "\n".join(
         f"pp={pp}: message overhead o = {r['overhead_s'] * 1e3:.3f} ms per message end "
         f"(ranks: {', '.join(f'{x * 1e3:.2f}' for x in r['overhead_per_rank_s'])}), "
-        f"CPU {r['overhead_cpu_s'] * 1e3:.3f} ms; link {r['link_gbps']:.1f} Gb/s, "
+        f"CPU {r['overhead_cpu_s'] * 1e3:.3f} ms, {r['overhead_inside']:.0%} inside the "
+        f"actions' timed intervals; link {r['link_gbps']:.1f} Gb/s, "
         f"{r['link_latency_us']:.0f} us" for pp, r in seen.items())
 
 

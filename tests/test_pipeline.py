@@ -150,7 +150,8 @@ def test_message_overhead_is_charged_to_the_sender_and_the_receiver():
     sim = simulate(gpipe(2, 1), [ms, ms], message_overhead_s=o)
     # 0F0 (sends): 1.5, 1F0 (receives): 1.5, 1B0 (sends): 2.5, 0B0 (receives): 2.5
     assert sim.step_s == pytest.approx(8e-3)
-    assert sim.busy_s == pytest.approx((3e-3, 3e-3)) and sim.overhead_s == pytest.approx((2 * o, 2 * o))
+    assert sim.busy_s == pytest.approx((3e-3, 3e-3))
+    assert sim.overhead_s == pytest.approx((2 * o, 2 * o))
     assert sim.bubble == pytest.approx(1 - 3 / 8)
     link = Link(bandwidth_gbps=8.0, latency_us=100.0)
     with_link = simulate(gpipe(2, 1), [ms, ms], link=link, activation_bytes=1_000_000,

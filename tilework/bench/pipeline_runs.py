@@ -243,7 +243,9 @@ def _message_trial(block, x, world_size: int, actions: int, lag: int, talk: bool
     posted as the runtime posts them (the receive one action ahead, waited when the action
     starts; the send after the compute, waited at the end of the loop). The lag keeps the
     link's latency (the simulator's alpha-beta) off the loop: what remains is each message's
-    cost to the ranks. Returns (wall seconds, this process's CPU seconds)."""
+    cost to the ranks. Returns (wall seconds, this process's CPU seconds, seconds inside the
+    actions as the runner's timeline counts them: from the input's arrival to the send's
+    posting)."""
     rank = dist.get_rank()
     nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
     incoming, sends, last = {}, [], actions - lag   # messages 0 .. last - 1
@@ -254,7 +256,7 @@ def _message_trial(block, x, world_size: int, actions: int, lag: int, talk: bool
             incoming[i] = (dist.irecv(buffer, prv, tag=i - lag), buffer)
 
     dist.barrier()
-    wall, cpu = time.perf_counter(), _own_cpu_s()
+    wall, cpu, inside = time.perf_counter(), _own_cpu_s(), 0.0
     for i in range(actions):
         post(i)
         post(i + 1)
@@ -262,13 +264,15 @@ def _message_trial(block, x, world_size: int, actions: int, lag: int, talk: bool
         if i in incoming:
             work, inp = incoming.pop(i)
             work.wait()
+        start = time.perf_counter()
         with torch.no_grad():
             out = block(inp)
         if talk and i < last:
             sends.append((dist.isend(out, nxt, tag=i), out))
+        inside += time.perf_counter() - start
     for work, _ in sends:
         work.wait()
-    return time.perf_counter() - wall, _own_cpu_s() - cpu
+    return time.perf_counter() - wall, _own_cpu_s() - cpu, inside
 
 
 def message_overhead(world_size: int, shape: Shape, actions: int = 40, lag: int = 2,
@@ -280,7 +284,9 @@ def message_overhead(world_size: int, shape: Shape, actions: int = 40, lag: int 
     replay a loop as (compute + o x its messages' ends) / rate, rate = min(1, cores / ranks):
     so o = the extra wall time per rank x rate / (messages it sends + receives). Returns
     {"overhead_s": o (median over repeats, mean over ranks), "cpu_s": the extra CPU seconds
-    (all threads, gloo's too) per message end, "per_rank_s": each rank's o}."""
+    (all threads, gloo's too) per message end, "per_rank_s": each rank's o, "inside": the
+    share of the extra time that fell inside the actions' timed intervals, which the runner's
+    timeline counts as busy (the rest, posting and waiting for receives, it counts as idle)}."""
     torch.manual_seed(0)
     block = shape.model().blocks.layers[0]
     x = torch.randn(shape.microbatch, shape.seq, shape.dim)
@@ -288,17 +294,19 @@ def message_overhead(world_size: int, shape: Shape, actions: int = 40, lag: int 
     rate = min(1.0, len(os.sched_getaffinity(0)) / world_size)
     for talk in (False, True):                        # warm up: connections, allocator
         _message_trial(block, x, world_size, actions, lag, talk)
-    wall, cpu = [], []
+    wall, cpu, inside = [], [], []
     for _ in range(repeats):
         wait_for_quiet(*quiet)
         plain = _message_trial(block, x, world_size, actions, lag, False)
         talking = _message_trial(block, x, world_size, actions, lag, True)
         wall.append((talking[0] - plain[0]) * rate / ends)
         cpu.append((talking[1] - plain[1]) / ends)
-    mine = (statistics.median(wall), statistics.median(cpu))
+        inside.append((talking[2] - plain[2]) / (talking[0] - plain[0]))
+    mine = (statistics.median(wall), statistics.median(cpu), statistics.median(inside))
     every = [None] * world_size
     dist.all_gather_object(every, mine)
-    return {"overhead_s": statistics.mean(o for o, _ in every),
-            "cpu_s": statistics.mean(c for _, c in every),
-            "per_rank_s": [o for o, _ in every], "actions": actions, "lag": lag,
+    return {"overhead_s": statistics.mean(o for o, _, _ in every),
+            "cpu_s": statistics.mean(c for _, c, _ in every),
+            "inside": min(1.0, max(0.0, statistics.mean(i for _, _, i in every))),
+            "per_rank_s": [o for o, _, _ in every], "actions": actions, "lag": lag,
             "message_bytes": x.numel() * x.element_size()}
