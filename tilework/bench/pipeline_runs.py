@@ -289,7 +289,7 @@ def message_overhead(world_size: int, shape: Shape, actions: int = 40, lag: int 
     timeline counts as busy (the rest, posting and waiting for receives, it counts as idle)}."""
     torch.manual_seed(0)
     block = shape.model().blocks.layers[0]
-    x = torch.randn(shape.microbatch, shape.seq, shape.dim)
+    x = torch.randn(shape.microbatch, shape.seq, shape.dim, device="cpu")   # gloo on the CPU
     ends = 2 * (actions - lag)                        # each rank's sends + receives
     rate = min(1.0, len(os.sched_getaffinity(0)) / world_size)
     for talk in (False, True):                        # warm up: connections, allocator
