@@ -126,7 +126,7 @@ ENVIRON_TOUCHED = {
 # Where WorkerEnv.from_environ() is called: the entry points, each once.
 READERS = {
     ("cli.py", "main"), ("worker.py", "main"), ("script.py", "main"), ("calibrate.py", "main"),
-    ("bench/worker.py", "main"),
+    ("bench/worker.py", "main"), ("bench/comm_prediction.py", "main"),
     # A user's script calls these bare: they are its entry points into tilework. tilework's
     # own callers pass the WorkerEnv they read.
     ("api.py", "parallelize"), ("comm/groups.py", "init_from_env"),
