@@ -9,7 +9,8 @@ prediction's inputs are measured in the same world first, never fitted to the st
 
 - FLOP/s: one rank times the whole model's forward and backward on one replica's batch
   (2 ranks on 2 cores: each rank has a core), divided into the search's own FLOP count;
-- the link: calibrate's send/recv timing around the activations' size, fitted alpha-beta.
+- the link: calibrate's all-reduce timing around the activations' size, fitted alpha-beta (what
+  `tilework calibrate` writes into a cluster file).
 
 Read: the ratio per candidate, and whether the search's order is the measured one.
 """
@@ -29,7 +30,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import tilework  # noqa: E402
-from tilework.bench.pipeline_runs import link_fit  # noqa: E402
 from tilework.cluster import Cluster, Host, Links  # noqa: E402
 from tilework.mesh_search import forward_flops, search_mesh  # noqa: E402
 from tilework.models.gpt import TinyGPT  # noqa: E402
@@ -89,8 +89,20 @@ def run_candidate(config: dict, steps: int) -> list[float]:
     return out
 
 
+def _allreduce_link(world_size: int, nbytes: int):
+    """The all-reduce fit around `nbytes`, as `tilework calibrate` writes a cluster file's link
+    (tp's and dp's exchanges are all-reduces; the pipeline's hops use it too, as a plan from
+    that cluster file would)."""
+    from tilework.calibrate import fit_points, time_points
+
+    sizes = [nbytes // 4, nbytes, 4 * nbytes]
+    points = time_points(dist.group.WORLD, world_size, sizes, repeats=9,
+                         collectives=("all_reduce",))
+    return fit_points("all_reduce", world_size, points["all_reduce"]).link()
+
+
 def _world(rank, world_size, configs, steps):
-    link = link_fit(rank, world_size, BATCH // world_size * SEQ * DIM * 4)
+    link = _allreduce_link(world_size, BATCH // world_size * SEQ * DIM * 4)
     rate = None
     if rank == 0:
         rate = flops_rate(BATCH // world_size)
