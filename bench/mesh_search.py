@@ -102,14 +102,18 @@ def _allreduce_link(world_size: int, nbytes: int):
 
 
 def _world(rank, world_size, configs, steps):
+    from tilework.bench.pipeline_runs import Shape, message_overhead
+
     link = _allreduce_link(world_size, BATCH // world_size * SEQ * DIM * 4)
+    shape = Shape(VOCAB, DIM, HEADS, LAYERS, SEQ, microbatch=BATCH // world_size)
+    overhead = message_overhead(world_size, shape, quiet=(2.0, 0.0))["overhead_s"]
     rate = None
     if rank == 0:
         rate = flops_rate(BATCH // world_size)
     rates = [rate]
     dist.broadcast_object_list(rates, src=0)
     return {"link": (link.bandwidth_gbps, link.latency_us), "flops": rates[0],
-            "steps": [run_candidate(c, steps) for c in configs]}
+            "overhead_s": overhead, "steps": [run_candidate(c, steps) for c in configs]}
 
 
 def _as_options(config) -> dict:
@@ -133,24 +137,27 @@ def main(argv=None) -> int:
     got = spawn(_world, a.world, args=(options, a.steps), timeout=3600)[0]
     link = tilework.cluster.Link(*got["link"])
     measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))
-    predicted = search_mesh(meta, measured_here, BATCH, SEQ, got["flops"])
-    by_label = {c.label: c for c in predicted if c.step_s is not None}
+    plain = {c.label: c for c in search_mesh(meta, measured_here, BATCH, SEQ, got["flops"])}
+    with_o = {c.label: c for c in search_mesh(meta, measured_here, BATCH, SEQ, got["flops"],
+                                              message_overhead_s=got["overhead_s"])}
     rows = []
     for c, steps in zip(runnable, got["steps"]):
         measured = statistics.median(steps[1:])
-        p = by_label[c.label].step_s
-        rows.append({"mesh": c.label, "predicted_ms": p * 1e3, "measured_ms": measured * 1e3,
-                     "ratio": measured / p})
+        p, po = plain[c.label].step_s, with_o[c.label].step_s
+        rows.append({"mesh": c.label, "predicted_ms": p * 1e3, "with_o_ms": po * 1e3,
+                     "measured_ms": measured * 1e3, "ratio": measured / p,
+                     "ratio_o": measured / po})
     print(f"FLOP/s per rank {got['flops']:.3g}, link {link.bandwidth_gbps:.3g} Gb/s "
-          f"{link.latency_us:.0f} us")
-    print("| mesh | predicted ms | measured ms | measured / predicted |")
-    print("|---|---:|---:|---:|")
+          f"{link.latency_us:.0f} us, per-message overhead o {got['overhead_s'] * 1e3:.2f} ms")
+    print("| mesh | predicted ms (link) | with o | measured ms | measured / predicted (link, "
+          "with o) |")
+    print("|---|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['mesh']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
-              f"{r['ratio']:.2f} |")
-    order_p = [r["mesh"] for r in sorted(rows, key=lambda r: r["predicted_ms"])]
+        print(f"| {r['mesh']} | {r['predicted_ms']:.1f} | {r['with_o_ms']:.1f} | "
+              f"{r['measured_ms']:.1f} | {r['ratio']:.2f}, {r['ratio_o']:.2f} |")
+    order_p = [r["mesh"] for r in sorted(rows, key=lambda r: r["with_o_ms"])]
     order_m = [r["mesh"] for r in sorted(rows, key=lambda r: r["measured_ms"])]
-    print(f"predicted order: {order_p}\nmeasured order:  {order_m}")
+    print(f"predicted order (with o): {order_p}\nmeasured order:           {order_m}")
     if a.out:
         a.out.write_text(json.dumps({"rows": rows, "flops": got["flops"],
                                      "link": got["link"]}, indent=1))

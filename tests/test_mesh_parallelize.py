@@ -11,7 +11,8 @@ import tilework
 from tilework.errors import ConfigError, PlanError
 from tilework.mesh_cost import mesh_step_bytes
 from tilework.models.gpt import TinyGPT
-from tilework.tensor import GPT_LAYOUT
+from tilework.tensor import GPT_LAYOUT, plan_layout
+from tilework.tensor.cost import tp_step_calls
 from tilework.testing import spawn
 from tilework.train import checkpoint
 
@@ -76,7 +77,8 @@ def _train(rank, world_size, configs):
         stats = tilework.stats(model)["last_step"]
         out.append((losses, tilework.state_dict(model, opt)["model"],
                     {k: v["sent"] for k, v in stats.items()}, norms,
-                    model._tilework_engine.plan.recompute))
+                    model._tilework_engine.plan.recompute,
+                    {k: v["calls"] for k, v in stats.items()}))
     return out
 
 
@@ -99,6 +101,9 @@ def _check(results, options, ref):
         for rank, r in enumerate(results):   # counted bytes per axis == the cost model's
             assert r[2] == mesh_step_bytes(new_gpt(), config, world, rank, GLOBAL_BATCH // dp,
                                            SEQ), (options, rank)
+            if config.tp > 1 and config.pp == 1:   # and the calls a per-message cost counts
+                layout = plan_layout(new_gpt(), GPT_LAYOUT, config.tp, config.sequence_parallel)
+                assert r[5]["tp"] == sum(tp_step_calls(layout)), (options, rank)
     for rank, (losses, state, *_) in enumerate(results):
         assert set(state) == set(ref_state), f"rank {rank}: keys differ"
         bad = [k for k in ref_state if not _close(state[k], ref_state[k])]

@@ -98,3 +98,28 @@ def test_candidates_that_would_not_fit_are_refused_with_their_peak():
     fits = [c for c in found if c.step_s is not None]
     assert fits and all(c.parts["peak_bytes"] <= 0.8 * tight * 1e9 for c in fits)
     assert all(c.config.tp * c.config.pp > 1 for c in fits)
+
+
+def test_the_per_message_overhead_is_charged_on_every_exchange():
+    """LogP's o (measured on busy CPU ranks by the pipeline bench): each tp all-reduce costs
+    4 (tp - 1) message ends, each ring-attention shift 2, the pipeline's hops through the
+    simulator."""
+    from tilework.tensor import layout_for, plan_layout
+    from tilework.tensor.cost import tp_step_calls
+
+    model, o = gpt(), 1e-3
+    for config in (ParallelConfig(tp=2), ParallelConfig(cp=2), ParallelConfig(pp=2)):
+        plain = predict(model, config, cluster(1, 2), BATCH, SEQ, 1e11)
+        charged = predict(model, config, cluster(1, 2), BATCH, SEQ, 1e11, message_overhead_s=o)
+        assert charged.step_s > plain.step_s
+    tp = ParallelConfig(tp=2)
+    reduces, gathers = tp_step_calls(plan_layout(model, layout_for(model), 2))
+    # 4 blocks x (2 per attention + 2 per MLP), the embedding 1, the head 1 and its loss 2
+    assert gathers == 0 and reduces == 4 * 4 + 1 + 3
+    gap = (predict(model, tp, cluster(1, 2), BATCH, SEQ, 1e11, message_overhead_s=o).parts["tp"]
+           - predict(model, tp, cluster(1, 2), BATCH, SEQ, 1e11).parts["tp"])
+    assert gap == pytest.approx(o * 4 * reduces)
+    cp = ParallelConfig(cp=2)
+    gap = (predict(model, cp, cluster(1, 2), BATCH, SEQ, 1e11, message_overhead_s=o).parts["cp"]
+           - predict(model, cp, cluster(1, 2), BATCH, SEQ, 1e11).parts["cp"])
+    assert gap == pytest.approx(o * 2 * 4 * (3 * 2 - 2))   # 4 layers

@@ -97,8 +97,10 @@ def _pp_link(cluster: Cluster, mesh) -> tuple[Link, bool]:
     return (cluster.links.inter if crossing else cluster.links.intra), crossing
 
 
-def allreduce_seconds(sent: int, n: int, link: Link, bucket_mb: float) -> float:
-    """A ring all-reduce of what one rank sends (2 (n - 1) / n of the buckets), in buckets."""
+def allreduce_seconds(sent: int, n: int, link: Link, bucket_mb: float,
+                      message_overhead_s: float = 0.0) -> float:
+    """A ring all-reduce of what one rank sends (2 (n - 1) / n of the buckets), in buckets;
+    each of its messages costs `message_overhead_s` at each end."""
     from .plan import bucket_bytes
     from .wire import ALL_REDUCE
 
@@ -106,13 +108,39 @@ def allreduce_seconds(sent: int, n: int, link: Link, bucket_mb: float) -> float:
         return 0.0
     params = sent * n / (2 * (n - 1))
     buckets = max(1, -(-int(params) // bucket_bytes(bucket_mb)))
-    return seconds(sent, link, ALL_REDUCE.messages(n) * buckets)
+    messages = ALL_REDUCE.messages(n) * buckets
+    return seconds(sent, link, messages) + message_overhead_s * 2 * messages
+
+
+def _message_ends(model, config: ParallelConfig, stages, schedule) -> dict:
+    """Per stage, the message ends (sends and receives) its tp and cp exchanges make in a
+    step: a ring all-reduce 4 (n - 1), an all-gather or reduce-scatter 2 (n - 1)
+    (tensor.cost.tp_step_calls), and ring attention's shifts, 3 cp - 2 a layer each way."""
+    from .tensor import layout_for, plan_layout
+    from .tensor.cost import tp_step_calls
+
+    names = {id(m): n for n, m in model.named_modules()}
+    parts = [model] if stages is None else stages
+    out = {"tp": [0] * len(parts), "cp": [0] * len(parts)}
+    layout = plan_layout(model, config.layout or layout_for(model), config.tp,
+                         config.sequence_parallel) if config.tp > 1 else None
+    for k, part in enumerate(parts):
+        held = {names[id(m)] for m in part.modules() if id(m) in names}
+        if layout is not None:
+            reduces, gathers = tp_step_calls(layout, held)
+            out["tp"][k] = (4 * reduces + 2 * gathers) * (config.tp - 1)
+        layers = sum(isinstance(m, nn.MultiheadAttention) for m in part.modules())
+        out["cp"][k] = 2 * layers * (3 * config.cp - 2) if config.cp > 1 else 0
+    return out
 
 
 def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_batch: int,
-            seq: int, flops_per_s: float, itemsize: int = 4) -> MeshCandidate:
+            seq: int, flops_per_s: float, itemsize: int = 4,
+            message_overhead_s: float = 0.0) -> MeshCandidate:
     """One candidate's predicted step (see the module's docstring) for `replica_batch`
-    sequences per dp replica, or why it cannot run."""
+    sequences per dp replica, or why it cannot run. `message_overhead_s`: LogP's o, what each
+    message costs the CPU at each end beside the link's time (pipeline_runs.message_overhead
+    measures it on busy CPU ranks; about 0 where collectives run on their own engines)."""
     from .mesh_cost import mesh_step_bytes
     from .pipeline import build, simulate, split_stages
     from .pipeline.model import _stage_modules
@@ -141,6 +169,7 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     tokens = replica_batch * seq // config.cp
     modules = [[*model.children()]] if stages is None else [_stage_modules(s) for s in stages]
     links = {"tp": _link(cluster, mesh.groups("tp"))[0], "cp": _link(cluster, mesh.groups("cp"))[0]}
+    ends = _message_ends(model, config, stages, schedule)
     fwd, bwd, comm, compute, flops = [], [], {"tp": 0.0, "cp": 0.0}, 0.0, []
     for k, mods in enumerate(modules):
         flops.append(forward_flops(mods, tokens, seq, config.tp) / m)
@@ -151,7 +180,8 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         extra = 0.0
         for axis, n in (("tp", config.tp), ("cp", config.cp)):
             if sent.get(axis):
-                took = seconds(sent[axis] / share, links[axis], 2 * (n - 1))
+                took = seconds(sent[axis] / share, links[axis], 2 * (n - 1)) \
+                    + message_overhead_s * ends[axis][k]
                 comm[axis] = max(comm[axis], took)
                 extra += took
         # A step's exchanges sit on the critical path, a third forward, two thirds backward.
@@ -160,11 +190,12 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     pp_link, crossing = _pp_link(cluster, mesh)
     activation = replica_batch // m * (seq // config.cp) * model.head.in_features * itemsize \
         if config.pp > 1 else 0
-    sim = simulate(schedule, fwd, bwd, pp_link, activation)
+    sim = simulate(schedule, fwd, bwd, pp_link, activation,
+                   message_overhead_s=message_overhead_s)
     averaged = dp * config.cp   # the ranks that average gradients together
     dp_link, dp_spans = _link(cluster, mesh.groups(("dp", "cp") if config.cp > 1 else "dp"))
-    dp_s = max(allreduce_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb)
-               for s in per_rank)
+    dp_s = max(allreduce_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb,
+                                 message_overhead_s) for s in per_rank)
     parts = {"compute": compute, **comm, "pipeline": sim.step_s, "dp": dp_s, "dp_size": dp,
              "bubble": sim.bubble, "bubbles": list(sim.bubbles), "microbatches": m,
              "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_forward_flops": flops,
@@ -181,7 +212,8 @@ def _first_of_replica(mesh, rank: int) -> bool:
 
 
 def search_mesh(model: nn.Module, cluster: Cluster, batch: int, seq: int,
-                flops_per_s: float, optimizer="adam") -> list[MeshCandidate]:
+                flops_per_s: float, optimizer="adam",
+                message_overhead_s: float = 0.0) -> list[MeshCandidate]:
     """Every candidate for a global batch of `batch` sequences, predicted; runnable ones
     fastest first, then the refused with why. Where the cluster file gives hosts' memory, a
     candidate whose estimated peak (tilework.estimate_memory) exceeds 80% of it on any rank is
@@ -195,7 +227,8 @@ def search_mesh(model: nn.Module, cluster: Cluster, batch: int, seq: int,
             found.append(MeshCandidate(c, None, f"a batch of {batch} does not split over "
                                                 f"dp = {dp} replicas", {"dp_size": dp}))
             continue
-        candidate = predict(model, c, cluster, batch // dp, seq, flops_per_s)
+        candidate = predict(model, c, cluster, batch // dp, seq, flops_per_s,
+                            message_overhead_s=message_overhead_s)
         if candidate.step_s is not None:
             candidate = _within_memory(model, candidate, cluster, batch // dp, seq, optimizer)
         found.append(candidate)

@@ -57,6 +57,36 @@ def _placement_bytes(p: Placement, batch: int, seq: int, n: int, sp: bool, item:
     return 0
 
 
+def _placement_calls(p: Placement, sp: bool) -> tuple[int, int]:
+    """(all-reduces, all-gathers and reduce-scatters) one step of `p` makes, as _placement_bytes
+    moves them: a region is one all-reduce, or under sequence parallelism a gather and a
+    scatter."""
+    region = (0, 2) if sp else (1, 0)
+    shapes = {name for name, _, _ in p.params}
+    if p.style in ("colwise", "vocab_embedding"):
+        return region
+    if p.style == "vocab_head":
+        return region[0] + 2, region[1]               # the loss's max and sums
+    if p.style == "rowwise":
+        return region[0] + (1 if sp and "bias" in shapes else 0), region[1]
+    if p.style == "heads":
+        return 2 * region[0] + (1 if sp else 0), 2 * region[1]
+    if p.style == "sequence" and sp:
+        return (0, 1) if p.kind == "Embedding" else (len(shapes), 0)
+    return 0, 0
+
+
+def tp_step_calls(plan: LayoutPlan, modules: set[str] | None = None) -> tuple[int, int]:
+    """(all-reduces, all-gathers and reduce-scatters) one rank makes over tp in a step, for the
+    placements of `modules` (default all): what tilework.stats counts as the "tp" calls, and
+    what a per-message cost is charged on (mesh_search)."""
+    if plan.tp == 1:
+        return 0, 0
+    counts = [_placement_calls(p, plan.sequence_parallel) for p in plan.placements
+              if modules is None or p.module in modules]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
 def tp_step_bytes(plan: LayoutPlan, batch: int, seq: int, itemsize: int = 4) -> int:
     """What one rank sends over the tp axis in one step, forward and backward, on a batch of
     `batch` sequences of `seq` tokens (its dp share)."""
