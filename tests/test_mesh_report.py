@@ -170,3 +170,8 @@ def test_cli_search_ranks_the_meshes_and_prunes_what_does_not_fit(tmp_path, caps
     assert main(["plan", "--job", str(job), "--world-size", "2", "--search",
                  "--gflops", "10"]) == 0
     assert "fastest first" in capsys.readouterr().out
+    assert main(["plan", "--job", str(job), "--cluster", str(cluster), "--search",
+                 "--gflops", "10", "--message-overhead-ms", "0.7", "--json"]) == 0
+    charged = json.loads(capsys.readouterr().out)["candidates"]
+    by_mesh = {c["mesh"]: c["predicted_step_s"] for c in out["candidates"]}
+    assert all(c["predicted_step_s"] > by_mesh[c["mesh"]] for c in charged)

@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--search", action="store_true",
                       help="rank every dp x pp x cp x tp for the job's gpt model on this "
                            "cluster by predicted step, pruning those over its memory")
+    plan.add_argument("--message-overhead-ms", type=float, default=0.0, metavar="MS",
+                      help="with --search: each message's CPU cost at each end (LogP's o; "
+                           "about 0 on GPUs, about 0.7 ms on this repo's CPU ranks: "
+                           "docs/mesh-search.md)")
 
     cal = sub.add_parser("calibrate", help="time collectives here and fit the cluster file's link")
     cal.add_argument("--cluster", required=True, help="cluster file (TOML) to update")
@@ -186,8 +190,11 @@ def _search(a, job, cluster, where: str) -> int:
     flops, source = _plan_flops(a, dataclasses.replace(
         job, parallel=dataclasses.replace(job.parallel, tp=2)))   # a rate is needed here
     batch = job.data.batch_size * (cluster.world_size if job.data.scaling == "weak" else 1)
+    if not 0 <= a.message_overhead_ms < float("inf"):
+        raise UserError(f"--message-overhead-ms: expected a number >= 0, got "
+                        f"{a.message_overhead_ms}")
     found = search_mesh(meta_model(job), cluster, batch, job.gpt.seq_len, flops,
-                        job.train.optimizer)
+                        job.train.optimizer, a.message_overhead_ms * 1e-3)
     rows = [{"mesh": c.label, "config": {k: getattr(c.config, k) for k in
                                          ("tp", "pp", "cp", "microbatches")},
              "predicted_step_s": c.step_s, "why": c.why,
