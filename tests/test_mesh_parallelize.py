@@ -4,6 +4,8 @@ cost model's, and its checkpoint is one process's."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -337,3 +339,34 @@ def test_checkpoint_saved_at_one_mesh_resumes_at_another(tmp_path):
     for key, value in model.state_dict().items():
         for state in resumed:
             assert (state[key] - value).abs().max() <= TOL * max(value.abs().max(), 1e-30), key
+
+
+def _accumulated(rank, world_size, options):
+    """Each optimizer step over two half batches, the first under no_sync (DDP's
+    accumulation): the parameters after 2 steps."""
+    model = new_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if options:
+        model, opt = tilework.parallelize(model, opt, log=False, **options)
+    dp_rank, dp = tilework.data_parallel_rank(model) if options else (0, 1)
+    for step in range(2):
+        tokens, targets = batch(step, dp_rank, dp)
+        halves = list(zip(tokens.chunk(2), targets.chunk(2)))
+        for k, half in enumerate(halves):
+            context = model.no_sync() if k == 0 and options else contextlib.nullcontext()
+            with context:
+                if options.get("pp", 1) > 1:
+                    model.step(*half)
+                else:
+                    model(*half).backward()
+        opt.step()
+        opt.zero_grad()
+    return tilework.state_dict(model, opt)["model"] if options else model.state_dict()
+
+
+@pytest.mark.parametrize("options", [{"pp": 2, "microbatches": 2}, {"tp": 2}])
+def test_accumulation_with_no_sync_on_a_mesh_is_one_process_accumulation(options):
+    mine = spawn(_accumulated, 4, (options,), timeout=240)
+    ref = _accumulated(0, 1, {})
+    for state in mine:
+        assert all(_close(state[k], v) for k, v in ref.items())

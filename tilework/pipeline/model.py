@@ -61,11 +61,31 @@ class PipelineModel(nn.Module):
         self.schedule = schedule
         self.cut = None   # context parallelism's: (module, args, kwargs) -> this rank's part
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag: False keeps this step's gradients local (accumulation)."""
+        return self.__dict__.get("_sync", True)
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.__dict__["_sync"] = bool(value)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's no_sync: steps inside accumulate locally; the next step outside averages the
+        sum over dp."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One schedule: forward and backward of the batch in microbatches; the batch's mean
         loss on the last stage's rank, None on the others. Every rank of a pipeline passes the
         same batch (each data-parallel replica its own)."""
         part = self.part
+        sync = self.require_backward_grad_sync
         engine = getattr(self, "_tilework_engine", None)
         if engine is not None and engine.mesh.same_batch is not None:
             engine.mesh.same_batch([inputs, targets])
@@ -73,7 +93,7 @@ class PipelineModel(nn.Module):
             (inputs, targets), _ = self.cut(self, (inputs, targets), {})
         with _local_backwards(part):
             return self.runner.step(inputs, targets, on_last_backward=lambda: setattr(
-                part, "require_backward_grad_sync", True))
+                part, "require_backward_grad_sync", sync))
 
     def forward(self, *args, **kwargs):
         raise PlanError(f"with pp={self.schedule.pp} the pipeline runs forward and backward "
