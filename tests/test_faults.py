@@ -187,3 +187,31 @@ def test_summary_puts_the_cause_before_its_consequences():
         "rank 1 failed (exit code 2): lm.embedding: id 900 is out of range"]
     only_lost = summarize({0: (LOST_PEER_EXIT, "rank 0: lost contact with its peers: Timed out")})
     assert "no rank failed on its own" in only_lost[-1]
+
+
+def _blocked_frame(asker_path: str):
+    """The frame of a thread blocked in torch.distributed.all_reduce that `asker_path`'s code
+    called through tilework's counting wrapper (code compiled under those file names)."""
+    import tilework
+    from tilework.comm import guard
+
+    root = Path(tilework.__file__).parent
+    scope: dict = {"sys": sys}
+    exec(compile("def all_reduce():\n    return sys._getframe()\n",
+                 "/x/torch/distributed/distributed_c10d.py", "exec"), scope)
+    exec(compile("def counted_all_reduce():\n    return all_reduce()\n",
+                 str(root / "comm" / "counted.py"), "exec"), scope)
+    exec(compile("def ask():\n    return counted_all_reduce()\n", asker_path, "exec"), scope)
+    return guard.foreign_collective(scope["ask"]())
+
+
+def test_a_model_parallel_layers_collective_is_computing_not_waiting_elsewhere():
+    """A rank blocked in a tensor-parallel all-reduce inside its forward is computing its step
+    (no verdict against it); one blocked in the script's own collective is waiting elsewhere."""
+    import tilework
+
+    root = Path(tilework.__file__).parent
+    assert _blocked_frame(str(root / "tensor" / "regions.py")) is None
+    assert _blocked_frame(str(root / "pipeline" / "comm.py")) is None
+    assert _blocked_frame("/home/user/train.py").startswith(
+        "torch.distributed.all_reduce called at")

@@ -240,12 +240,35 @@ def _mistakes(rank, world_size):
     out["tied pipeline"] = _refused(lambda: parallel({"pp": 2}, tied=True))
     model, _ = parallel({"pp": 2})
     out["plain forward"] = _refused(lambda: model(*batch(0)))
+    with torch.no_grad():
+        out["no_grad step"] = _refused(lambda: model.step(*batch(0)))
+    out["evaluate"] = model.evaluate(*batch(0))   # forward only: the loss on the last stage
+    out["dropout"] = _dropout_replicas(rank)
     return out
+
+
+def _dropout_replicas(rank):
+    """nanoGPT's seeding (1337 + rank) with dropout on: tp ranks must still drop alike where
+    they hold activations alike, or their replicated parameters drift apart."""
+    model = new_gpt()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.2
+    torch.manual_seed(1337 + rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = tilework.parallelize(model, opt, log=False, tp=2)
+    dp_rank, dp = tilework.data_parallel_rank(model)
+    for step in range(2):
+        model(*batch(step, dp_rank, dp)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.named_parameters() if "norm" in k}
 
 
 @pytest.fixture(scope="module")
 def mistakes():
-    return spawn(_mistakes, 2, timeout=240)
+    """At 4 ranks: data parallelism beside every model-parallel axis."""
+    return spawn(_mistakes, 4, timeout=300)
 
 
 @pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
@@ -269,6 +292,22 @@ def test_tied_parameter_across_pipeline_ranks_is_refused(mistakes):
 
 def test_pipeline_model_refuses_a_plain_forward(mistakes):
     assert all("model.step(inputs, targets)" in (m["plain forward"] or "") for m in mistakes)
+
+
+def test_a_pipeline_evaluates_forward_only(mistakes):
+    assert all("model.evaluate(inputs, targets)" in (m["no_grad step"] or "") for m in mistakes)
+    with torch.no_grad():
+        expected = new_gpt()(*batch(0)).item()
+    # pp2 x dp2: the last stage's ranks (1 and 3) hold the loss, the first stage's None.
+    got = [m["evaluate"] for m in mistakes]
+    assert got[0] is None and got[2] is None
+    assert all(abs(x - expected) <= TOL * expected for x in (got[1], got[3]))
+
+
+def test_dropout_under_tp_keeps_the_replicated_parameters_alike(mistakes):
+    for a, b in ((0, 1), (2, 3)):                 # the tp pairs
+        first, second = mistakes[a]["dropout"], mistakes[b]["dropout"]
+        assert all(torch.equal(first[k], second[k]) for k in first), sorted(first)
 
 
 def test_eight_ranks_dp2_pp2_tp2_train_as_one_process(ref):

@@ -274,6 +274,8 @@ class TableTraffic:
 
         if self.measured is not None:
             rows, ids, samples = self.measured
+            if not samples:
+                return 1 / servers
             pooled = np.asarray(ids)
 
             def below(row: float) -> float:   # mean distinct ids under `row` per rank and step

@@ -162,8 +162,12 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         first = [r for r in range(world) if _first_of_replica(mesh, r)]
         per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize)
                     for r in first]
-    except ValueError as e:
-        return MeshCandidate(config, None, str(e),
+    except (ValueError, AttributeError, IndexError) as e:
+        # ValueError: a split the layout, the schedule or the batch refuses; the others: a
+        # model without the reference GPT's shape (a head, blocks, attention) under pp or cp.
+        why = str(e) if isinstance(e, ValueError) else \
+            f"the model is not shaped like the reference GPT ({type(e).__name__}: {e})"
+        return MeshCandidate(config, None, why,
                              {"dp_size": world // (config.tp * config.pp * config.cp)})
     dp = mesh.size_of("dp")
     tokens = replica_batch * seq // config.cp

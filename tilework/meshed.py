@@ -53,6 +53,7 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
     groups = build_mesh_groups(mesh, world.world, world.env)
     found = MeshParallel(mesh, world, groups, Stats())
     if config.tp > 1:
+        _same_random_numbers_in_tp(found)
         _split_layers(model, optimizer, config, found)
     if config.cp > 1:   # after tp: attention split by heads runs the ring on its own heads
         from .context import apply_context_parallel
@@ -97,6 +98,29 @@ def _refuse(config: ParallelConfig, plan) -> None:
     if plan is not None:
         raise PlanError("plan=: with tp, pp or cp > 1 the data-parallel plan is made per dp "
                         "group by parallelize itself")
+
+
+def _same_random_numbers_in_tp(found: MeshParallel) -> None:
+    """Every tp rank of a group continues tp rank 0's random stream: dropout on activations
+    the group holds alike (after a row-parallel sum, on the residual stream) must drop the same
+    elements, or the replicated parameters drift apart silently (a script seeding each rank
+    differently, as nanoGPT does with 1337 + rank, would). Megatron-LM draws its split regions'
+    dropout from a second, per-rank stream; here they share the one stream (the masks of two
+    ranks' heads are alike; each is still a valid dropout)."""
+    group = found.groups.group("tp")
+    device = found.world.device
+    states = [("cpu", torch.get_rng_state())]
+    if device.type == "cuda":
+        states.append(("cuda", torch.cuda.get_rng_state(device)))
+    for kind, state in states:
+        # Over the tp group's backend (NCCL reduces CUDA tensors only); counted as set-up.
+        moved = state.to(device)
+        counted.broadcast(moved, 0, group, found.stats, "setup")
+        if kind == "cpu":
+            torch.set_rng_state(moved.cpu())
+        else:
+            torch.cuda.set_rng_state(moved.cpu(), device)
+    found.stats.discard_step()
 
 
 def _split_layers(model, optimizer, config: ParallelConfig, found: MeshParallel) -> None:

@@ -168,6 +168,17 @@ def mismatch(positions: list[dict], asker: int) -> str | None:
     return None
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where tilework's collectives run inside the model's own forward and backward (tensor-,
+# context- and pipeline-parallel layers), outside any guarded call.
+_COUNTED = os.path.join(_PACKAGE, "comm", "counted.py")
+_IN_MODEL = tuple(os.path.join(_PACKAGE, d) + os.sep for d in ("tensor", "context", "pipeline"))
+
+
+def _inside_tilework(path: str) -> bool:
+    return os.path.abspath(path).startswith(_IN_MODEL)
+
+
 def foreign_collective(frame) -> str | None:
     """'torch.distributed.barrier called at train.py:12' when the thread whose innermost frame is
     `frame` is blocked in a torch.distributed collective, else None."""
@@ -182,6 +193,13 @@ def foreign_collective(frame) -> str | None:
         return None
     while caller is not None and "/torch/" in caller.f_code.co_filename.replace("\\", "/"):
         caller = caller.f_back
+    inner = caller   # past the counting wrappers, to who asked for the collective
+    while inner is not None and os.path.abspath(inner.f_code.co_filename) == _COUNTED:
+        inner = inner.f_back
+    if inner is not None and _inside_tilework(inner.f_code.co_filename):
+        # A model-parallel layer's collective (tp, cp, pp), in the model's forward or
+        # backward: the rank is computing its step, not waiting in the script's collective.
+        return None
     where = f" called at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}" \
         if caller is not None else ""
     return f"torch.distributed.{function}{where}"

@@ -84,6 +84,10 @@ class PipelineModel(nn.Module):
         """One schedule: forward and backward of the batch in microbatches; the batch's mean
         loss on the last stage's rank, None on the others. Every rank of a pipeline passes the
         same batch (each data-parallel replica its own)."""
+        if not torch.is_grad_enabled():
+            raise PlanError("model.step runs the schedule's backward too, which torch.no_grad() "
+                            "forbids: to evaluate with pp > 1, call model.evaluate(inputs, "
+                            "targets) (forward only) on every rank")
         part = self.part
         sync = self.require_backward_grad_sync
         engine = getattr(self, "_tilework_engine", None)
@@ -95,10 +99,40 @@ class PipelineModel(nn.Module):
             return self.runner.step(inputs, targets, on_last_backward=lambda: setattr(
                 part, "require_backward_grad_sync", sync))
 
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """The batch's mean loss, forward only: stage after stage, each boundary sent to the
+        next stage's rank; the loss on the last stage's rank, None on the others. Every rank
+        of the pipeline calls it. Uncounted point-to-point sends: evaluation is not a
+        training step's traffic."""
+        import torch.distributed as dist
+
+        if self.cut is not None:
+            (inputs, targets), _ = self.cut(self, (inputs, targets), {})
+        runner = self.runner
+        schedule, rank = runner.schedule, runner.rank
+        x, loss = inputs, None
+        for s in range(schedule.stages):
+            last = s == schedule.stages - 1
+            if schedule.rank_of(s) == rank:
+                x = runner.stages[s](x, targets if last else None)
+                loss = x.item() if last else None
+            if last or schedule.rank_of(s + 1) == schedule.rank_of(s):
+                continue
+            if schedule.rank_of(s) == rank:
+                dist.send(x.contiguous(),
+                          dist.get_global_rank(runner.group, schedule.rank_of(s + 1)),
+                          group=runner.group)
+            elif schedule.rank_of(s + 1) == rank:
+                x = runner.stages[s + 1].boundary_like(inputs)
+                dist.recv(x, dist.get_global_rank(runner.group, schedule.rank_of(s)),
+                          group=runner.group)
+        return loss
+
     def forward(self, *args, **kwargs):
         raise PlanError(f"with pp={self.schedule.pp} the pipeline runs forward and backward "
                         "together: call model.step(inputs, targets) instead of model(...) and "
-                        "loss.backward()")
+                        "loss.backward() (model.evaluate(inputs, targets) to evaluate)")
 
 
 def _refuse_ties_across_ranks(model: nn.Module, stages, schedule: Schedule) -> None:

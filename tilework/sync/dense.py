@@ -138,7 +138,11 @@ class DenseSync:
                 n = p.numel()
                 if p.grad is not bucket.buffer:
                     # Views of distinct ranges: a later backward accumulates into each in place.
-                    p.grad = bucket.buffer[offset:offset + n].view_as(p)
+                    # A gradient of a tensor subclass (a mesh's LocalGradient) stays one.
+                    view = bucket.buffer[offset:offset + n].view_as(p)
+                    kind = type(p.grad)
+                    p.grad = view if kind is torch.Tensor or p.grad is None \
+                        else view.as_subclass(kind)
                 offset += n
             bucket.ready.clear()
             bucket.buffer = bucket.work = None

@@ -79,39 +79,12 @@ def _gpt(job: Job) -> Workload:
 
     def evaluate(m):
         with torch.no_grad():
-            if hasattr(m, "runner"):   # a PipelineModel: its forward is the schedule's
-                return {"eval_loss": _pipeline_loss(m, *eval_batch)}
+            if hasattr(m, "evaluate"):   # a PipelineModel: forward only, stage after stage
+                return {"eval_loss": m.evaluate(*eval_batch)}
             return {"eval_loss": m(*eval_batch).item()}
 
     return Workload(model, train_set, lambda m, b, s: m(*b), evaluate, unit="tokens",
                     units_per_sample=cfg.seq_len)
-
-
-def _pipeline_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-    """The batch's mean loss through this rank's pipeline, forward only: stage after stage,
-    each boundary sent to the rank of the next stage (the schedule's placement); the loss on
-    the last stage's rank, None on the others. Uncounted point-to-point sends: evaluation is
-    not a training step's traffic."""
-    import torch.distributed as dist
-
-    runner = model.runner
-    schedule, rank = runner.schedule, runner.rank
-    x, loss = inputs, None
-    for s in range(schedule.stages):
-        last = s == schedule.stages - 1
-        if schedule.rank_of(s) == rank:
-            x = runner.stages[s](x, targets if last else None)
-            loss = x.item() if last else None
-        if last or schedule.rank_of(s + 1) == schedule.rank_of(s):
-            continue
-        if schedule.rank_of(s) == rank:
-            dist.send(x.contiguous(), dist.get_global_rank(runner.group, schedule.rank_of(s + 1)),
-                      group=runner.group)
-        elif schedule.rank_of(s + 1) == rank:
-            x = runner.stages[s + 1].boundary_like(inputs)
-            dist.recv(x, dist.get_global_rank(runner.group, schedule.rank_of(s)),
-                      group=runner.group)
-    return loss
 
 
 class _Head:
