@@ -38,15 +38,22 @@ def full_state(engine) -> dict:
     """Every rank: the one-process model and optimizer state (a collective over the world)."""
     mesh = engine.mesh
     state = engine.state_dict(dst=None)
-    shapes = {k: tuple(v.shape) for k, v in engine.model.state_dict().items()}
+    # Shapes only: under ZeRO-3 or server tables a real state_dict() would gather again.
+    from .sync.state import gathered_model_state
+
+    shapes = {k: tuple(v.shape) for k, v in gathered_model_state(engine, "meta").items()}
     model = {k: _unshard(mesh, k, v, shapes) for k, v in state["model"].items()}
     dense = {name: {k: _unshard(mesh, name, v, shapes) for k, v in per.items()}
              for name, per in state["optimizer"]["dense"].items()}
     optimizer = dict(state["optimizer"], dense=dense)
     pp = mesh.groups.group("pp")
     if pp is not None:
+        # On the host: a pickled CUDA tensor would come back on its sender's device number.
+        mine = torch.utils._pytree.tree_map(
+            lambda v: v.cpu() if torch.is_tensor(v) else v,
+            (model, optimizer["dense"], optimizer["rows"]))
         parts = [None] * dist.get_world_size(pp)
-        dist.all_gather_object(parts, (model, optimizer["dense"], optimizer["rows"]), group=pp)
+        dist.all_gather_object(parts, mine, group=pp)
         model = {k: v for part in parts for k, v in part[0].items()}
         optimizer["dense"] = {k: v for part in parts for k, v in part[1].items()}
         optimizer["rows"] = {k: v for part in parts for k, v in part[2].items()}
@@ -55,8 +62,10 @@ def full_state(engine) -> dict:
 
 def load_full_state(engine, state: dict) -> None:
     """Each rank its stages' keys and its tp shards of them, then the engine's own load."""
+    from .sync.state import gathered_model_state
+
     mesh = engine.mesh
-    mine = engine.model.state_dict()
+    mine = gathered_model_state(engine, "meta")   # keys only: no gather
     model = state.get("model") if isinstance(state, dict) else None
     if not isinstance(model, dict):
         raise CheckpointError("checkpoint has no 'model' state dict")
