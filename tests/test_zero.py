@@ -358,3 +358,28 @@ def test_tilework_train_job_at_stage_3_with_offload_trains_as_stage_0(tmp_path):
     assert metrics3 == pytest.approx(metrics, rel=1e-4)
     for k, v in state.items():
         close(k, state3[k], v, TOLERANCE["adam"])
+
+
+def _clip_norm(rank, world_size, zero, options):
+    from tilework.cluster import Topology
+    from tilework.comm import build_groups
+
+    model = new_model()
+    opt = new_optimizer("sgd", model.parameters())
+    options = dict(options)
+    hosts = options.pop("hosts", 1)
+    groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
+    tilework.parallelize(model, opt, zero=zero, log=False, groups=groups, **options)
+    model(*batch(0, rank, world_size)).backward()
+    return tilework.clip_grad_norm_(model, 1e9).item()
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_clip_norm_under_zero_in_each_host_is_one_process_norm(zero):
+    """zero_scope="host": every host holds a whole copy of the chunks, so the chunks' norms are
+    summed inside a host only (over all ranks they were counted once per host)."""
+    model = new_model()
+    model(*batch(0)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
+    got = spawn(_clip_norm, 4, args=(zero, {"zero_scope": "host", "hosts": 2}), timeout=120)
+    assert all(abs(g - expected) <= 1e-5 * expected for g in got), (got, expected)

@@ -68,28 +68,40 @@ def clip_value_with_servers(engine, clip_value: float) -> None:
         g.clamp_(-clip_value, clip_value)
 
 
+def _combined(part: torch.Tensor, inf: bool, group, engine, device) -> torch.Tensor:
+    """A local norm's p-th power (the max for inf) summed over `group`, in float64."""
+    combined = part.reshape(1).to(engine.groups.device, torch.float64)
+    all_reduce(combined, group, engine.stats, "clip",
+               op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    return combined[0].to(device)
+
+
 def clip_norm_with_servers(engine, max_norm, norm_type, error_if_nonfinite, foreach):
-    """clip_grad_norm_ over a parallelized model: its own gradients and the server rows this
-    rank owns, whose norms every rank combines with one scalar all-reduce."""
-    server = engine.server_gradients()
+    """clip_grad_norm_ over a parallelized model: its own gradients, the server rows this
+    rank owns (summed over the world) and its ZeRO chunks (summed over the ranks that shard
+    them: a host's under zero_scope="host", where every host holds a whole copy)."""
+    chunks = engine.zero.gradients()
+    mine = {id(c) for c in chunks}
+    server = [g for g in engine.server_gradients() if id(g) not in mine]
     # A table's hot head is summed on every rank alike: counted once, as a dense gradient.
     dense = coalesced_grads(engine.model.parameters()) + head_gradients(engine)
     # The norm lives with the gradients; only its combination travels, on the backend's
     # device (gloo's is the CPU, whatever the model's).
-    grads = [*dense, *server]
+    grads = [*dense, *server, *chunks]
     home = grads[0].device if grads else engine.groups.device
     total = total_norm(dense, norm_type, foreach, device=home)
-    if engine.tables or engine.served or engine.zero.owns_gradients:
-        mine = total_norm(server, norm_type, foreach, device=home)
-        inf = math.isinf(norm_type)
-        combined = (mine if inf else mine ** norm_type).reshape(1).to(engine.groups.device,
-                                                                      torch.float64)
-        all_reduce(combined, engine.groups.world, engine.stats, "clip",
-                   op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-        combined = combined.to(home)
+    inf = math.isinf(norm_type)
+    spread = []
+    if engine.tables or engine.served:
+        spread.append((server, engine.groups.world))
+    if engine.zero.owns_gradients:
+        spread.append((chunks, engine.zero.shard_group))
+    for part, group in spread:
+        local = total_norm(part, norm_type, foreach, device=home)
+        combined = _combined(local if inf else local ** norm_type, inf, group, engine, home)
         if inf:
-            total = torch.maximum(total, combined[0].to(total.dtype))
+            total = torch.maximum(total, combined.to(total.dtype))
         else:
-            total = (total.double() ** norm_type + combined[0]) ** (1.0 / norm_type)
+            total = (total.double() ** norm_type + combined) ** (1.0 / norm_type)
             total = total.to(dense[0].dtype if dense else torch.float32)
     return clip_by_total_norm(grads, total, max_norm, norm_type, error_if_nonfinite)
