@@ -23,7 +23,6 @@ import json
 import os
 import pickle
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ import torch
 from tilework.analysis import analyze
 from tilework.bench import comm_prediction as cp
 from tilework.bench.netns import LinkShape, available, emulated_cluster
+from tilework.bench.suite import launch_ranks
 from tilework.worker_env import WorkerEnv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,18 +48,7 @@ def launch(cluster, argv: list[str], port: int, timeout: float) -> None:
                                  local_world_size=1, group_rank=r,
                                  master_port=port).to_environ(),
              **cluster.gloo_env(r, port)} for r in range(n)]
-    procs = [subprocess.Popen(cluster.command(r, argv), env=envs[r], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(n)]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        if p.returncode:
-            raise RuntimeError(f"rank {r} exited {p.returncode}:\n{out[-3000:]}")
+    launch_ranks([cluster.command(r, argv) for r in range(n)], envs, timeout)
 
 
 def fit_links(cluster, sizes: list[int], repeats: int, port: int, tmp: Path) -> dict:

@@ -90,6 +90,26 @@ class _ShapeOnlyTP(TensorParallel):
         return x.chunk(self.size, dim=dim)[self.rank].contiguous().clone()
 
 
+def estimate_every_rank(model: nn.Module, config, example_inputs: tuple, world_size: int,
+                        optimizer="adam", cluster=None) -> list[MemoryEstimate]:
+    """`estimate_mesh_memory` of every rank, computed once per (pp, cp, tp) coordinate: a
+    rank's figures depend on nothing else (dp replicas mirror each other)."""
+    from .mesh import parallel_mesh
+
+    mesh = parallel_mesh(world_size, _ranks_per_host(cluster), tp=config.tp, pp=config.pp,
+                         cp=config.cp)
+    seen: dict[tuple, MemoryEstimate] = {}
+    out = []
+    for rank in range(world_size):
+        at = mesh.coords(rank)
+        key = (at["pp"], at["cp"], at["tp"])
+        if key not in seen:
+            seen[key] = estimate_mesh_memory(model, config, example_inputs, world_size, rank,
+                                             optimizer, cluster)
+        out.append(dataclasses.replace(seen[key], rank=rank))
+    return out
+
+
 def _shape_only_ring(rank: int, size: int):
     """A cp rank's ring whose shift receives a new tensor of the sent one's shape."""
     from .comm.counted import Stats

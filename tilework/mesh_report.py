@@ -16,7 +16,6 @@ process group is made. Where each figure comes from:
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 
 from torch import nn
@@ -147,25 +146,15 @@ def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: 
 
 
 def _memory_per_rank(job, cluster: Cluster, mesh: Mesh, batch: int) -> list[dict]:
-    """estimate_memory for every rank (mesh_memory.py), computed once per (pp, cp, tp)
-    coordinate, the rest mirror it; with each rank's budget."""
+    """estimate_memory for every rank (mesh_memory.py), with each rank's budget."""
     import torch
 
-    from .mesh_memory import estimate_mesh_memory
+    from .mesh_memory import estimate_every_rank
     from .report import meta_model, with_budget
 
-    model, seq = meta_model(job), job.gpt.seq_len
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="cpu")   # only shapes matter
-    seen: dict[tuple, object] = {}
-    out = []
-    for rank in range(mesh.size):
-        at = mesh.coords(rank)
-        key = (at["pp"], at["cp"], at["tp"])
-        if key not in seen:
-            seen[key] = estimate_mesh_memory(model, job.parallel, (ids, ids), mesh.size, rank,
-                                             job.train.optimizer, cluster)
-        out.append(with_budget(dataclasses.replace(seen[key], rank=rank), cluster))
-    return out
+    ids = torch.zeros(batch, job.gpt.seq_len, dtype=torch.long, device="cpu")   # shapes only
+    return [with_budget(e, cluster) for e in estimate_every_rank(
+        meta_model(job), job.parallel, (ids, ids), mesh.size, job.train.optimizer, cluster)]
 
 
 # -- text ------------------------------------------------------------------------------------------

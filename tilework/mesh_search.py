@@ -247,29 +247,20 @@ def _within_memory(model, candidate: MeshCandidate, cluster: Cluster, replica_ba
 
     import torch
 
-    from .mesh import parallel_mesh
-    from .mesh_memory import estimate_mesh_memory
+    from .mesh_memory import estimate_every_rank
     from .report import with_budget
 
-    config, world = candidate.config, cluster.world_size
-    mesh = parallel_mesh(world, None, config.tp, config.pp, config.cp)
     ids = torch.zeros(replica_batch, seq, dtype=torch.long, device="cpu")   # shapes only
-    seen, worst = {}, None
-    for rank in range(world):
-        at = mesh.coords(rank)
-        key = (at["pp"], at["cp"], at["tp"])
-        if key not in seen:
-            seen[key] = estimate_mesh_memory(model, config, (ids, ids), world, rank, optimizer,
-                                             cluster)
-        figure = with_budget(dataclasses.replace(seen[key], rank=rank), cluster)
-        if worst is None or figure["peak"] > worst["peak"]:
-            worst = figure
-        if figure["over_budget"]:
-            return MeshCandidate(config, None, f"rank {rank}'s estimated peak "
-                                 f"{figure['peak'] / 1e9:.2f} GB exceeds its budget of "
-                                 f"{figure['budget'] / 1e9:.2f} GB (80% of memory_gb)",
-                                 candidate.parts | {"peak_bytes": figure["peak"]})
-    return dataclasses.replace(candidate, parts=candidate.parts | {"peak_bytes": worst["peak"]})
+    figures = [with_budget(e, cluster) for e in estimate_every_rank(
+        model, candidate.config, (ids, ids), cluster.world_size, optimizer, cluster)]
+    over = next((f for f in figures if f["over_budget"]), None)
+    if over is not None:
+        return MeshCandidate(candidate.config, None, f"rank {over['rank']}'s estimated peak "
+                             f"{over['peak'] / 1e9:.2f} GB exceeds its budget of "
+                             f"{over['budget'] / 1e9:.2f} GB (80% of memory_gb)",
+                             candidate.parts | {"peak_bytes": over["peak"]})
+    worst = max(f["peak"] for f in figures)
+    return dataclasses.replace(candidate, parts=candidate.parts | {"peak_bytes": worst})
 
 
 __all__ = ["MeshCandidate", "allreduce_seconds", "candidates", "forward_flops", "predict",

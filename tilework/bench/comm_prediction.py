@@ -249,33 +249,14 @@ def run_worker(workload_name: str, system: str, steps: int, warmup: int,
     compute alone (the plain model, all ranks at once). Returns rank-agnostic results."""
     import torch.distributed as dist
 
-    from .worker import _ddp_bytes, _setup
+    from .worker import _setup, timed_steps
 
     workload = bench_workload(workload_name, recommender_batch)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model, opt, counter, extra = _setup(workload, system, n)
-    times, sent = [], []
-    for step in range(warmup + steps):
-        inputs = workload.batch(step, rank, n)
-        dist.barrier()
-        start = time.perf_counter()
-        model(*inputs).backward()
-        if system.startswith("ddp"):
-            step_bytes = _ddp_bytes(model, n)
-        opt.step()
-        opt.zero_grad()
-        elapsed = time.perf_counter() - start
-        if counter is not None:
-            step_bytes = counter.take()
-        elif not system.startswith("ddp"):
-            import tilework
-
-            step_bytes = sum(t["sent"] for t in tilework.stats(model)["last_step"].values())
-        if step >= warmup:
-            times.append(elapsed)
-            sent.append(step_bytes)
+    times, sent = timed_steps(workload, system, model, opt, counter, rank, n, steps, warmup)
     engine = getattr(model, "_tilework_engine", None)
     plan = pickle.dumps(engine.plan).hex() if engine is not None else None
     # The compute alone: the plain model on the same batches, every rank at once.

@@ -44,7 +44,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(commands: list[list[str]], envs: list[dict], timeout: float) -> None:
+def launch_ranks(commands: list[list[str]], envs: list[dict], timeout: float) -> None:
     procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c, e in zip(commands, envs)]
     try:
@@ -53,6 +53,7 @@ def _launch(commands: list[list[str]], envs: list[dict], timeout: float) -> None
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.communicate()   # reaped, its pipe closed
     failed = [(i, o) for i, (p, o) in enumerate(zip(procs, outs)) if p.returncode]
     if failed:
         rank, out = failed[0]
@@ -77,7 +78,7 @@ def run_one(workload: str, system: str, setting: Setting, steps: int, warmup: in
         else:
             envs = [{**base, **ranks[r], **cluster.gloo_env(r, port)} for r in range(n)]
             commands = [cluster.command(r, argv) for r in range(n)]
-        _launch(commands, envs, timeout)
+        launch_ranks(commands, envs, timeout)
         result = json.loads(out.read_text())
     return {**result, "setting": setting.name, "hosts": setting.hosts}
 

@@ -91,14 +91,10 @@ def _ddp_bytes(model, world_size: int) -> int:
     return ring_allreduce_bytes(dense, world_size) + all_gather_bytes(sparse, world_size)
 
 
-def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:
-    from .workloads import WORKLOADS
-
-    workload = WORKLOADS[workload_name]
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    model, opt, counter, extra = _setup(workload, system, world_size)
+def timed_steps(workload, system: str, model, opt, counter, rank: int, world_size: int,
+                steps: int, warmup: int) -> tuple[list[float], list[int]]:
+    """`steps` steps after `warmup`, each from a barrier to after the optimizer's step: this
+    rank's seconds and the bytes it sent in each (the system's own count)."""
     times, sent = [], []
     for step in range(warmup + steps):
         inputs = workload.batch(step, rank, world_size)
@@ -119,6 +115,19 @@ def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:
         if step >= warmup:
             times.append(elapsed)
             sent.append(step_bytes)
+    return times, sent
+
+
+def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:
+    from .workloads import WORKLOADS
+
+    workload = WORKLOADS[workload_name]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    model, opt, counter, extra = _setup(workload, system, world_size)
+    times, sent = timed_steps(workload, system, model, opt, counter, rank, world_size, steps,
+                              warmup)
     # The step of the slowest rank is the step.
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
