@@ -181,14 +181,13 @@ def _ranks_per_host(cluster) -> int | None:
 
 
 def _cut_sequence(inputs: tuple, cp_rank: int, cp: int) -> tuple:
-    """The (batch, sequence, ...) inputs cut to the rank's load-balanced part, as
-    meshed._SequenceCut does before the model sees them."""
+    """The (batch, sequence, ...) inputs cut to the rank's load-balanced part: meshed's own
+    cut, as the model sees them."""
     if cp == 1:
         return tuple(inputs)
-    from .context import shard
+    from .meshed import _SequenceCut
 
-    return tuple(shard(x, cp_rank, cp) if torch.is_tensor(x) and x.dim() >= 2 else x
-                 for x in inputs)
+    return _SequenceCut(cp_rank, cp)(None, tuple(inputs), {})[0]
 
 
 def _pipelined(part: nn.Module, stages: dict, schedule, pp_rank: int, dp_plan, inputs: tuple,
