@@ -7,7 +7,8 @@ measurement, for every sparse workload under hybrid and DDP with sparse gradient
 (as root: network namespaces.) For each host count, one rank per host, every host's link shaped
 with tbf at --rate Mbit/s (tilework.bench.netns): first the links are fitted on that network
 (all_reduce, all_to_all and all_gather timed at --link-sizes, alpha-beta by
-calibrate.fit_alpha_beta), then every workload x system runs --warmup + --steps steps and, in
+calibrate.fit_alpha_beta), then every workload x system sets up on unshaped links (the
+initial broadcasts), waits while they are shaped, and runs --warmup + --steps steps and, in
 the same processes right after, the same steps' compute alone (the plain model, every rank at
 once); measured communication = step - compute, median over steps (slowest rank's each).
 Predicted: the cost model on the plan the system ran, with the rows the batches touched and
@@ -25,6 +26,7 @@ import pickle
 import platform
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,6 +51,39 @@ def launch(cluster, argv: list[str], port: int, timeout: float) -> None:
                                  master_port=port).to_environ(),
              **cluster.gloo_env(r, port)} for r in range(n)]
     launch_ranks([cluster.command(r, argv) for r in range(n)], envs, timeout)
+
+
+SETUP_RATE_MBIT = 10_000.0   # during a workload's set-up: in effect unshaped
+
+
+def launch_gated(cluster, argv: list[str], port: int, timeout: float, rate_mbit: float,
+                 gate: Path) -> None:
+    """Run a worker whose set-up goes at SETUP_RATE_MBIT and whose steps at `rate_mbit`: the
+    links are shaped when the ranks wait at `gate` (comm_prediction.wait_at_gate), so that
+    lm800k's initial broadcasts of its 800k-row tables (595 MB left host 0 in 3 minutes at
+    25 Mbit/s) do not take the run's time."""
+    gate.mkdir()
+    cluster.set_rate(SETUP_RATE_MBIT)
+    done = threading.Event()
+
+    def shape_when_ready():
+        while not done.is_set():
+            if (gate / "ready").exists():
+                cluster.set_rate(rate_mbit)
+                (gate / "go").touch()
+                return
+            time.sleep(0.05)
+
+    shaper = threading.Thread(target=shape_when_ready, daemon=True)
+    shaper.start()
+    try:
+        launch(cluster, [*argv, "--gate", str(gate)], port, timeout)
+    finally:
+        done.set()
+        shaper.join()
+        cluster.set_rate(rate_mbit)
+    if not (gate / "go").exists():
+        raise RuntimeError(f"{' '.join(argv)}: the ranks never reached the gate {gate}")
 
 
 def fit_links(cluster, sizes: list[int], repeats: int, port: int, tmp: Path) -> dict:
@@ -79,7 +114,7 @@ def traffic_of(workload_name: str, workload, n: int, steps: range) -> dict:
 
 
 def predict(result: dict, workload, traffic: dict, links: dict, n: int) -> cp.Prediction:
-    if result["system"] == "hybrid":
+    if result["system"].startswith("hybrid"):
         return cp.predict_hybrid(pickle.loads(bytes.fromhex(result["plan"])), traffic, n, links)
     if result["system"] == "ddp-sparse":
         dense, tables = model_facts(workload)
@@ -127,7 +162,7 @@ def main() -> None:
                             "--warmup", str(a.warmup), "--out", str(out)]
                     if a.recommender_batch:
                         argv += ["--recommender-batch", str(a.recommender_batch)]
-                    launch(cluster, argv, port, 600)
+                    launch_gated(cluster, argv, port, 900, a.rate, Path(tmp) / f"gate-{w}-{s}")
                     r = json.loads(out.read_text())
                     pred = predict(r, workload, traffic, fit["links"], n)
                     row = {"hosts": n, "workload": w, "system": s,
@@ -142,7 +177,7 @@ def main() -> None:
                            "terms": pred.terms,
                            "steps_s": r["step_s"], "computes_s": r["compute_s"],
                            "traffic": {k: vars(v) for k, v in traffic.items()}}
-                    if s == "hybrid":
+                    if s.startswith("hybrid"):
                         plan = pickle.loads(bytes.fromhex(r["plan"]))
                         ids = [[cp.table_ids(w, workload.batch(st, rk, n)) for rk in range(n)]
                                for st in range(a.warmup, a.warmup + a.steps)]

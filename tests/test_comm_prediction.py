@@ -125,11 +125,49 @@ def test_hybrid_exact_uses_the_busiest_ranks_replayed_bytes():
 
 def test_measured_ids_give_the_busiest_servers_share():
     """Ids crowded into the low rows (a frequency-sorted table) load partition 0's server
-    beyond 1/servers; hashed rows spread evenly."""
+    beyond 1/servers; hashed rows (row % partitions) spread them; each id is counted where it
+    lands under either map."""
     t = lambda *x: torch.tensor(x)  # noqa: E731
     steps = [[{"a": t(0, 1, 2, 90)}, {"a": t(0, 3, 50, 99)}]]
     got = cp.measured_traffic(steps, rows={"a": 100})["a"]
-    # 8 distinct ids over 2 (rank, step)s: rows [0, 50) hold 5 of them, [50, 100) 3.
+    # 8 distinct ids over 2 (rank, step)s: rows [0, 50) hold 5 of them, [50, 100) 3; the even
+    # rows (0, 2, 90, 0, 50) 5 too.
     assert got.busiest_share(2, 2, "contiguous") == pytest.approx(5 / 8)
-    assert got.busiest_share(2, 2, "hashed") == pytest.approx(1 / 2)
+    assert got.busiest_share(2, 2, "hashed") == pytest.approx(5 / 8)
+    crowded = cp.measured_traffic([[{"a": t(0, 1, 2, 3)}, {"a": t(0, 1, 4, 5)}]],
+                                  rows={"a": 100})["a"]
+    assert crowded.busiest_share(2, 2, "contiguous") == 1.0
+    assert crowded.busiest_share(2, 2, "hashed") == pytest.approx(1 / 2)
     assert cp.measured_traffic(steps)["a"].busiest_share(2, 2, "contiguous") == 0.5
+
+
+def _gated(rank, world_size, gate):
+    import time as _time
+
+    cp.wait_at_gate(gate, rank)
+    return _time.time()
+
+
+def test_ranks_wait_at_the_gate_until_the_driver_says_go(tmp_path):
+    """Set-up unshaped, steps shaped (bench/comm_prediction.py): every rank leaves the gate only
+    after the driver answers rank 0's `ready` with `go`; no gate, no wait."""
+    import threading
+    import time
+
+    from tilework.testing import spawn
+
+    opened = []
+
+    def driver():
+        while not (tmp_path / "ready").exists():
+            time.sleep(0.01)
+        time.sleep(0.3)   # the links being shaped
+        opened.append(time.time())
+        (tmp_path / "go").touch()
+
+    t = threading.Thread(target=driver)
+    t.start()
+    left = spawn(_gated, 2, (str(tmp_path),))
+    t.join()
+    assert all(when >= opened[0] for when in left)
+    cp.wait_at_gate(None, 0)   # no process group needed without a gate

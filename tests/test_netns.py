@@ -178,6 +178,21 @@ def test_two_hosts_reach_each_other_and_vanish_after(no_leftovers):
 
 
 @needs_netns
+def test_set_rate_reshapes_both_ends_of_every_link(no_leftovers):
+    """A run can set up unshaped and measure shaped (bench/comm_prediction.py): the rate is
+    replaced on each host's veth and on its switch port, the links stay up."""
+    with emulated_cluster(2, LinkShape(rate_mbit=100)) as c:
+        c.set_rate(7)
+        for ns, dev in [(c.hosts[0].namespace, "veth0"), (c.hosts[1].namespace, "veth1"),
+                        (switch_namespace(c.prefix), "port0"),
+                        (switch_namespace(c.prefix), "port1")]:
+            shown = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev],
+                                   capture_output=True, text=True, check=True).stdout
+            assert "tbf" in shown and "rate 7Mbit" in shown, shown
+        assert reach(c, 0, 1).returncode == 0
+
+
+@needs_netns
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_errors_inside_the_block_still_tear_down(error, no_leftovers):
     before = signal.getsignal(signal.SIGTERM)

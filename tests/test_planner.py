@@ -1,5 +1,7 @@
 """The planner and analysis are pure: no process group, any world size."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -71,6 +73,35 @@ def test_cost_search_sends_a_fully_touched_table_to_allreduce():
     assert "rows/step" in plan["tables.0.weight"].reason
 
 
+def test_auto_row_map_spreads_a_frequency_sorted_table_by_cost():
+    """Contiguous ranges of a Zipf table put most requested rows on partition 0's server; the
+    planner costs both maps and hashes them. Without a traffic model it hashes too; an explicit
+    row_map is kept; ids that hashing would crowd keep contiguous ranges."""
+    from tilework.cluster import Link, Links, Topology
+    from tilework.cost import TableTraffic, ps_expected
+
+    topo = Topology.uniform(4, 1)
+    slow = Links(inter=Link(bandwidth_gbps=0.025, latency_us=100.0))   # bytes, not latency
+    infos = analyze(WordLM(100_000, 16, 16, 1, sparse=True))
+    traffic = {"embedding.weight": TableTraffic.zipf(100_000, 160, topo)}
+    plan = make_plan(infos, 4, topology=topo, links=slow, traffic=traffic).by_name()
+    chosen = plan["embedding.weight"]
+    assert chosen.row_map == "hashed" and "hashed" in chosen.reason
+    contiguous = dataclasses.replace(chosen, row_map="contiguous")
+    slower = ps_expected(contiguous, traffic["embedding.weight"], topo, slow, True)
+    assert chosen.predicted.seconds < 0.6 * slower.seconds
+    assert make_plan(infos, 4).by_name()["embedding.weight"].row_map == "hashed"
+    assert make_plan(infos, 4, row_map="contiguous").by_name()["embedding.weight"].row_map == \
+        "contiguous"
+    assert make_plan(infos, 4).by_name()["rnn.weight_ih_l0"].row_map == "contiguous"
+    # Every id a multiple of 4: hashed rows would send them all to one server.
+    strided = torch.arange(0, 100_000, 4)
+    measured = TableTraffic(1000, 1000, 4000, measured=(100_000, tuple(strided.tolist()), 25))
+    pick = make_plan(infos, 4, topology=topo, links=slow,
+                     traffic={"embedding.weight": measured}).by_name()["embedding.weight"]
+    assert pick.row_map == "contiguous"
+
+
 def test_too_few_partitions_cost_more():
     from tilework.cluster import Links, Topology
     from tilework.cost import TableTraffic, ps_expected
@@ -104,7 +135,7 @@ def test_planning_a_thousand_hosts_with_a_hundred_tables_costs_few_candidates(mo
     plan = make_plan(infos, topo.world_size, topology=topo, links=Links(), traffic=traffic)
     assert len(plan.of("ps")) == 100
     per_table = max(len(partition_candidates(topo.world_size, i.shape[0])) for i in infos)
-    assert len(calls) <= 100 * per_table
+    assert len(calls) <= 100 * per_table * 2   # each count with contiguous and hashed rows
     assert per_table <= 64   # candidates, not ranks
 
 

@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--workloads", nargs="+", help="lm100k lm800k cnn gpt recommender")
     bench.add_argument("--systems", nargs="+", help="ddp ddp-sparse allreduce ps hybrid torchrec "
                        "torchrec-rw (the last two: recommender only, optional; see README); "
-                       "also, not by default: hybrid-zipf hybrid-hot (hot rows)")
+                       "also, not by default: hybrid-zipf hybrid-hot (hot rows), "
+                       "hybrid-contiguous (rows in contiguous ranges)")
     bench.add_argument("--steps", type=int, default=5, help="measured steps (median)")
     bench.add_argument("--out", default="docs/benchmarks.md", help="markdown report (+ PNG beside)")
 
@@ -300,7 +301,8 @@ def _cmd_bench(a, argv, env) -> int:
                                 ["lm100k", "lm800k", "cnn", "gpt", "recommender"])
     from .bench.worker import SYSTEMS
 
-    systems = a.systems or [s for s in SYSTEMS if s not in ("hybrid-zipf", "hybrid-hot")]
+    systems = a.systems or [s for s in SYSTEMS
+                            if s not in ("hybrid-zipf", "hybrid-hot", "hybrid-contiguous")]
     from .bench.workloads import WORKLOADS
 
     for kind, names, known in (("--workloads", workloads, WORKLOADS), ("--systems", systems, SYSTEMS)):

@@ -265,13 +265,20 @@ class TableTraffic:
         """The fraction of one rank's distinct rows that the busiest server owns. Contiguous
         partitions of a frequency-sorted (Zipf) table are not even: the first holds the
         popular rows, and its server hears more than 1/servers of every rank's requests
-        (4 ranks on lm100k: 0.60 MB against 0.35 on average). Hashed rows spread evenly; so
-        does traffic without a Zipf model (measured density)."""
-        if row_map != "contiguous" or servers == 1 or (self.model is None
-                                                         and self.measured is None):
+        (4 ranks on lm100k: 0.60 MB against 0.35 on average). Hashed rows (row % partitions)
+        spread a Zipf table evenly; measured ids are counted where they land either way.
+        Traffic without ids or a Zipf model (a measured density) is taken as even."""
+        if servers == 1 or (self.model is None and self.measured is None):
             return 1 / servers
         from .plan import partition_bounds, server_of
 
+        if row_map == "hashed":
+            if self.measured is None or not self.measured[2]:
+                return 1 / servers
+            ids = np.asarray(self.measured[1], dtype=np.int64)
+            ids = ids[ids >= self.start]
+            owned = np.bincount(ids % partitions % servers, minlength=servers)
+            return float(owned.max() / len(ids)) if len(ids) else 1 / servers
         if self.measured is not None:
             rows, ids, samples = self.measured
             if not samples:

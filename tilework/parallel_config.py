@@ -44,8 +44,11 @@ class ParallelConfig:
     """Server partitions per table (one number for all, or by name); default one per rank, or
     the cost search's choice."""
 
-    row_map: Literal["contiguous", "hashed"] = "contiguous"
-    """Which rows a partition holds: contiguous ranges, or row % partitions."""
+    row_map: Literal["auto", "contiguous", "hashed"] = "auto"
+    """Which rows a partition holds: contiguous ranges, or row % partitions ("hashed"). "auto":
+    the planner chooses per table by the busiest server's load where the traffic is modelled,
+    else hashed, since contiguous ranges of a frequency-sorted vocabulary put the popular rows
+    on one server (docs/planner.md)."""
 
     zero: int = 0
     """ZeRO stage for the dense all-reduced parameters (server tables stay on the servers):
@@ -120,8 +123,8 @@ class ParallelConfig:
               f"'hybrid', 'allreduce' or 'ps', got {self.mode!r}")
         check(self.sparse_reduce in ("mean", "sum"), "sparse_reduce",
               f"'mean' or 'sum', got {self.sparse_reduce!r}")
-        check(self.row_map in ("contiguous", "hashed"), "row_map",
-              f"'contiguous' or 'hashed', got {self.row_map!r}")
+        check(self.row_map in ("auto", "contiguous", "hashed"), "row_map",
+              f"'auto', 'contiguous' or 'hashed', got {self.row_map!r}")
         check(isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
               and 0 < self.bucket_mb < float("inf"), "bucket_mb",
               f"a positive size in MB, got {self.bucket_mb!r}")

@@ -22,6 +22,8 @@ from .mesh import Mesh
 
 Method = Literal["allreduce", "ps"]
 RowMap = Literal["contiguous", "hashed"]
+# What a configuration asks for: "auto" lets the planner choose per table (planner.py).
+RowMapChoice = Literal["auto", "contiguous", "hashed"]
 Kind = Literal["sparse", "embedding", "dense"]
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,

@@ -35,13 +35,14 @@ import pickle
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..cluster import Cluster, Host, Link, Links, Topology
 from ..cost import (TableTraffic, predict, ps_table_bytes, ring_allreduce, seconds,
                     sparse_allgather)
-from ..wire import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL
+from ..wire import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, ring_allreduce_bytes
 
 SPARSE_WORKLOADS = ("lm100k", "lm800k", "recommender")
 LINK_COLLECTIVES = ("all_reduce", "all_to_all", "all_gather")
@@ -188,6 +189,41 @@ def predict_ddp_sparse(dense_bytes: int, tables: dict[str, int],
     return Prediction(sum(terms.values()), sent, sum(single.values()), terms)
 
 
+def torchrec_owners(sharding: str) -> dict[str, tuple[str, list[int]]]:
+    """`torchrec_peer._sharding`'s 't0:table_wise@1; t2:data_parallel@' as
+    {table: (sharding type, ranks)}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in sharding.split(";"))):
+        name, rest = part.split(":", 1)
+        kind, ranks = rest.split("@", 1)
+        out[name] = (kind, [int(r) for r in ranks.split(",") if r])
+    return out
+
+
+def torchrec_bytes(sharding: str, batch_per_rank: int, dims: list[int], dense_bytes: int,
+                   n: int) -> list[float]:
+    """What each rank sends in a TorchRec table-wise step of one-id bags (the recommender):
+    its ids and their lengths (8 bytes each) to each table's owner; as an owner, every other
+    rank's pooled rows (batch x dim fp32) back; their gradients to the owner in backward; and
+    the DDP ring all-reduce of the dense layers and of any data-parallel table. Tables sharded
+    another way are refused: the model has no term for them."""
+    owners, sent = torchrec_owners(sharding), [0.0] * n
+    for i, dim in enumerate(dims):
+        kind, ranks = owners[f"t{i}"]
+        if kind == "data_parallel":   # the caller counts its rows in `dense_bytes`
+            continue
+        if kind != "table_wise" or len(ranks) != 1:
+            raise ValueError(f"t{i}: {kind} on {ranks}: only table-wise tables are modelled")
+        pooled = batch_per_rank * dim * 4
+        for r in range(n):
+            if r == ranks[0]:
+                sent[r] += (n - 1) * pooled
+            else:
+                sent[r] += batch_per_rank * (ID_BYTES + 8) + pooled
+    ring = ring_allreduce_bytes(dense_bytes, n)
+    return [s + ring for s in sent]
+
+
 def measured_comm(step_s: list[float], compute_s: list[float]) -> float:
     """Median over steps of (step time - the same step's compute), both the slowest rank's."""
     if len(step_s) != len(compute_s) or not step_s:
@@ -243,19 +279,37 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
+def wait_at_gate(gate: str | None, rank: int, poll_s: float = 0.05) -> None:
+    """Set-up done: rank 0 says so (`<gate>/ready`) and every rank waits until the driver
+    answers (`<gate>/go`), which it does once it has shaped the links, so that set-up (the
+    initial broadcasts of 800k-row tables) runs unshaped. No gate: nothing to wait for."""
+    import torch.distributed as dist
+
+    if gate is None:
+        return
+    dist.barrier()
+    if rank == 0:
+        Path(gate, "ready").touch()
+        while not Path(gate, "go").exists():
+            time.sleep(poll_s)
+    dist.barrier()
+
+
 def run_worker(workload_name: str, system: str, steps: int, warmup: int,
-               recommender_batch: int | None) -> dict:
+               recommender_batch: int | None, gate: str | None = None) -> dict:
     """This rank's part: `steps` timed steps of `system` after `warmup`, then the same steps'
-    compute alone (the plain model, all ranks at once). Returns rank-agnostic results."""
+    compute alone (the plain model, all ranks at once). Returns rank-agnostic results.
+    `gate`: a directory to wait at after set-up (`wait_at_gate`)."""
     import torch.distributed as dist
 
     from .worker import _setup, timed_steps
 
     workload = bench_workload(workload_name, recommender_batch)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model, opt, counter, extra = _setup(workload, system, n)
+    wait_at_gate(gate, rank)
     times, sent = timed_steps(workload, system, model, opt, counter, rank, n, steps, warmup)
     engine = getattr(model, "_tilework_engine", None)
     plan = pickle.dumps(engine.plan).hex() if engine is not None else None
@@ -325,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--warmup", type=int, default=2)
     w.add_argument("--recommender-batch", type=int, default=None)
     w.add_argument("--out", required=True)
+    w.add_argument("--gate", help="a directory: wait there after set-up (wait_at_gate)")
     lk = sub.add_parser("links")
     lk.add_argument("--sizes", required=True)
     lk.add_argument("--repeats", type=int, default=3)
@@ -334,7 +389,8 @@ def main(argv: list[str] | None = None) -> None:
 
     env = WorkerEnv.from_environ()
     if a.mode == "worker":
-        result = run_worker(a.workload, a.system, a.steps, a.warmup, a.recommender_batch)
+        result = run_worker(a.workload, a.system, a.steps, a.warmup, a.recommender_batch,
+                            a.gate)
     else:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))

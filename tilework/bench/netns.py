@@ -159,6 +159,19 @@ def setup_commands(hosts: int, link: LinkShape, prefix: str) -> list[list[str]]:
     return cmds
 
 
+def rate_commands(hosts: int, rate_mbit: float, prefix: str) -> list[list[str]]:
+    """Commands that set every host's link, both ways, to `rate_mbit` (tbf, replacing what is
+    there): a run can set up at one rate and measure at another."""
+    sw = switch_namespace(prefix)
+    cmds = []
+    for i, h in enumerate(host_layout(hosts, prefix)):
+        cmds += [["tc", "-n", h.namespace, "qdisc", "replace", "dev", h.ifname, "root",
+                  *tbf_args(rate_mbit)],
+                 ["tc", "-n", sw, "qdisc", "replace", "dev", f"port{i}", "root",
+                  *tbf_args(rate_mbit)]]
+    return cmds
+
+
 def teardown_commands(hosts: int, prefix: str) -> list[list[str]]:
     """Deleting a namespace deletes its interfaces (and so both ends of each veth)."""
     names = [h.namespace for h in host_layout(hosts, prefix)] + [switch_namespace(prefix)]
@@ -284,6 +297,12 @@ class EmulatedCluster:
         for argv in link_commands(self.hosts[host_index], up):
             _run(argv)
 
+    def set_rate(self, rate_mbit: float) -> None:
+        """Every host's link at `rate_mbit` from now on (see `rate_commands`); no delay is
+        kept (a netem link is replaced by tbf)."""
+        for argv in rate_commands(len(self.hosts), rate_mbit, self.prefix):
+            _run(argv)
+
     def gloo_env(self, host_index: int, master_port: int | None = None) -> dict[str, str]:
         """Environment for a gloo process on host `host_index`: gloo binds to that host's veth
         (not loopback, which every namespace has), and the rendezvous is on host 0."""
@@ -386,5 +405,5 @@ def emulated_cluster(hosts: int, link: LinkShape = LinkShape(None),
 
 __all__ = ["EmulatedCluster", "EmulatedHost", "EmulationError", "LinkShape", "available",
            "emulated_cluster", "egress_qdisc", "host_layout", "link_commands", "list_namespaces",
-           "netns_exec", "new_prefix", "remove_stale_namespaces", "setup_commands",
-           "switch_namespace", "tbf_args", "teardown_commands"]
+           "netns_exec", "new_prefix", "rate_commands", "remove_stale_namespaces",
+           "setup_commands", "switch_namespace", "tbf_args", "teardown_commands"]

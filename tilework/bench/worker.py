@@ -7,7 +7,9 @@ Systems: ddp (DistributedDataParallel, dense gradients: Horovod's analogue), ddp
 sparse embedding gradients, gloo's sparse all-reduce), tilework's allreduce, ps and hybrid,
 hybrid-zipf (hybrid planned with the workload's Zipf traffic: the planner chooses each table and
 its hot head), hybrid-hot (that plan with each server table's head that a rank touches with
-probability >= 0.5 replicated where the planner kept none; sync/hot.py), and TorchRec (torchrec,
+probability >= 0.5 replicated where the planner kept none; sync/hot.py), hybrid-contiguous
+(hybrid with every table's rows in contiguous ranges, the layout before the planner chose hashed
+rows: what the row map gains), and TorchRec (torchrec,
 torchrec-rw: recommender only, optional; see torchrec_peer.py).
 """
 
@@ -25,8 +27,8 @@ import torch.distributed as dist
 
 from .torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
 
-SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-zipf", "hybrid-hot") + \
-    TORCHREC_SYSTEMS
+SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-zipf", "hybrid-hot",
+           "hybrid-contiguous") + TORCHREC_SYSTEMS
 
 
 def _setup(workload, system: str, world_size: int):
@@ -36,7 +38,7 @@ def _setup(workload, system: str, world_size: int):
 
         return torchrec_peer.setup(workload, system, world_size)
     torch.manual_seed(0)
-    model = workload.make(system in ("ddp-sparse", "ps", "hybrid", "hybrid-zipf", "hybrid-hot"))
+    model = workload.make(system == "ddp-sparse" or system == "ps" or system.startswith("hybrid"))
     if system.startswith("ddp"):
         if world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
@@ -48,6 +50,9 @@ def _setup(workload, system: str, world_size: int):
         plan, extra = _hot_plan(model, workload, world_size, 0.5 if system == "hybrid-hot" else None)
         tilework.parallelize(model, opt, plan=plan, log=False)
         return model, opt, None, extra
+    if system == "hybrid-contiguous":
+        tilework.parallelize(model, opt, mode="hybrid", row_map="contiguous", log=False)
+        return model, opt, None, {}
     tilework.parallelize(model, opt, mode=system, log=False)
     return model, opt, None, {}
 
