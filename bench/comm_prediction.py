@@ -37,6 +37,8 @@ from tilework.analysis import analyze
 from tilework.bench import comm_prediction as cp
 from tilework.bench.netns import LinkShape, available, emulated_cluster
 from tilework.bench.suite import launch_ranks
+from tilework.bench.torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
+from tilework.bench.torchrec_peer import WORKLOADS as TORCHREC_WORKLOADS
 from tilework.worker_env import WorkerEnv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +121,17 @@ def predict(result: dict, workload, traffic: dict, links: dict, n: int) -> cp.Pr
     if result["system"] == "ddp-sparse":
         dense, tables = model_facts(workload)
         return cp.predict_ddp_sparse(dense, tables, traffic, n, links)
+    if result["system"] == "torchrec":
+        with torch.device("meta"):
+            model = workload.make(True)
+        dense = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                    if not name.startswith("tables."))
+        # A table TorchRec keeps data-parallel is all-reduced with the dense layers.
+        owners = cp.torchrec_owners(result["sharding"])
+        dense += sum(t.weight.numel() * t.weight.element_size()
+                     for i, t in enumerate(model.tables) if owners[f"t{i}"][0] == "data_parallel")
+        return cp.predict_torchrec(result["sharding"], workload.units_per_step // n,
+                                   [t.embedding_dim for t in model.tables], dense, n, links)
     raise ValueError(f"no prediction for {result['system']}")
 
 
@@ -127,7 +140,8 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=25.0, help="Mbit/s on every host's link")
     p.add_argument("--hosts", type=int, nargs="+", default=[2, 4])
     p.add_argument("--workloads", nargs="+", default=list(cp.SPARSE_WORKLOADS))
-    p.add_argument("--systems", nargs="+", default=["hybrid", "ddp-sparse"])
+    p.add_argument("--systems", nargs="+", default=["hybrid", "ddp-sparse"],
+                   help="also hybrid-contiguous, and torchrec (run on the recommender only)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--recommender-batch", type=int, default=4096)
@@ -155,6 +169,8 @@ def main() -> None:
                 workload = cp.bench_workload(w, a.recommender_batch)
                 traffic = traffic_of(w, workload, n, range(a.warmup, a.warmup + a.steps))
                 for s in a.systems:
+                    if s in TORCHREC_SYSTEMS and w not in TORCHREC_WORKLOADS:
+                        continue
                     port += 1
                     out = Path(tmp) / f"{w}-{s}.json"
                     argv = [sys.executable, "-m", "tilework.bench.comm_prediction", "worker",
@@ -245,7 +261,8 @@ def markdown(a, rows, fits, leads, elapsed) -> list[str]:
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC in {elapsed / 60:.1f} minutes.",
         "",
         f"Command: `flock /tmp/tilework-bench.lock .venv/bin/python bench/comm_prediction.py "
-        f"--rate {a.rate:g} --hosts {' '.join(map(str, a.hosts))} --steps {a.steps} "
+        f"--rate {a.rate:g} --hosts {' '.join(map(str, a.hosts))} --systems "
+        f"{' '.join(a.systems)} --steps {a.steps} "
         f"--recommender-batch {a.recommender_batch}" + (f" --out {a.out}" if a.out else "") + "`",
         "",
         f"Machine: `nproc` = {os.cpu_count()}, Linux {platform.release()}, Python "

@@ -171,3 +171,31 @@ def test_ranks_wait_at_the_gate_until_the_driver_says_go(tmp_path):
     t.join()
     assert all(when >= opened[0] for when in left)
     cp.wait_at_gate(None, 0)   # no process group needed without a gate
+
+
+def _torchrec_step_bytes(rank, world_size):
+    from tilework.bench.worker import _setup, timed_steps
+
+    workload = cp.bench_workload("recommender", 256)
+    torch.set_num_threads(1)
+    model, opt, counter, extra = _setup(workload, "torchrec", world_size)
+    _, sent = timed_steps(workload, "torchrec", model, opt, counter, rank, world_size, 2, 1)
+    return sent, extra["sharding"]
+
+
+def test_torchrec_table_wise_bytes_equal_its_counted_collectives():
+    """The TorchRec term of the prediction: what each rank sends, exactly as the peer's own
+    collectives count it (2 ranks, the planner's table-wise sharding)."""
+    from tilework.bench import torchrec_peer
+    from tilework.testing import spawn
+
+    if torchrec_peer.missing():
+        pytest.skip(torchrec_peer.missing())
+    out = spawn(_torchrec_step_bytes, 2, timeout=180)
+    sharding = out[0][1]
+    with torch.device("meta"):
+        model = cp.bench_workload("recommender", 256).make(True)
+    dense = sum(p.numel() * 4 for name, p in model.named_parameters()
+                if not name.startswith("tables."))
+    want = cp.torchrec_bytes(sharding, 128, [t.embedding_dim for t in model.tables], dense, 2)
+    assert [sent for sent, _ in out] == [[w] * 2 for w in want]

@@ -203,11 +203,14 @@ def torchrec_owners(sharding: str) -> dict[str, tuple[str, list[int]]]:
 def torchrec_bytes(sharding: str, batch_per_rank: int, dims: list[int], dense_bytes: int,
                    n: int) -> list[float]:
     """What each rank sends in a TorchRec table-wise step of one-id bags (the recommender):
-    its ids and their lengths (8 bytes each) to each table's owner; as an owner, every other
-    rank's pooled rows (batch x dim fp32) back; their gradients to the owner in backward; and
-    the DDP ring all-reduce of the dense layers and of any data-parallel table. Tables sharded
-    another way are refused: the model has no term for them."""
-    owners, sent = torchrec_owners(sharding), [0.0] * n
+    first every feature's length total to every peer (the KJT all-to-all's splits, 8 bytes a
+    feature), then its ids and their lengths (8 bytes each) to each table's owner; as an
+    owner, every other rank's pooled rows (batch x dim fp32) back; their gradients to the owner
+    in backward; and the DDP ring all-reduce of the dense layers and of any data-parallel
+    table. Equal to torchrec_peer.ByteCounter's count (tests/test_comm_prediction.py). Tables
+    sharded another way are refused: the model has no term for them."""
+    owners = torchrec_owners(sharding)
+    sent = [float((n - 1) * len(dims) * 8)] * n
     for i, dim in enumerate(dims):
         kind, ranks = owners[f"t{i}"]
         if kind == "data_parallel":   # the caller counts its rows in `dense_bytes`
@@ -222,6 +225,25 @@ def torchrec_bytes(sharding: str, batch_per_rank: int, dims: list[int], dense_by
                 sent[r] += batch_per_rank * (ID_BYTES + 8) + pooled
     ring = ring_allreduce_bytes(dense_bytes, n)
     return [s + ring for s in sent]
+
+
+def predict_torchrec(sharding: str, batch_per_rank: int, dims: list[int], dense_bytes: int,
+                     n: int, links: dict[str, Link]) -> Prediction:
+    """TorchRec table-wise: the DDP ring all-reduce of the dense layers on the all_reduce link,
+    and the busiest rank's exchange bytes (`torchrec_bytes` less the ring) in its five
+    all-to-alls (splits, lengths, ids, pooled rows, their gradients) on the all_to_all link."""
+    topo = Topology.from_sizes([1] * n)
+    ring = ring_allreduce_bytes(dense_bytes, n)
+    exchange = max(torchrec_bytes(sharding, batch_per_rank, dims, dense_bytes, n)) - ring
+
+    def run(ar: Link, a2a: Link):
+        terms = {"dense all-reduce": ring_allreduce(dense_bytes, topo, Links(inter=ar)).seconds,
+                 "all-to-alls": seconds(exchange, a2a, 5 * ALL_TO_ALL.messages(n))}
+        return terms
+
+    terms = run(links["all_reduce"], links["all_to_all"])
+    single = run(links["all_reduce"], links["all_reduce"])
+    return Prediction(sum(terms.values()), exchange + ring, sum(single.values()), terms)
 
 
 def measured_comm(step_s: list[float], compute_s: list[float]) -> float:
