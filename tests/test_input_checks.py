@@ -56,6 +56,11 @@ def _bad_step(rank, world_size, kind):
         elif kind == "nan-output":
             model.head.bias.data.fill_(float("inf") if rank == 1 else 0.0)
             model(x).backward()
+        elif kind == "nan-last-bucket":   # only a gradient the last bucket carries
+            poison = model.words.weight.register_hook(
+                lambda g: torch.full_like(g, float("nan")) if rank == 1 else g)
+            model(x).backward()
+            poison.remove()
         elif kind == "uneven":
             model(ids(rank, rows=3 if rank == 1 else 4)).backward()
         opt.step()
@@ -80,6 +85,18 @@ def test_nan_gradient_on_one_rank_stops_every_rank_naming_it():
         assert culprits == (1,)
         assert "rank 1: the gradient of" in message and "NaN or inf" in message, message
         assert "nothing was updated" in message
+        assert untouched
+
+
+def test_nan_only_in_the_bucket_that_carries_the_checks_stops_every_rank():
+    """The checks' words ride the last bucket: they are taken after its own gradients are
+    checked, so a NaN found there is in them (taken before, that rank alone exchanged its
+    words again and the step hung)."""
+    results = spawn(_bad_step, 2, args=("nan-last-bucket",), timeout=60)
+    for error, untouched in results:
+        assert error is not None
+        message, culprits = error
+        assert culprits == (1,) and "rank 1: the gradient of words.weight" in message, message
         assert untouched
 
 

@@ -22,7 +22,7 @@ from .cost import dense_sync_bytes
 from .plan import bucket_bytes
 from .mesh import parallel_mesh
 from .parallel_config import ParallelConfig
-from .wire import CHECK_WORDS
+from .wire import CHECK_WORDS, ring_allreduce_bytes
 
 
 def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, rank: int,
@@ -70,4 +70,6 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
     carried = CHECK_WORDS * itemsize if config.check_inputs and config.pp == 1 else 0
     out["allreduce"] = dense_sync_bytes([prod(s) * itemsize for s in shapes.values()],
                                         bucket_bytes(config.bucket_mb), dp, carried)
+    if carried and config.tp > 1:   # the input checks' verdict crosses the tp group (checks.py)
+        out["check"] = ring_allreduce_bytes(2 * 8, config.tp)
     return {k: v for k, v in out.items() if v}

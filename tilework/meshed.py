@@ -164,6 +164,8 @@ def _engine_over_dp(model, target, optimizer, config: ParallelConfig, found: Mes
     # zeroed-without-a-step check look.
     engine = Engine(target, optimizer, dp, dp_plan, config.check_inputs and config.pp == 1)
     engine.mesh = found
+    if engine.checks is not None and config.tp > 1:
+        engine.checks.across = found.groups.group("tp")
     apply_recompute(target, dp_plan.recompute, engine.changes)
     if found.pipeline is not None:
         found.pipeline._tilework_engine = engine    # the runner ends its counted steps

@@ -19,6 +19,10 @@ dense float bucket, or forwards since the last synchronised backward) the ranks 
 bytes instead (`wire.input_check_bytes`). If anything is off, every rank learns the same thing
 from the same numbers and raises the same `InputError` together: nobody is left waiting in a
 collective, and no parameter moves. Only then is the detail gathered, to name ranks and tensors.
+
+On a tensor-parallel mesh each dp group agrees on its own, and then the verdict crosses the tp
+group (a 16-byte all-reduce per step, counted as "check"): one shard's NaN gradient is seen
+only by its own dp group, and the other groups must drop the step with it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..comm.counted import Stats, all_gather
+from ..comm.counted import Stats, all_gather, all_reduce
 from ..wire import CHECK_WORDS
 from .hooks import PicklesAsNoop
 
@@ -58,6 +62,10 @@ class InputChecks:
         self.steps = 0
         self.carried: list[float] | None = None  # the summed words of the last synced backward
         self.dirty = False  # something was recorded since those words were taken
+        # On a tp mesh: the ranks that hold the other shards of this rank's replica (its tp
+        # group). Each dp group agrees on its own; the verdict then crosses this group so that
+        # every rank of the world drops the step together (meshed.py sets it).
+        self.across = None
 
     def install(self, model, embeddings: dict, changes) -> None:
         """The hooks that feed these checks: the model's inputs and output, and the ids each
@@ -122,19 +130,16 @@ class InputChecks:
 
     # -- at the step (collective) --------------------------------------------------------------
     def agree(self) -> None:
-        """Every rank calls this at the step; raises the same InputError on every rank."""
+        """Every rank calls this at the step; raises an InputError on every rank together."""
         self.steps += 1
         step = self.steps  # counted from 1 since parallelize
         batches, nonfinite = self.batches, self.nonfinite
         self.batches, self.nonfinite = [], None
-        if self.groups.world_size == 1:
-            if nonfinite:
-                raise InputError(f"step {step}: rank 0: {nonfinite} has NaN or inf values; "
-                                 "nothing was updated", ranks=(0,))
-            return
         carried, dirty = self.carried, self.dirty
         self.carried, self.dirty = None, False
-        if carried is not None and not dirty:
+        if self.groups.world_size == 1:
+            bad_values, uneven = nonfinite is not None, False
+        elif carried is not None and not dirty:
             n = self.groups.world_size
             bad_values = carried[0] > 0
             uneven = any(n * carried[2 + 2 * k] != carried[1 + 2 * k] ** 2 for k in range(DIGESTS))
@@ -147,21 +152,57 @@ class InputChecks:
                                               self.successor_remote))
             bad_values = bool(everyone[:, 0].any())
             uneven = bool((everyone[:, 1] != everyone[0, 1]).any())
+        if self.across is not None:
+            # One shard's inf must drop the step in every replica part, not in its dp group only.
+            flags = torch.tensor([int(bad_values), int(uneven)], dtype=torch.int64,
+                                 device=self.groups.device)
+            all_reduce(flags, self.across, self.stats, "check", op=dist.ReduceOp.MAX)
+            bad_values, uneven = bool(flags[0]), bool(flags[1])
         if not (bad_values or uneven):
             return
-        # Rare: everyone is here, so the detail can travel as objects.
-        details: list = [None] * self.groups.world_size
-        dist.all_gather_object(details, (nonfinite, batches), group=self.groups.world)
-        if bad_values:
-            culprits = tuple(r for r, (what, _) in enumerate(details) if what)
-            first = culprits[0]
-            raise InputError(f"step {step}: rank {first}: {details[first][0]} has NaN or inf "
-                             f"values (ranks at fault: {', '.join(map(str, culprits))}); "
-                             "nothing was updated", ranks=culprits)
-        raise _uneven(step, [b for _, b in details])
+        error = self._explain(step, nonfinite, batches, bad_values)
+        if self.across is not None:
+            error = _shared(error, self.across)
+        raise error
+
+    def _explain(self, step: int, nonfinite, batches, bad_values: bool) -> InputError | None:
+        """What this dp group saw go wrong (None: it was another tp shard's group). Rare:
+        everyone is here, so the detail can travel as objects."""
+        details: list = [(nonfinite, batches)]
+        if self.groups.world_size > 1:
+            details = [None] * self.groups.world_size
+            dist.all_gather_object(details, (nonfinite, batches), group=self.groups.world)
+        culprits = tuple(self._global(r) for r, (what, _) in enumerate(details) if what)
+        if bad_values and culprits:
+            first = next(what for what, _ in details if what)
+            return InputError(f"step {step}: rank {culprits[0]}: {first} has NaN or inf "
+                              f"values (ranks at fault: {', '.join(map(str, culprits))}); "
+                              "nothing was updated", ranks=culprits)
+        shapes = [b for _, b in details]
+        if not bad_values and any(b != shapes[0] for b in shapes):
+            return _uneven(step, shapes, self._global)
+        return None
+
+    def _global(self, r: int) -> int:
+        """Rank `r` of the dp group as the world numbers it (the same without a mesh)."""
+        group = self.groups.world
+        if group is None:   # a dp group of one rank (a tp mesh at dp = 1): this rank
+            return dist.get_rank() if dist.is_initialized() else r
+        return dist.get_global_rank(group, r)
 
 
-def _uneven(step: int, batches: list[list[tuple]]) -> InputError:
+def _shared(error: InputError | None, across) -> InputError:
+    """The first tp rank's explanation, raised alike on every tp rank: only the dp group that
+    saw the fault can name it."""
+    mine = None if error is None else (str(error), tuple(error.ranks))
+    theirs: list = [None] * dist.get_world_size(across)
+    dist.all_gather_object(theirs, mine, group=across)
+    message, ranks = next(t for t in theirs if t is not None)
+    return InputError(message, ranks=ranks)
+
+
+def _uneven(step: int, batches: list[list[tuple]], named=lambda r: r) -> InputError:
+    """`batches[r]`: rank r's (of the dp group; `named(r)` the world's number for it)."""
     # The ranks at fault are those that differ from the most common batch shape.
     reference = max(batches, key=batches.count)
     ref_rank = batches.index(reference)
@@ -169,17 +210,18 @@ def _uneven(step: int, batches: list[list[tuple]]) -> InputError:
     r = odd[0]
     theirs = batches[r]
     if len(theirs) != len(reference):
-        what = (f"rank {r} called the model {len(theirs)} times since the last step, "
-                f"rank {ref_rank} {len(reference)} times")
+        what = (f"rank {named(r)} called the model {len(theirs)} times since the last step, "
+                f"rank {named(ref_rank)} {len(reference)} times")
     else:
         call = next(i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b)
         arg = next((j for j, (x, y) in enumerate(zip(reference[call], theirs[call])) if x != y),
                    min(len(reference[call]), len(theirs[call])))
         size = theirs[call][arg] if arg < len(theirs[call]) else "no"
         want = reference[call][arg] if arg < len(reference[call]) else "no"
-        what = (f"model input {arg} has a batch of {size} on rank {r} but {want} on rank "
-                f"{ref_rank}"
+        what = (f"model input {arg} has a batch of {size} on rank {named(r)} but {want} on "
+                f"rank {named(ref_rank)}"
                 + (f" (forward call {call + 1} of the step)" if len(reference) > 1 else ""))
     return InputError(f"step {step}: batches differ across ranks: {what}; with a mean over "
                       "ranks they would weigh samples unequally, so nothing was updated "
-                      "(parallelize(check_inputs=False) allows it)", ranks=odd)
+                      "(parallelize(check_inputs=False) allows it)",
+                      ranks=tuple(named(o) for o in odd))

@@ -73,8 +73,12 @@ class DenseSync:
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
 
-    def _launch(self, bucket: _Bucket, words: torch.Tensor | None = None) -> None:
-        if len(bucket.params) == 1 and words is None:
+    def _launch(self, bucket: _Bucket, carry: bool = False) -> None:
+        """Start `bucket`'s all-reduce; with `carry`, the input checks' words ride at its end,
+        taken after its gradients were checked (taken before, a NaN in the last bucket alone
+        left this rank's words clean and its checks dirty: its peers read the words, it
+        exchanged them again, and the step hung)."""
+        if len(bucket.params) == 1 and not carry:
             # A parameter that fills a bucket alone (a large table) is reduced in place: copying
             # hundreds of MB into a buffer and back cost more than the all-reduce on loopback.
             # Safe since nothing reads `.grad` before backward returns, when the reduce is done.
@@ -97,12 +101,14 @@ class DenseSync:
                 chunks.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
             else:
                 chunks.append((g.to_dense() if g.is_sparse else g).reshape(-1))
-        if words is not None:
-            chunks.append(words.to(chunks[0].dtype))
-        bucket.buffer = torch.cat(chunks)
+        size = sum(c.numel() for c in chunks)
+        bucket.buffer = chunks[0].new_empty(size + (CHECK_WORDS if carry else 0))
+        grads = bucket.buffer[:size]
+        torch.cat(chunks, out=grads)
         if self.checks is not None:
-            grads = bucket.buffer if words is None else bucket.buffer[:-len(words)]
             self.checks.on_gradients([(name, p.grad) for name, p in bucket.params], grads)
+        if carry:
+            bucket.buffer[size:] = self.checks.words(grads.device)
         bucket.work = all_reduce_async(bucket.buffer, self.group, self.stats, "allreduce",
                                        self.successor_remote)
 
@@ -119,8 +125,7 @@ class DenseSync:
             return
         while self.next_bucket < len(self.buckets):
             last = self.carry and self.next_bucket == len(self.buckets) - 1
-            words = self.checks.words(self.buckets[-1].params[0][1].device) if last else None
-            self._launch(self.buckets[self.next_bucket], words)
+            self._launch(self.buckets[self.next_bucket], carry=last)
             self.next_bucket += 1
 
     def wait(self) -> None:
