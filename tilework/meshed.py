@@ -173,6 +173,8 @@ def _engine_over_dp(model, target, optimizer, config: ParallelConfig, found: Mes
         engine.changes.hook("optimizer: step post-hook (the mesh's counted step ends)",
                             optimizer.register_step_post_hook(
                                 lambda *_: found.stats.end_step()))
+    else:   # a hand-written update: the step ends with the synchronised backward
+        engine.step_ended.append(found.stats.end_step)
     return engine
 
 

@@ -58,6 +58,7 @@ class Engine:
                  plan: Plan, check_inputs: bool = True):
         self.model, self.optimizer, self.groups, self.plan = model, optimizer, groups, plan
         self.stats = Stats()
+        self.step_ended: list = []  # called where a step without an optimizer ends (a mesh's)
         self.lookups = Batch(self._pull)   # server-table lookups waiting for their rows
         self.changes = Changes()   # every change to the user's objects, with its undo
         self.guard = CallGuard(groups.store, groups.rank, groups.world_size, groups.env.error_file)
@@ -256,6 +257,8 @@ class Engine:
             if self.checks is not None:
                 self._check_inputs()
             self.stats.end_step()
+            for ended in self.step_ended:
+                ended()
 
     def _sync_servers(self) -> None:
         """Server gradients to their owners (collective); checked for NaN/inf before they go."""
