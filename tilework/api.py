@@ -254,12 +254,23 @@ def _sparse_grads(params) -> bool:
     return any(p.grad is not None and p.grad.is_sparse for p in params)
 
 
+def state_to_write(model, optimizer) -> dict[str, Any] | None:
+    """`state_dict`'s content where a checkpoint is written (rank 0): on a mesh gathered there
+    alone (None elsewhere), so that no other rank assembles the whole model and optimizer."""
+    engine = getattr(model, "_tilework_engine", None)
+    if getattr(engine, "mesh", None) is not None:
+        from .mesh_state import full_state
+
+        return full_state(engine, dst=0)
+    return state_dict(model, optimizer)
+
+
 def save(path: str | Path, model, optimizer) -> None:
     """Write a checkpoint atomically, with its length and digest (every rank calls it; rank 0
     writes). The same file format as `tilework train`'s checkpoints (train/checkpoint.py)."""
     from .train import checkpoint
 
-    state = state_dict(model, optimizer)
+    state = state_to_write(model, optimizer)
     engine = getattr(model, "_tilework_engine", None)
     # On a mesh the engine's groups are one dp group's: the world is the mesh's.
     world = None if engine is None else \

@@ -1,11 +1,13 @@
 """Checkpoints of a meshed model in single-device layout, and back at any mesh.
 
 Saving: the engine gives each rank its dp-level state (one-process names; tensor-parallel
-shards; only its pipeline stages'), the shards are all-gathered over tp (counted under
-"checkpoint") and the stages' states over pp, so every rank ends with the one-process state
-dict: the file loads into a plain model, or at another mesh. Loading takes each rank's stages'
-keys and its tp shards of them, then hands that to the engine (which shards over dp as it does
-for data parallelism: ZeRO chunks, server rows).
+shards; only its pipeline stages'), the shards are gathered over tp (counted under
+"checkpoint") and the stages' states over pp, so the one-process state dict is assembled: the
+file loads into a plain model, or at another mesh. `tilework.state_dict` assembles it on every
+rank; `tilework.save` on rank 0 only (`dst=0`), where the file is written: no other rank holds
+more than its own shards and, as the first rank of its tp group, one whole tensor at a time.
+Loading takes each rank's stages' keys and its tp shards of them, then hands that to the engine
+(which shards over dp as it does for data parallelism: ZeRO chunks, server rows).
 """
 
 from __future__ import annotations
@@ -21,31 +23,45 @@ def _specs(mesh) -> dict:
     return mesh.layout.specs() if mesh.layout is not None else {}
 
 
-def _unshard(mesh, key: str, value, shapes: dict):
+def _unshard(mesh, key: str, value, shapes: dict, to_first: bool):
     """A split tensor gathered whole over tp: a parameter, or its optimizer state of its shape
-    (every tp rank calls this for the same keys in the same order)."""
+    (every tp rank calls this for the same keys in the same order). `to_first`: on tp rank 0
+    only (None on the others)."""
     spec, tp = _specs(mesh).get(key), mesh.tp
     if (spec is None or tp is None or tp.size == 1 or not torch.is_tensor(value)
             or tuple(value.shape) != shapes[key]):
         return value
     from .tensor.shards import unshard
 
+    if to_first:
+        parts = counted.gather(value.contiguous(), 0, tp.group, mesh.stats, "checkpoint")
+        return None if parts is None else unshard(parts, spec)
     return unshard(counted.all_gather(value.contiguous(), tp.group, mesh.stats, "checkpoint"),
                    spec)
 
 
-def full_state(engine) -> dict:
-    """Every rank: the one-process model and optimizer state (a collective over the world)."""
+def full_state(engine, dst: int | None = None) -> dict | None:
+    """The one-process model and optimizer state (a collective over the world): on every rank,
+    or (`dst=0`) on rank 0 only, None elsewhere."""
+    if dst not in (None, 0):
+        raise ValueError(f"a mesh's state gathers to every rank or to rank 0, not {dst!r}")
     mesh = engine.mesh
-    state = engine.state_dict(dst=None)
+    to_first = dst == 0
+    state = engine.state_dict(dst=dst)
+    if to_first and engine.groups.rank != 0:
+        # Not the first of its dp group: it holds no gathered tables or ZeRO state, and no
+        # rank of its tp or pp groups does either (they share its dp coordinates).
+        return None
     # Shapes only: under ZeRO-3 or server tables a real state_dict() would gather again.
     from .sync.state import gathered_model_state
 
     shapes = {k: tuple(v.shape) for k, v in gathered_model_state(engine, "meta").items()}
-    model = {k: _unshard(mesh, k, v, shapes) for k, v in state["model"].items()}
-    dense = {name: {k: _unshard(mesh, name, v, shapes) for k, v in per.items()}
+    model = {k: _unshard(mesh, k, v, shapes, to_first) for k, v in state["model"].items()}
+    dense = {name: {k: _unshard(mesh, name, v, shapes, to_first) for k, v in per.items()}
              for name, per in state["optimizer"]["dense"].items()}
     optimizer = dict(state["optimizer"], dense=dense)
+    if to_first and mesh.tp is not None and mesh.tp.rank != 0:
+        return None
     pp = mesh.groups.group("pp")
     if pp is not None:
         # On the host: a pickled CUDA tensor would come back on its sender's device number.
@@ -53,7 +69,14 @@ def full_state(engine) -> dict:
             lambda v: v.cpu() if torch.is_tensor(v) else v,
             (model, optimizer["dense"], optimizer["rows"]))
         parts = [None] * dist.get_world_size(pp)
-        dist.all_gather_object(parts, mine, group=pp)
+        if to_first:
+            first = dist.get_global_rank(pp, 0)
+            dist.gather_object(mine, parts if dist.get_rank() == first else None, dst=first,
+                               group=pp)
+            if dist.get_rank() != first:
+                return None
+        else:
+            dist.all_gather_object(parts, mine, group=pp)
         model = {k: v for part in parts for k, v in part[0].items()}
         optimizer["dense"] = {k: v for part in parts for k, v in part[1].items()}
         optimizer["rows"] = {k: v for part in parts for k, v in part[2].items()}

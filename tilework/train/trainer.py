@@ -104,10 +104,12 @@ def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
     return model, opt
 
 
-def _state(model, opt, step: int) -> dict:
-    from ..api import state_dict
+def _state(model, opt, step: int) -> dict | None:
+    """What rank 0 writes (None elsewhere on a mesh, which gathers to rank 0 alone)."""
+    from ..api import state_to_write
 
-    return {"step": step, **state_dict(model, opt)}
+    state = state_to_write(model, opt)
+    return None if state is None else {"step": step, **state}
 
 
 def train(job: Job, groups=None, resume: bool = False, console: Console | None = None,
