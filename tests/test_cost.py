@@ -12,7 +12,7 @@ from tilework.analysis import analyze
 from tilework.cluster import Links, Topology
 from tilework.comm import build_groups
 from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
-                           hot_sync_bytes, ps_expected, ps_table_bytes, zero_sync_bytes)
+                           hot_sync_bytes, ps_expected, ps_step_bytes, zero_sync_bytes)
 from tilework.wire import CHECK_WORDS, input_check_bytes, ring_allreduce_bytes
 from tilework.planner import make_plan
 from tilework.testing import spawn
@@ -89,15 +89,23 @@ def predicted(mode, world_size, hosts, local_aggregation, step, hot=0, zero=0, s
     for r in range(world_size):
         per_rank[r]["allreduce"] = dense_sync_bytes(dense, BUCKET, world_size, carried)
     lookups = {"words.weight": 0, "tags.weight": 1}
+    # Each table's output is used (`.mean(1)`) before the next lookup: a pull each, whose id
+    # blocks' capacities carry over from the steps before.
+    for pp in plan.of("ps"):
+        if pp.name in lookups:
+            id_blocks = {}
+            for s in range(step + 1):
+                ids = [ids_for(s, r)[lookups[pp.name]].reshape(-1) for r in range(world_size)]
+                sent = ps_step_bytes([pp], [ids], topo, local_aggregation, id_blocks)
+            for r in range(world_size):
+                per_rank[r]["ps"] += sent[r]
     for pp in plan.of("ps"):
         assert pp.row_bytes == params[pp.name].numel() // pp.shape[0] * 4   # float32 rows
-        if pp.name in lookups:
-            ids = [ids_for(step, r)[lookups[pp.name]].reshape(-1) for r in range(world_size)]
-            sent = ps_table_bytes(pp, ids, topo, local_aggregation)
-        else:
+        if pp.name not in lookups:
             sent = dense_served_bytes(pp, world_size)
+            for r in range(world_size):
+                per_rank[r]["ps"] += sent[r]
         for r in range(world_size):
-            per_rank[r]["ps"] += sent[r]
             per_rank[r]["allreduce"] += hot_sync_bytes(pp, world_size)
     return [{m: b for m, b in d.items() if b} for d in per_rank]
 

@@ -1,5 +1,6 @@
 """Server-table lookups are batched: a step's lookups in every table meet the other ranks in
-one pull exchange (3 all-to-alls per hop) and one push (1), however many tables there are; and
+one pull exchange (2 all-to-alls per hop: ids in blocks sized from earlier steps, then rows; one
+more on a step whose ids outgrow a block) and one push (1), however many tables there are; and
 the stand-in a lookup returns behaves as the output it stands for."""
 
 import pytest
@@ -7,6 +8,8 @@ import torch
 from torch import nn
 
 import tilework
+from tilework.cluster import Topology
+from tilework.cost import ps_step_bytes
 from tilework.testing import spawn
 
 TABLES, BATCH = 3, 8
@@ -24,46 +27,74 @@ class Recommender(nn.Module):
         return self.head(torch.cat(looked_up, 1)).squeeze(1)
 
 
-def batch(step, rank=0, world_size=1):
-    g = torch.Generator().manual_seed(step)
+def batch(step, rank=0, world_size=1, kind="random"):
+    """"random": fresh ids every step. "repeat": the same few ids on steps 0-2 (every id block
+    sized on step 0 holds them), then on step 3 eight distinct ids per table (they overflow)."""
+    g = torch.Generator().manual_seed(step if kind == "random" else 0)
     ids = torch.randint(0, 40, (BATCH, TABLES), generator=g)
+    if kind == "repeat" and step < 3:
+        ids = ids % 3
+    elif kind == "repeat":
+        ids = torch.arange(BATCH)[:, None] * 5 + torch.arange(TABLES)
     y = torch.randn(BATCH, generator=g)
     return ids.chunk(world_size)[rank], y.chunk(world_size)[rank]
 
 
-def _train(rank, world_size, compiled=False):
-    """Three hybrid steps (under torch.compile where asked): ps collectives and loss per step."""
+def _train(rank, world_size, compiled=False, kind="random", steps=3):
+    """Hybrid steps (under torch.compile where asked): ps collectives and loss per step."""
     model = Recommender()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tilework.parallelize(model, opt, mode="hybrid", log=False)
     # aot_eager: dynamo and AOT autograd, no C++ compiler needed
     run = torch.compile(model, backend="aot_eager") if compiled else model
-    calls, losses = [], []
-    for step in range(3):
-        ids, y = batch(step, rank, world_size)
+    calls, losses, sent = [], [], []
+    for step in range(steps):
+        ids, y = batch(step, rank, world_size, kind)
         loss = nn.functional.mse_loss(run(ids), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         calls.append(tilework.stats(model)["last_step"]["ps"]["calls"])
         losses.append(loss.item())
-    return calls, losses
+        sent.append(tilework.stats(model)["last_step"]["ps"]["sent"])
+    return calls, losses, sent, model._tilework_engine.plan
 
 
-def test_a_step_meets_the_other_ranks_four_times_for_all_tables():
-    out = spawn(_train, world_size=2, timeout=90)
+def _one_process_losses(kind, steps):
     model = Recommender()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        ids, y = batch(step)
+    losses = []
+    for step in range(steps):
+        ids, y = batch(step, kind=kind)
         loss = nn.functional.mse_loss(model(ids), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("kind, calls", [("repeat", [4, 3, 3, 4]), ("random", None)])
+def test_a_step_meets_the_other_ranks_three_times_for_all_tables(kind, calls):
+    """Pull: the id blocks (step 0, sized nothing yet: everything overflows into a second
+    exchange; then only when the ids outgrow the blocks) and the rows; push: rows retracing
+    the pull (no ids, no lengths). The same model as one process either way."""
+    out = spawn(_train, world_size=2, args=(False, kind, 4), timeout=90)
+    for step, want in enumerate(_one_process_losses(kind, 4)):
         mean = (out[0][1][step] + out[1][1][step]) / 2   # equal halves: the mean of the means
-        assert abs(mean - loss.item()) < 1e-5, step
-    # pull: lengths, ids, rows; push: rows retracing the pull (no ids, no lengths)
-    assert out[0][0] == out[1][0] == [4, 4, 4]
+        assert abs(mean - want) < 1e-5, step
+    assert out[0][0] == out[1][0]
+    if calls:
+        assert out[0][0] == calls
+    else:
+        assert out[0][0][0] == 4 and set(out[0][0]) <= {3, 4}
+    # the bytes, blocks' padding and overflow included, are the cost model's replay
+    plan, id_blocks = out[0][3], {}
+    for step in range(4):
+        ids = [batch(step, r, 2, kind)[0] for r in range(2)]
+        want = ps_step_bytes(plan.of("ps"), [[i[:, t] for i in ids] for t in range(TABLES)],
+                             Topology.uniform(1, 2), plan.local_aggregation, id_blocks)
+        assert [out[r][2][step] for r in range(2)] == want, step
 
 
 def _stand_in(rank, world_size):

@@ -21,7 +21,7 @@ from .cluster import Link, Links, Topology
 from .layout import TableLayout, routes
 from .plan import Cost, ParamPlan, assign_buckets, dtype_bytes
 from .wire import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, REDUCE_SCATTER, all_gather_bytes,
-                   count_exchange_bytes, ring_allreduce_bytes)
+                   id_block_capacity, ring_allreduce_bytes)
 
 
 def link_for(topology: Topology, links: Links) -> Link:
@@ -93,41 +93,70 @@ def zero_sharded(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
 
 # -- parameter server: exact replay of sync/sparse.py --------------------------------------------
 
-def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: Topology,
-                   local_aggregation: bool) -> list[int]:
-    """Exact bytes each rank sends for one table in one step: one pull of its ids, and the push
-    of their gradients, which retraces the pull's route and so carries rows only
-    (sync/exchange.py; a table looked up more than once per step also sends ids and lengths)."""
-    n, row_bytes = topology.world_size, plan.row_bytes
+def _pull_counts(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: Topology,
+                 local_aggregation: bool) -> list[dict[int, tuple[list[int], list[int]]]]:
+    """The pull's routing, hop by hop: for every rank, its group's members and how many distinct
+    ids it sends each of them (each hop merges what arrived before the next)."""
+    n = topology.world_size
     layout = TableLayout(plan, n)
-    sent = [0] * n
     # The replicated head's ids stay home (its all-reduce is `hot_sync_bytes`).
     current = {r: torch.unique(ids_per_rank[r][ids_per_rank[r] >= plan.hot_rows])
                for r in range(n)}
+    hops = []
     for route in routes(layout, topology, local_aggregation):
-        groups, dest = route.groups, route.dest
         arriving: dict[int, list[torch.Tensor]] = {r: [] for r in range(n)}
-        for members in groups:
-            g = len(members)
-            if g == 1:
-                arriving[members[0]].append(current[members[0]])
-                continue
-            for me, rank in enumerate(members):
+        sending = {}
+        for members in route.groups:
+            for rank in members:
                 ids = current[rank]
-                to = dest(ids)
-                to_others = int((to != me).sum())
-                # pull: counts, ids out, then rows for what others asked (lengths known);
-                # push: a gradient row for each id sent, in the pull's order
-                sent[rank] += count_exchange_bytes(g) + ID_BYTES * to_others \
-                    + row_bytes * to_others
+                to = route.dest(ids) if len(members) > 1 else torch.zeros_like(ids)
+                sending[rank] = (members, torch.bincount(to, minlength=len(members)).tolist())
                 for j, peer in enumerate(members):
                     arriving[peer].append(ids[to == j])
-            for me, rank in enumerate(members):
-                asked_by_others = sum(len(current[src][dest(current[src]) == me])
-                                      for j, src in enumerate(members) if j != me)
-                sent[rank] += row_bytes * asked_by_others
+        hops.append(sending)
         current = {r: torch.unique(torch.cat(arriving[r])) for r in range(n)}
+    return hops
+
+
+def ps_step_bytes(plans: list[ParamPlan], ids_per_table: list[list[torch.Tensor]],
+                  topology: Topology, local_aggregation: bool,
+                  id_blocks: dict | None = None) -> list[int]:
+    """Exact bytes each rank sends in one step for tables pulled together (one exchange, as
+    sync/exchange.py sends them; `ids_per_table[t][r]`: the ids rank r looks up in table t):
+    the id blocks (per-table counts, a flag, the pair's capacity of ids, and any overflow), the
+    rows answered, and the push's gradient rows, which retrace the pull's route (a table looked
+    up more than once per step also sends ids and lengths). `id_blocks` carries the blocks'
+    capacities from step to step: pass one dict for every step of the same group of tables (a
+    new one is the first step, where every id overflows)."""
+    n = topology.world_size
+    id_blocks = {} if id_blocks is None else id_blocks
+    width = len(plans) + 1
+    per_table = [_pull_counts(p, ids, topology, local_aggregation)
+                 for p, ids in zip(plans, ids_per_table)]
+    sent = [0] * n
+    for h in range(len(per_table[0])):
+        for rank in range(n):
+            members, _ = per_table[0][h][rank]
+            me = members.index(rank)
+            for j, peer in enumerate(members):
+                if j == me:
+                    continue
+                count = sum(table[h][rank][1][j] for table in per_table)
+                capacity = id_blocks.get((h, rank, peer), 0)
+                sent[rank] += ID_BYTES * (width + capacity + max(0, count - capacity))
+                id_blocks[(h, rank, peer)] = id_block_capacity(count, capacity)
+            for plan, table in zip(plans, per_table):
+                # the push: a gradient row for each id sent; the answers: a row for each asked
+                asked = sum(table[h][src][1][me] for src in members if src != rank)
+                sent[rank] += plan.row_bytes * (sum(table[h][rank][1]) - table[h][rank][1][me]
+                                                + asked)
     return sent
+
+
+def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: Topology,
+                   local_aggregation: bool, id_blocks: dict | None = None) -> list[int]:
+    """`ps_step_bytes` of a table pulled alone."""
+    return ps_step_bytes([plan], [ids_per_rank], topology, local_aggregation, id_blocks)
 
 
 def hot_sync_bytes(plan: ParamPlan, n: int) -> int:

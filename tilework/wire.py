@@ -44,6 +44,14 @@ def count_exchange_bytes(n: int) -> int:
     return COUNT_BYTES * (n - 1) if n > 1 else 0
 
 
+def id_block_capacity(count: int, capacity: int) -> int:
+    """The ids one rank's pull block to a peer holds from the next step on (sync/exchange.py),
+    from what this step sent in that block (`count`) and what it held: both ends know both, so
+    they agree without a word. Grows with a quarter's headroom and never shrinks, so a steady
+    stream of ids stops overflowing after its largest step."""
+    return capacity if count <= capacity else count + count // 4
+
+
 ALL_REDUCE = Collective("all_reduce", ring_allreduce_bytes, lambda n: 2 * (n - 1))
 ALL_TO_ALL = Collective("all_to_all", all_to_all_bytes, lambda n: n - 1)
 ALL_GATHER = Collective("all_gather", all_gather_bytes, lambda n: n - 1)

@@ -148,15 +148,18 @@ def predict_hybrid(plan, traffic: dict[str, TableTraffic], n: int,
 def hybrid_exact(plan, ids_steps: list[list[dict[str, torch.Tensor]]], n: int,
                  links: dict[str, Link]) -> tuple[float, list[float]]:
     """A diagnostic beside `predict_hybrid`: the server tables' bytes from the exact replay of
-    the runtime's routing (`cost.ps_table_bytes`, equal to the counters) on the ids the batches
-    looked up, instead of the expected model's even spread over the servers. Returns (seconds
-    of the busiest rank: the dense all-reduce plus its exact bytes and ps_expected's messages on
-    the all_to_all link, averaged over the steps; each rank's bytes per step, averaged)."""
+    the runtime's routing (`cost.ps_table_bytes`, equal to the counters, each table as if
+    pulled alone) on the ids the batches looked up, instead of the expected model's even spread
+    over the servers. Returns (seconds of the busiest rank: the dense all-reduce plus its exact
+    bytes and ps_expected's messages on the all_to_all link, averaged over the steps; each
+    rank's bytes per step, averaged)."""
     topo = Topology.from_sizes([1] * n)
     per_rank = [0.0] * n
+    id_blocks: dict[str, dict] = {pp.name: {} for pp in plan.of("ps")}   # carried step to step
     for ranks in ids_steps:
         for pp in plan.of("ps"):
-            sent = ps_table_bytes(pp, [r[pp.name] for r in ranks], topo, plan.local_aggregation)
+            sent = ps_table_bytes(pp, [r[pp.name] for r in ranks], topo, plan.local_aggregation,
+                                  id_blocks[pp.name])
             per_rank = [a + b / len(ids_steps) for a, b in zip(per_rank, sent)]
     dense = sum(pp.nbytes for pp in plan.of("allreduce") if not pp.zero)
     t = ring_allreduce(dense, topo, Links(inter=links["all_reduce"]),

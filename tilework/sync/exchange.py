@@ -2,15 +2,17 @@
 number of times per hop however many tables the model has.
 
 - Pull (forward): the lookups waiting in a batch (sync/lookups.py) travel together: their
-  lengths in one all-to-all, their ids in one, their rows back in one.
+  ids in one all-to-all of blocks sized from earlier steps, each leading with its counts (a
+  second one, of what did not fit, only on a step whose ids outgrew a block), their rows back
+  in one.
 - Push (end of backward): a table looked up once since the last push sends only its gradient
   rows, in the order its pull sent the ids, so the owner matches them to what it was asked (the
   route each pull took is kept): one all-to-all of rows, no ids, no lengths. A table looked up
   several times (accumulation without sync, two lookups in one forward) carries its ids with the
   rows, after an exchange of lengths.
 
-The bytes of the lengths, ids and rows are what separate exchanges per table would send, so
-the cost model replays tables one by one (cost.ps_table_bytes); only the messages are fewer.
+The rows are what separate exchanges per table would send; the id blocks are per exchange (their
+headers, capacities and overflow): the cost model replays both (cost.ps_step_bytes).
 Tables of different dtypes (or devices) go in separate exchanges, since a message has one dtype.
 """
 
@@ -19,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from ..comm.counted import all_to_all_v, group_size
+from ..wire import id_block_capacity
 from .sparse import PSTable, _by_destination
 
 
@@ -103,9 +107,7 @@ def _fetch(tables, h, ids_list, routes):
     hop, stats = tables[0].hops[h], tables[0].stats
     n = group_size(hop.group)
     orders, counts, to_peer = _to_owners(tables, h, ids_list, ids_list, n)
-    heard = [c.tolist() for c in _lengths(tables, h, counts)]
-    got = all_to_all_v([torch.cat(parts) for parts in to_peer], hop.group, stats, "ps",
-                       hop.remote, recv_lengths=[sum(c) for c in heard])
+    heard, got = _send_ids(tables, h, counts, [torch.cat(parts) for parts in to_peer])
     by_peer = [torch.split(flat, c) for flat, c in zip(got, heard)]
     arrived = [[peer[t] for peer in by_peer] for t in range(len(tables))]
     merged = [torch.unique(torch.cat(a), return_inverse=True) for a in arrived]
@@ -128,6 +130,43 @@ def _fetch(tables, h, ids_list, routes):
         routes[t].hops.insert(0, (order, per_peer, [len(a) for a in arrived[t]], merged[t][1],
                                   merged[t][0]))
     return out
+
+
+def _send_ids(tables, h, counts: torch.Tensor, flat_ids: list[torch.Tensor]):
+    """The pull's ids in blocks of a size both ends know, so no lengths go first: each block
+    leads with its per-table counts and whether its sender overflowed any of its blocks, then
+    holds up to the pair's capacity of ids (padded). Every rank reads every sender's flag, so
+    all agree on the second exchange, of what did not fit, only when some block overflowed; its
+    sizes are read from the counts. Each end then sets the pair's capacity from the same count
+    (wire.id_block_capacity). A rank's block to itself holds exactly its ids."""
+    hop, stats = tables[0].hops[h], tables[0].stats
+    n, width = group_size(hop.group), len(tables) + 1
+    me = dist.get_rank(hop.group) if n > 1 else 0
+    out_caps, in_caps = tables[0].id_blocks.setdefault(
+        (tuple(t.name for t in tables), h), ([0] * n, [0] * n))
+    sending = counts.sum(1).tolist()
+    out_caps[me] = sending[me]
+    overflow = any(c > k for c, k in zip(sending, out_caps))
+    blocks = []
+    for j, (c, k) in enumerate(zip(counts, out_caps)):
+        ids = flat_ids[j][:k]
+        blocks.append(torch.cat([c, c.new_tensor([int(overflow)]), ids,
+                                 c.new_zeros(k - len(ids))]))
+    in_caps[me] = sending[me]
+    got = all_to_all_v(blocks, hop.group, stats, "ps", hop.remote,
+                       recv_lengths=[width + k for k in in_caps])
+    heard = [b[:width - 1].tolist() for b in got]
+    arriving = [sum(c) for c in heard]
+    ids_in = [b[width:width + min(a, k)] for b, a, k in zip(got, arriving, in_caps)]
+    if any(torch.stack([b[width - 1] for b in got]).tolist()):
+        rest = all_to_all_v([f[k:] for f, k in zip(flat_ids, out_caps)], hop.group, stats, "ps",
+                            hop.remote, recv_lengths=[max(0, a - k)
+                                                      for a, k in zip(arriving, in_caps)])
+        ids_in = [torch.cat([a, b]) for a, b in zip(ids_in, rest)]
+    for j in range(n):
+        out_caps[j] = id_block_capacity(sending[j], out_caps[j])
+        in_caps[j] = id_block_capacity(arriving[j], in_caps[j])
+    return heard, ids_in
 
 
 # -- push ---------------------------------------------------------------------------------------

@@ -77,6 +77,9 @@ class PSTable:
         self.optimizer: RowOptimizer = make_optimizer(self.shard)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's, global ids
         self.pulls: list = []   # routes of this step's pulls (exchange.PullRoute), for the push
+        # capacities of the pull's id blocks (exchange._send_ids), for the exchanges this table
+        # leads: {(tables, hop): (to each peer, from each peer)}
+        self.id_blocks: dict[tuple, tuple[list[int], list[int]]] = {}
         self.received: tuple[torch.Tensor, torch.Tensor] | None = None  # owned rows, local index
         self.on_grad: Callable[[], object] | None = None  # the engine's end-of-backward trigger
         self.guard = UNGUARDED                            # the engine's CallGuard
