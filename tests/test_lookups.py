@@ -29,13 +29,17 @@ class Recommender(nn.Module):
 
 def batch(step, rank=0, world_size=1, kind="random"):
     """"random": fresh ids every step. "repeat": the same few ids on steps 0-2 (every id block
-    sized on step 0 holds them), then on step 3 eight distinct ids per table (they overflow)."""
+    sized on step 0 holds them), then on step 3 eight distinct ids per table (they overflow).
+    "one-rank": the same, but on step 3 only rank 1's ids outgrow its blocks: rank 0's fit, and
+    it must still meet for the overflow, which it learns from rank 1's flag."""
     g = torch.Generator().manual_seed(step if kind == "random" else 0)
     ids = torch.randint(0, 40, (BATCH, TABLES), generator=g)
-    if kind == "repeat" and step < 3:
+    if kind != "random":
         ids = ids % 3
-    elif kind == "repeat":
-        ids = torch.arange(BATCH)[:, None] * 5 + torch.arange(TABLES)
+    if kind != "random" and step == 3:
+        spread = torch.arange(BATCH)[:, None] * 5 + torch.arange(TABLES)
+        rows = slice(None) if kind == "repeat" else slice(BATCH // 2, None)  # "one-rank": rank 1's
+        ids[rows] = spread[rows]
     y = torch.randn(BATCH, generator=g)
     return ids.chunk(world_size)[rank], y.chunk(world_size)[rank]
 
@@ -74,7 +78,8 @@ def _one_process_losses(kind, steps):
     return losses
 
 
-@pytest.mark.parametrize("kind, calls", [("repeat", [4, 3, 3, 4]), ("random", None)])
+@pytest.mark.parametrize("kind, calls", [("repeat", [4, 3, 3, 4]), ("one-rank", [4, 3, 3, 4]),
+                                         ("random", None)])
 def test_a_step_meets_the_other_ranks_three_times_for_all_tables(kind, calls):
     """Pull: the id blocks (step 0, sized nothing yet: everything overflows into a second
     exchange; then only when the ids outgrow the blocks) and the rows; push: rows retracing
