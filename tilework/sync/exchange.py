@@ -140,6 +140,7 @@ def _send_ids(tables, h, counts: torch.Tensor, flat_ids: list[torch.Tensor]):
     sizes are read from the counts. Each end then sets the pair's capacity from the same count
     (wire.id_block_capacity). A rank's block to itself holds exactly its ids."""
     hop, stats = tables[0].hops[h], tables[0].stats
+    flat_ids = [f.long() for f in flat_ids]   # 8 bytes an id, as the blocks and the model say
     n, width = group_size(hop.group), len(tables) + 1
     me = dist.get_rank(hop.group) if n > 1 else 0
     out_caps, in_caps = tables[0].id_blocks.setdefault(
@@ -155,10 +156,11 @@ def _send_ids(tables, h, counts: torch.Tensor, flat_ids: list[torch.Tensor]):
     in_caps[me] = sending[me]
     got = all_to_all_v(blocks, hop.group, stats, "ps", hop.remote,
                        recv_lengths=[width + k for k in in_caps])
-    heard = [b[:width - 1].tolist() for b in got]
+    headers = torch.stack([b[:width] for b in got]).tolist()   # one wait on a device
+    heard = [head[:-1] for head in headers]
     arriving = [sum(c) for c in heard]
     ids_in = [b[width:width + min(a, k)] for b, a, k in zip(got, arriving, in_caps)]
-    if any(torch.stack([b[width - 1] for b in got]).tolist()):
+    if any(head[-1] for head in headers):
         rest = all_to_all_v([f[k:] for f, k in zip(flat_ids, out_caps)], hop.group, stats, "ps",
                             hop.remote, recv_lengths=[max(0, a - k)
                                                       for a, k in zip(arriving, in_caps)])
