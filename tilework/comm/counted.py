@@ -132,7 +132,7 @@ def reduce_scatter_async(flat: torch.Tensor, group, stats: Stats, method: str,
     stats.record(method, wire, wire, part * sum(remote or []))
     if dist.get_backend(group) == "nccl":
         out = flat.new_empty(flat.numel() // n)
-        return _Pending(dist.reduce_scatter_single(out, flat, group=group, async_op=True),
+        return _Pending(dist.reduce_scatter_tensor(out, flat, group=group, async_op=True),
                         lambda: out)
     recv = torch.empty_like(flat)
     work = dist.all_to_all_single(recv, flat, group=group, async_op=True)
@@ -149,7 +149,7 @@ def all_gather_async(part: torch.Tensor, group, stats: Stats, method: str,
     wire = all_gather_bytes(part.numel() * part.element_size(), n)
     stats.record(method, wire, wire, wire if successor_remote else 0)
     out = part.new_empty(n * part.numel())
-    return _Pending(dist.all_gather_single(out, part, group=group, async_op=True),
+    return _Pending(dist.all_gather_into_tensor(out, part, group=group, async_op=True),
                     lambda: out)
 
 
