@@ -12,7 +12,8 @@ from tilework.analysis import analyze
 from tilework.cluster import Links, Topology
 from tilework.comm import build_groups
 from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
-                           hot_sync_bytes, ps_expected, ps_step_bytes, zero_sync_bytes)
+                           hot_head_bytes, hot_sync_bytes, ps_expected, ps_step_bytes,
+                           zero_sync_bytes)
 from tilework.wire import CHECK_WORDS, input_check_bytes, ring_allreduce_bytes
 from tilework.planner import make_plan
 from tilework.testing import spawn
@@ -78,8 +79,10 @@ def predicted(mode, world_size, hosts, local_aggregation, step, hot=0, zero=0, s
     # ZeRO stage 1 keeps the all-reduce; 2 reduce-scatters in buckets of its own.
     dense = [p.numel() * 4 for n, p in params.items()
              if entries[n].method == "allreduce" and entries[n].zero <= 1]
-    # The input check rides the last dense bucket where there is one; else it is an exchange.
-    carried = CHECK_WORDS * 4 if dense else 0
+    # The input check and the hot head ride the last dense bucket where there is one; else
+    # the check is an exchange and the head an all-reduce of its own.
+    heads = sum(hot_head_bytes(pp) for pp in plan.of("ps"))
+    carried = CHECK_WORDS * 4 + heads if dense else 0
     sharded = sum(zero_sync_bytes(pp, world_size, hosts)[0] for pp in plan.params if pp.zero)
     sharded -= sum(ring_allreduce_bytes(pp.nbytes, world_size) for pp in plan.params
                    if pp.zero == 1)   # stage 1's all-reduce is counted with the dense buckets
@@ -106,7 +109,7 @@ def predicted(mode, world_size, hosts, local_aggregation, step, hot=0, zero=0, s
             for r in range(world_size):
                 per_rank[r]["ps"] += sent[r]
         for r in range(world_size):
-            per_rank[r]["allreduce"] += hot_sync_bytes(pp, world_size)
+            per_rank[r]["allreduce"] += 0 if dense else hot_sync_bytes(pp, world_size)
     return [{m: b for m, b in d.items() if b} for d in per_rank]
 
 

@@ -21,16 +21,16 @@ LR = {"sgd": 0.1, "adagrad": 0.05, "adam": 0.01}
 
 
 class Model(nn.Module):
-    def __init__(self):
+    def __init__(self, dense_dtype=torch.float32):
         super().__init__()
         torch.manual_seed(0)
         self.words = nn.Embedding(ROWS, 4, sparse=True)
         self.bag = nn.EmbeddingBag(ROWS, 3, mode="sum", sparse=True)
-        self.out = nn.Linear(7, 1)
+        self.out = nn.Linear(7, 1, dtype=dense_dtype)
 
     def forward(self, ids):
         x = torch.cat([self.words(ids).mean(1), self.bag(ids)], 1)
-        return self.out(x).squeeze(1)
+        return self.out(x.to(self.out.weight.dtype)).squeeze(1).float()
 
 
 def batch(step, rank=0, world_size=1):
@@ -67,8 +67,8 @@ def torch_optimizer(name, model):
     return kind[name](model.parameters(), lr=LR[name])
 
 
-def _parallel(rank, world_size, name, hot, clip):
-    model = Model()
+def _parallel(rank, world_size, name, hot, clip, dense_dtype=torch.float32):
+    model = Model(dense_dtype)
     opt = torch_optimizer(name, model)
     tilework.parallelize(model, opt, plan=hot_plan(model, world_size, hot), log=False)
     losses = _train(model, opt, rank, world_size, clip)
@@ -77,8 +77,8 @@ def _parallel(rank, world_size, name, hot, clip):
     return losses, state, sent
 
 
-def _reference(name, clip):
-    model = Model()
+def _reference(name, clip, dense_dtype=torch.float32):
+    model = Model(dense_dtype)
     opt = optim.for_model(model, name, LR[name])
     losses = _train(model, opt, 0, 1, clip)
     return losses, model.state_dict()
@@ -96,13 +96,28 @@ def test_a_hot_split_trains_as_one_process(name, clip):
             torch.testing.assert_close(got_state[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_the_head_sends_no_ids_and_rides_an_all_reduce():
+def test_the_head_sends_no_ids_and_rides_the_dense_all_reduce():
     plain = spawn(_parallel, 2, args=("sgd", 0, False), timeout=120)
     split = spawn(_parallel, 2, args=("sgd", HOT, False), timeout=120)
     assert plain[0][0] == pytest.approx(split[0][0], rel=1e-6)
     for r in range(2):
         assert split[r][2]["ps"]["sent"] < plain[r][2]["ps"]["sent"]
         assert split[r][2]["allreduce"]["sent"] > plain[r][2]["allreduce"]["sent"]
+        # in the last dense bucket: its bytes, no meeting of the ranks of its own
+        assert split[r][2]["allreduce"]["calls"] == plain[r][2]["allreduce"]["calls"]
+
+
+def test_a_head_with_no_bucket_of_its_dtype_is_all_reduced_on_its_own():
+    losses, state = _reference("sgd", False, torch.float64)
+    plain = spawn(_parallel, 2, args=("sgd", 0, False, torch.float64), timeout=120)
+    split = spawn(_parallel, 2, args=("sgd", HOT, False, torch.float64), timeout=120)
+    mean = [(a + b) / 2 for a, b in zip(split[0][0], split[1][0])]
+    assert mean == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    for r in range(2):
+        for k, v in state.items():
+            torch.testing.assert_close(split[r][1][k], v, rtol=1e-5, atol=1e-6, msg=k)
+        # one all-reduce for each table's head (words, bag)
+        assert split[r][2]["allreduce"]["calls"] == plain[r][2]["allreduce"]["calls"] + 2
 
 
 def _checkpoint_and_undo(rank, world_size):

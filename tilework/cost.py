@@ -159,10 +159,18 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
     return ps_step_bytes([plan], [ids_per_rank], topology, local_aggregation, id_blocks)
 
 
+def hot_head_bytes(plan: ParamPlan) -> int:
+    """A table's replicated head's buffer (sync/hot.py): its gradient rows and one touched flag
+    per row, in the row's dtype, summed over the world once per synchronised step. Where it
+    rides the last dense bucket, `dense_sync_bytes` counts it among that bucket's
+    `carried_bytes`; else `hot_sync_bytes`."""
+    return plan.hot_rows * (plan.row_bytes + dtype_bytes(plan.dtype))
+
+
 def hot_sync_bytes(plan: ParamPlan, n: int) -> int:
-    """Exact bytes of a table's replicated head (sync/hot.py): its gradient rows and one touched
-    flag per row, in the row's dtype, all-reduced once per synchronised step."""
-    return ring_allreduce_bytes(plan.hot_rows * (plan.row_bytes + dtype_bytes(plan.dtype)), n)
+    """Exact bytes of a table's replicated head all-reduced on its own (no dense bucket of its
+    dtype to ride)."""
+    return ring_allreduce_bytes(hot_head_bytes(plan), n)
 
 
 def dense_served_bytes(plan: ParamPlan, n: int) -> list[int]:
@@ -399,9 +407,10 @@ def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
 
 
 def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, links: Links,
-            local_aggregation: bool) -> Cost | None:
+            local_aggregation: bool, head_rides: bool = False) -> Cost | None:
     """One entry's expected step on its own (dense parameters unbucketed): what the planner
-    writes into the plan and the report prints. None for a served table with no traffic model."""
+    writes into the plan and the report prints. None for a served table with no traffic model.
+    `head_rides`: a hot head's sum rides a dense bucket (no meeting of its own)."""
     if plan.method == "allreduce":
         if plan.zero:
             return zero_sharded(plan, topology, links)
@@ -410,18 +419,19 @@ def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, l
         return dense_served(plan, topology, links)
     if traffic is None:
         return None
-    return ps_split(plan, traffic, topology, links, local_aggregation)
+    return ps_split(plan, traffic, topology, links, local_aggregation, head_rides=head_rides)
 
 
 def ps_split(plan: ParamPlan, traffic: TableTraffic, topology: Topology, links: Links,
-             local_aggregation: bool, tail: bool = False) -> Cost:
+             local_aggregation: bool, tail: bool = False, head_rides: bool = False) -> Cost:
     """A server table whose first `hot_rows` rows are replicated: the head's all-reduce (rows
     and touched flags) plus the servers' traffic of the tail (`tail`: `traffic` is already the
-    tail's, as the planner computes it once for every partition count)."""
+    tail's, as the planner computes it once for every partition count). `head_rides`: the
+    head's sum rides the last dense bucket (sync/dense.py), so it costs its bytes and no
+    meeting of its own."""
     rest = traffic if tail else traffic.tail(plan.hot_rows)
     tail = ps_expected(plan, rest, topology, links, local_aggregation)
     if not plan.hot_rows:
         return tail
-    head = ring_allreduce(plan.hot_rows * (plan.row_bytes + dtype_bytes(plan.dtype)), topology,
-                          links)
+    head = ring_allreduce(hot_head_bytes(plan), topology, links, buckets=0 if head_rides else 1)
     return Cost(tail.bytes_sent + head.bytes_sent, tail.seconds + head.seconds)

@@ -71,6 +71,10 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
         raise PlanError(f"zero_scope: 'host' shards inside each host, which needs hosts of one "
                         f"size; these have {[len(h) for h in topology.hosts]} ranks (use "
                         f"zero_scope='world')")
+    # A hot head's sum rides the last dense bucket where dense parameters of its dtype are
+    # all-reduced in buckets (sync/dense.py): its bytes then, and no meeting of its own.
+    bucketed = {i.dtype for i in infos if not i.is_table} if mode == "hybrid" and zero <= 1 \
+        else set()
     params = []
     for info in infos:
         method, reason = _rule(info, mode, density_threshold)
@@ -78,7 +82,7 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
         # One rank sends nothing either way: the rule decides (a sparse gradient stays sparse).
         if mode == "hybrid" and info.is_table and info.name in traffic and world_size > 1:
             searched = search(info, traffic[info.name], topology, links, local_aggregation,
-                              row_map)
+                              row_map, head_rides=info.dtype in bucketed)
             method, reason = searched.method, searched.reason
         if info.name in overrides:
             method, reason = overrides[info.name], "set by the user"
@@ -101,7 +105,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                           if zero == 3 and method == "allreduce" else None,
                           zero_scope=zero_scope if zero and method == "allreduce" else "world")
         params.append(dataclasses.replace(entry, predicted=predict(
-            entry, traffic.get(info.name), topology, links, local_aggregation)))
+            entry, traffic.get(info.name), topology, links, local_aggregation,
+            head_rides=info.dtype in bucketed)))
     _refuse_recomputed_tables(recompute, params)
     return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes,
                 Mesh.from_topology(topology), recompute, *offload)
@@ -177,7 +182,8 @@ def partition_candidates(world_size: int, rows: int) -> list[int]:
 
 
 def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Links,
-           local_aggregation: bool, row_map: RowMapChoice = "auto") -> ParamPlan:
+           local_aggregation: bool, row_map: RowMapChoice = "auto",
+           head_rides: bool = False) -> ParamPlan:
     """The cheapest way to synchronise one table: all-reduce, or the servers with P partitions
     of contiguous or hashed rows ("auto": both costed; a tie goes to hashed), each either alone
     or with the head of a Zipf table replicated (`hot_rows`: the rows every rank touches with
@@ -194,7 +200,8 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
     # Splits at the best partition count (a head changes how many rows travel, not where).
     for hot, tail in traffic.splits() if best_ps is not None else []:
         candidate = dataclasses.replace(best_ps[0], hot_rows=hot)
-        cost = ps_split(candidate, tail, topology, links, local_aggregation, tail=True)
+        cost = ps_split(candidate, tail, topology, links, local_aggregation, tail=True,
+                        head_rides=head_rides)
         if cost.seconds < best_ps[1].seconds:
             best_ps = (candidate, cost)
     fraction = traffic.per_rank / info.shape[0]

@@ -149,9 +149,11 @@ class Engine:
         # Stage 1 keeps DDP's all-reduced gradients; 2 and 3 reduce-scatter their own.
         dense = [(n, p) for n, p in dense if stage.get(n, 0) <= 1]
         self.dense_params = dense
+        head_dtypes = {t.head.weight.dtype for t in self.tables.values() if t.head is not None}
         self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
                                self.plan.bucket_bytes, successor_remote, self.checks,
-                               on_grad=self._touched)
+                               on_grad=self._touched,
+                               rider_dtype=head_dtypes.pop() if len(head_dtypes) == 1 else None)
         self.changes.record("dense parameters: post-accumulate-grad hooks (all-reduce buckets)",
                             lambda: [handle.remove() for handle in self.dense.handles])
         if self.checks is not None:   # server tables check their ids before the pull
@@ -247,9 +249,10 @@ class Engine:
             self.zero.end_backward()
             return
         self._check_server_gradients()  # before the dense sync, which carries the verdict
-        self.dense.launch_rest()
+        heads = [t.head for t in self.tables.values() if t.head is not None]
+        heads_ride = self.dense.launch_rest(heads)
         self.zero.launch_rest()
-        self._push_servers()            # while the last buckets are reduced
+        self._push_servers(heads_ride)  # while the last buckets are reduced
         self.dense.wait()
         self.zero.wait()
         self.zero.end_backward()
@@ -283,8 +286,9 @@ class Engine:
         for lookup, r in zip(lookups, rows):
             lookup.complete(r)
 
-    def _push_servers(self) -> None:
-        push_tables(list(self.tables.values()))
+    def _push_servers(self, heads_ride: bool = False) -> None:
+        """`heads_ride`: the hot heads' sums are on their way in the last dense bucket."""
+        push_tables(list(self.tables.values()), with_heads=not heads_ride)
         for served in self.served.values():
             served.push()
         self._unsynced = False

@@ -173,11 +173,11 @@ def _send_ids(tables, h, counts: torch.Tensor, flat_ids: list[torch.Tensor]):
 
 # -- push ---------------------------------------------------------------------------------------
 
-def push_tables(tables: list[PSTable]) -> None:
+def push_tables(tables: list[PSTable], with_heads: bool = True) -> None:
     """Send every table's pending gradient rows to their owners, which sum them into `received`
     until the step applies them (a collective: every rank calls it with the same tables). Hot
-    heads (sync/hot.py) are all-reduced meanwhile."""
-    heads = [t.head for t in tables if t.head is not None]
+    heads (sync/hot.py) are all-reduced meanwhile, unless they ride a dense bucket instead."""
+    heads = [t.head for t in tables if t.head is not None] if with_heads else []
     for head in heads:
         head.launch()
     retrace, carry = [], []

@@ -4,8 +4,9 @@ every rank touches every step, kept replicated on every rank instead of on the s
 No id travels for them. A lookup reads head rows from the local replica and pulls only the tail
 from the servers (sync/sparse.py). Their gradient rows are summed into a local (hot_rows x width)
 buffer with one touched flag per row; at the push (sync/exchange.py) buffer and flags are
-all-reduced together, one collective for the head (counted as "allreduce",
-cost.hot_sync_bytes); at the optimizer step every rank applies the same row-wise optimizer
+summed over the world: riding the last dense all-reduce bucket where the model has one of the
+head's dtype (sync/dense.py; no collective of its own, only its bytes), else in an all-reduce
+of its own (counted as "allreduce" either way; cost.hot_sync_bytes); at the optimizer step every rank applies the same row-wise optimizer
 (optim/rowwise.py) to the rows some rank touched, identically, so the replicas stay equal and
 the update is what the servers would have applied: lazy, as theirs.
 """
@@ -37,19 +38,29 @@ class HotHead:
         self.grad.index_add_(0, ids, grads)
         self.touched[ids] = 1
 
-    def launch(self) -> None:
-        """Start summing this rank's gradient rows and flags over the world (a collective)."""
-        self._buffer = torch.cat([self.grad.reshape(-1), self.touched])
-        self._work = all_reduce_async(self._buffer, self.groups.world, self.stats, "allreduce",
-                                      self.successor_remote)
+    def outgoing(self) -> torch.Tensor:
+        """This rank's gradient rows and touched flags since the last push, flat, to be summed
+        over the world (by `launch`, or in a dense bucket that hands the sum to `landed`)."""
+        buffer = torch.cat([self.grad.reshape(-1), self.touched])
         self.grad.zero_()
         self.touched.zero_()
+        return buffer
+
+    def launch(self) -> None:
+        """Start summing this rank's gradient rows and flags over the world (a collective)."""
+        self._buffer = self.outgoing()
+        self._work = all_reduce_async(self._buffer, self.groups.world, self.stats, "allreduce",
+                                      self.successor_remote)
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
         self._work = None
         buffer, self._buffer = self._buffer, None
+        self.landed(buffer)
+
+    def landed(self, buffer: torch.Tensor) -> None:
+        """`outgoing()` summed over the world (this head's own tensor: kept, scaled in place)."""
         grads = buffer[:self.grad.numel()].view_as(self.grad).mul_(self.scale)
         flags = buffer[self.grad.numel():]
         if self.received is None:
