@@ -4,6 +4,15 @@
     plan = tilework.plan(model, tilework.ParallelConfig(), cluster)   # pure: what it would do
 """
 
+import torch as _torch
+
+# The oldest torch the suite was run on (docs/torch-versions.md); pyproject's floor says the same.
+MIN_TORCH = (2, 6)
+if tuple(int(x) for x in _torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
+    _floor = ".".join(map(str, MIN_TORCH))
+    raise ImportError(f"tilework needs torch >= {_floor}, this is torch {_torch.__version__}: "
+                      f"pip install 'torch>={_floor}' (or your CUDA build)")
+
 from .api import (clip_grad_norm_, clip_grad_value_, data_parallel_rank, full_parameters, load,
                   load_state_dict, parallelize, save, state_dict, stats, unparallelize)
 from .cluster import Cluster, Host, Link, Topology

@@ -17,15 +17,10 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts, noop_context_fn)
 
-from ..errors import UserError
 from .changes import Changes
-
-try:   # selective activation checkpointing came with torch 2.5
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-except ImportError:
-    CheckpointPolicy = create_selective_checkpoint_contexts = None
 from .lookups import _real
 
 
@@ -43,7 +38,7 @@ SAVED_OPS = _packets("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution
                      "_scaled_dot_product_cudnn_attention")
 
 
-def selective_policy(ctx, func, *args, **kwargs) -> "CheckpointPolicy":
+def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """Keep the matmul-family outputs, recompute everything else.
 
     Why this split: a block's memory is dominated by the outputs of its cheap ops (GELU's and
@@ -88,9 +83,6 @@ class Recomputed:
 
 def apply_recompute(model: nn.Module, recompute, changes: Changes) -> None:
     """Wrap the forward of each (module name, policy) in `recompute`; each undoable."""
-    if create_selective_checkpoint_contexts is None and any(p == "selective" for _, p in recompute):
-        raise UserError(f"recompute: 'selective' needs torch >= 2.5 (selective activation "
-                        f"checkpointing), this is torch {torch.__version__}; use 'full'")
     for name, policy in recompute:
         module = model.get_submodule(name)
         changes.set_attribute(module, "forward", Recomputed(module.forward, policy),
