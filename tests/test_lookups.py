@@ -31,12 +31,18 @@ def batch(step, rank=0, world_size=1, kind="random"):
     """"random": fresh ids every step. "repeat": the same few ids on steps 0-2 (every id block
     sized on step 0 holds them), then on step 3 eight distinct ids per table (they overflow).
     "one-rank": the same, but on step 3 only rank 1's ids outgrow its blocks: rank 0's fit, and
-    it must still meet for the overflow, which it learns from rank 1's flag."""
+    it must still meet for the overflow, which it learns from rank 1's flag. "spike": on step 1
+    only, a batch four times larger with distinct ids (as an evaluation's might be), then the
+    few ids again."""
     g = torch.Generator().manual_seed(step if kind == "random" else 0)
     ids = torch.randint(0, 40, (BATCH, TABLES), generator=g)
     if kind != "random":
         ids = ids % 3
-    if kind != "random" and step == 3:
+    if kind == "spike" and step == 1:
+        ids = torch.arange(4 * BATCH)[:, None] + torch.arange(TABLES)
+        return ids.chunk(world_size)[rank], torch.randn(4 * BATCH, generator=g).chunk(
+            world_size)[rank]
+    if kind in ("repeat", "one-rank") and step == 3:
         spread = torch.arange(BATCH)[:, None] * 5 + torch.arange(TABLES)
         rows = slice(None) if kind == "repeat" else slice(BATCH // 2, None)  # "one-rank": rank 1's
         ids[rows] = spread[rows]
@@ -79,7 +85,7 @@ def _one_process_losses(kind, steps):
 
 
 @pytest.mark.parametrize("kind, calls", [("repeat", [4, 3, 3, 4]), ("one-rank", [4, 3, 3, 4]),
-                                         ("random", None)])
+                                         ("spike", [4, 4, 3, 3]), ("random", None)])
 def test_a_step_meets_the_other_ranks_three_times_for_all_tables(kind, calls):
     """Pull: the id blocks (step 0, sized nothing yet: everything overflows into a second
     exchange; then only when the ids outgrow the blocks) and the rows; push: rows retracing
@@ -100,6 +106,8 @@ def test_a_step_meets_the_other_ranks_three_times_for_all_tables(kind, calls):
         want = ps_step_bytes(plan.of("ps"), [[i[:, t] for i in ids] for t in range(TABLES)],
                              Topology.uniform(1, 2), plan.local_aggregation, id_blocks)
         assert [out[r][2][step] for r in range(2)] == want, step
+    if kind == "spike":   # the blocks shrank back after the spike: less padding on step 3
+        assert all(out[r][2][3] < out[r][2][2] for r in range(2))
 
 
 def _stand_in(rank, world_size):

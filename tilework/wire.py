@@ -47,9 +47,12 @@ def count_exchange_bytes(n: int) -> int:
 def id_block_capacity(count: int, capacity: int) -> int:
     """The ids one rank's pull block to a peer holds from the next step on (sync/exchange.py),
     from what this step sent in that block (`count`) and what it held: both ends know both, so
-    they agree without a word. Grows with a quarter's headroom and never shrinks, so a steady
-    stream of ids stops overflowing after its largest step."""
-    return capacity if count <= capacity else count + count // 4
+    they agree without a word. Grows with a quarter's headroom, so a steady stream of ids stops
+    overflowing after its largest step. Shrinks to the same headroom only when a step's ids
+    need under a quarter of the block: a spike (an evaluation's larger batch) does not pad every
+    later step, while ordinary swings between steps never cost an overflow's extra meeting."""
+    fitted = count + count // 4
+    return fitted if count > capacity or 4 * fitted < capacity else capacity
 
 
 ALL_REDUCE = Collective("all_reduce", ring_allreduce_bytes, lambda n: 2 * (n - 1))
