@@ -117,6 +117,12 @@ class _Pending:
         return self.finish()
 
 
+# Newer torch names the flat collectives *_single and deprecates (FutureWarning on every call)
+# the *_tensor names, which are all that torch 2.6-2.11 have.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def reduce_scatter_async(flat: torch.Tensor, group, stats: Stats, method: str,
                          remote: list[bool] | None = None) -> _Pending:
     """Sum over `group` of `flat`, n equal chunks in rank order; `.wait()` returns this rank's
@@ -132,7 +138,7 @@ def reduce_scatter_async(flat: torch.Tensor, group, stats: Stats, method: str,
     stats.record(method, wire, wire, part * sum(remote or []))
     if dist.get_backend(group) == "nccl":
         out = flat.new_empty(flat.numel() // n)
-        return _Pending(dist.reduce_scatter_tensor(out, flat, group=group, async_op=True),
+        return _Pending(_reduce_scatter_flat(out, flat, group=group, async_op=True),
                         lambda: out)
     recv = torch.empty_like(flat)
     work = dist.all_to_all_single(recv, flat, group=group, async_op=True)
@@ -149,7 +155,7 @@ def all_gather_async(part: torch.Tensor, group, stats: Stats, method: str,
     wire = all_gather_bytes(part.numel() * part.element_size(), n)
     stats.record(method, wire, wire, wire if successor_remote else 0)
     out = part.new_empty(n * part.numel())
-    return _Pending(dist.all_gather_into_tensor(out, part, group=group, async_op=True),
+    return _Pending(_all_gather_flat(out, part, group=group, async_op=True),
                     lambda: out)
 
 
