@@ -13,17 +13,11 @@ import inspect
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from tilework import ParallelConfig, estimate_memory
 from tilework.bench.workloads import WORKLOADS
 from tilework.cluster import Cluster, Host
-
-
-def mem_tracker():
-    """torch's MemTracker, the measure these tests hold the estimate to; it came with torch 2.5,
-    so on an older torch (inside the declared range) the tests that measure with it skip."""
-    return pytest.importorskip("torch.distributed._tools.mem_tracker",
-                               reason="MemTracker needs torch >= 2.5").MemTracker
 
 
 def _current(tracker) -> dict:
@@ -34,7 +28,7 @@ def _current(tracker) -> dict:
 def _measure(model, optimizer, inputs) -> dict:
     """MemTracker's categories where each is largest: activations after forward, gradients
     after backward, optimizer state after the step; the peak (buffers are not ours to count)."""
-    tracker = mem_tracker()()
+    tracker = MemTracker()
     tracker.track_external(model, optimizer)
     with tracker:
         for _ in range(2):   # the second step holds the optimizer state from the start
@@ -79,7 +73,7 @@ def _step_temporaries_measured(params, opt) -> int:
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    tracker = mem_tracker()()
+    tracker = MemTracker()
     tracker.track_external(*params, *[p.grad for p in params], opt)
     with tracker:
         before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
@@ -161,7 +155,7 @@ def test_the_servers_row_step_rule_against_a_measured_step(family, lazy):
     rows = torch.randperm(5000)[:700] if lazy else torch.arange(5000)
     grads = torch.randn(len(rows), 16)
     opt.apply(rows, grads)
-    tracker = mem_tracker()()
+    tracker = MemTracker()
     tracker.track_external(shard, rows, grads, *opt.state.values())
     with tracker:
         before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
@@ -230,7 +224,7 @@ def _zero_inputs(rank, workload=None):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _without_stand_ins(tracker):
+def _without_stand_ins(tracker: MemTracker) -> MemTracker:
     """The tracker, blind to ZeRO's `.grad` stand-ins (shards.ShardedGradient): a wrapper
     subclass has a storage of the gradient's nominal size and no data, which MemTracker would
     count as a gradient when its post-accumulate hook runs after ZeRO's has put one there."""
@@ -252,7 +246,7 @@ def _zero_rank(rank, world_size, config, workload=None):
     opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if workload else
            torch.optim.AdamW(model.parameters(), lr=1e-3))
     tilework.parallelize(model, opt, config, log=False)
-    tracker = _without_stand_ins(mem_tracker()())
+    tracker = _without_stand_ins(MemTracker())
     # The shards are the optimizer's parameters, not the model's: tracked as "other".
     tracker.track_external(model, opt, *[s.shard for s in model._tilework_engine.zero.shards])
     with tracker:
@@ -287,7 +281,6 @@ def test_zero_estimate_against_memtracker_on_two_ranks(zero, recompute, workload
     from tilework.planner import plan as make_plan
     from tilework.testing import spawn
 
-    mem_tracker()   # skips here, on a torch without it, rather than fail in the ranks
     config = ParallelConfig(zero=zero, recompute=recompute, check_inputs=False)
     model = _zero_model(workload)
     plan = make_plan(model, config, topology=Topology.from_sizes([2]))

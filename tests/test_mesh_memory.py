@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 import tilework
 from tilework import ParallelConfig
 from tilework.models.gpt import TinyGPT
-
-MemTracker = pytest.importorskip("torch.distributed._tools.mem_tracker",
-                                 reason="MemTracker needs torch >= 2.5").MemTracker
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 2000, 128, 4, 4, 32, 8
 CONFIGS = {"tp2": dict(tp=2), "tp2+sp": dict(tp=2, sequence_parallel=True),
