@@ -19,6 +19,7 @@ from .cluster import Cluster, Host, Link, Topology
 from .errors import UserError
 from .memory import estimate_memory
 from .parallel_config import ParallelConfig
+from .sync.ahead import prefetch
 # Last: the function `plan` takes the name that importing the submodule `tilework.plan` (the
 # plan's data types, `from tilework.plan import Plan`) gave the package.
 from .planner import plan  # noqa: E402
@@ -26,4 +27,5 @@ from .planner import plan  # noqa: E402
 __version__ = "0.1.0"
 __all__ = ["parallelize", "unparallelize", "plan", "ParallelConfig", "clip_grad_norm_", "clip_grad_value_",
            "stats", "save", "load", "state_dict", "load_state_dict", "Cluster", "Host", "Link",
-           "Topology", "UserError", "estimate_memory", "full_parameters", "data_parallel_rank"]
+           "Topology", "UserError", "estimate_memory", "full_parameters", "data_parallel_rank",
+           "prefetch"]

@@ -280,9 +280,9 @@ class Engine:
         output computed as its module would have, under the grad mode of its call."""
         names = ", ".join(dict.fromkeys(lookup.table.name for lookup in lookups))
         with self.guard.call(f"a lookup in {names} (the model's forward)"):
-            rows = pull_tables([lookup.table for lookup in lookups],
-                               [lookup.ids for lookup in lookups],
-                               [lookup.grad_enabled for lookup in lookups])
+            rows = pull_tables([lookup.table for lookup in lookups], [lookup.ids for lookup in lookups],
+                               [lookup.grad_enabled for lookup in lookups],
+                               [lookup.key for lookup in lookups], self.lookups.ahead)
         for lookup, r in zip(lookups, rows):
             lookup.complete(r)
 

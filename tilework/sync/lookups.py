@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 import torch.fx._symbolic_trace as _fx
 
+from .ahead import Ahead
+
 # Answered from the stand-in: the output's metadata is known before its rows arrive.
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
              torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -32,6 +34,7 @@ class Lookup:
     finish: Callable[[torch.Tensor], torch.Tensor]   # rows -> the module's output
     grad_enabled: bool
     inference: bool = False              # made under torch.inference_mode()
+    key: tuple | None = None             # where its ids sit in the loop's batch (sync/ahead.py)
     stand_in: "Deferred | None" = None
     output: torch.Tensor | None = None
 
@@ -48,9 +51,10 @@ class Lookup:
 class Batch:
     """Lookups waiting for their rows; `pull` fetches them (a collective)."""
 
-    def __init__(self, pull: Callable[[list[Lookup]], None]):
+    def __init__(self, pull: Callable[[list[Lookup]], None], ahead: Ahead | None = None):
         self.waiting: list[Lookup] = []
         self._pull = pull
+        self.ahead = Ahead() if ahead is None else ahead   # the loop's batches, if prefetched
 
     def add(self, lookup: Lookup, like: torch.Tensor) -> torch.Tensor:
         if _tracing():

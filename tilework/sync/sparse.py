@@ -262,8 +262,10 @@ class ShardedEmbedding(nn.Module):
                                        padding_idx=pad)
             return F.embedding(local, rows, padding_idx=pad)
 
+        # Tables served in one hop may have had this lookup's route sent ahead (sync/ahead.py).
+        key = self.lookups.ahead.key_of(input) if len(self.table.hops) == 1 else None
         lookup = Lookup(self.table, ids[hot:], finish, torch.is_grad_enabled(),
-                        torch.is_inference_mode_enabled())
+                        torch.is_inference_mode_enabled(), key)
         return self.lookups.add(lookup, self._output_like(input, offsets))
 
     def _output_like(self, input: torch.Tensor, offsets) -> torch.Tensor:

@@ -1,0 +1,178 @@
+"""tilework.prefetch: the next batch's ids are routed with this step's rows (sync/ahead.py).
+A pull then meets the other ranks once instead of twice; the bytes over a run are those of the
+same run without it (the same id blocks, each sent one exchange earlier); the model trains as
+one process does. Where a rank cannot route a lookup ahead, no rank does."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import tilework
+from tilework.cluster import Topology
+from tilework.cost import ps_step_bytes
+from tilework.errors import PlanError
+from tilework.testing import RankFailed, spawn
+from tests.test_hot_rows import Model as HotModel, batch as hot_batch, hot_plan
+from tests.test_lookups import TABLES, Recommender, _one_process_losses, batch
+
+STEPS = 4
+
+
+def _train(rank, world_size, kind, ahead=True, change_in_place=False):
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, mode="hybrid", log=False)
+    loader = [batch(step, rank, world_size, kind) for step in range(STEPS)]
+    calls, losses, sent = [], [], []
+    for ids, y in tilework.prefetch(loader, model) if ahead else loader:
+        if change_in_place and len(losses) == 1:
+            ids[0, 0] = (ids[0, 0] + 1) % 40
+        loss = nn.functional.mse_loss(model(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        calls.append(tilework.stats(model)["last_step"]["ps"]["calls"])
+        losses.append(loss.item())
+        sent.append(tilework.stats(model)["last_step"]["ps"]["sent"])
+    return calls, losses, sent, model._tilework_engine.plan
+
+
+@pytest.mark.parametrize("kind, calls", [
+    # step 0 sends its own ids (a second exchange: no block is sized yet); from then on a pull
+    # is one exchange and the push one; step 2 carries step 3's overflowing ids (one more)
+    ("repeat", [4, 2, 3, 2]),
+    # step 1 is four times larger: step 0 cannot route a view of another shape, so it holds
+    # every table back and step 1 sends its own ids (overflowing); so does step 2, whose
+    # shape step 1 cannot give either; step 3's are routed
+    ("spike", [4, 4, 3, 2]),
+    ("random", None)])
+def test_a_prefetched_pull_meets_once_and_the_run_sends_the_same_bytes(kind, calls):
+    out = spawn(_train, world_size=2, args=(kind,), timeout=90)
+    for step, want in enumerate(_one_process_losses(kind, STEPS)):
+        mean = (out[0][1][step] + out[1][1][step]) / 2
+        assert abs(mean - want) < 1e-5, step
+    assert out[0][0] == out[1][0]
+    if calls:
+        assert out[0][0] == calls
+    else:
+        assert out[0][0][0] == 4 and out[0][0][-1] == 2 and set(out[0][0][1:]) <= {2, 3}
+    if kind == "spike":   # blocks held back still carry their padding
+        return
+    plan, id_blocks, total = out[0][3], {}, [0, 0]
+    for step in range(STEPS):
+        ids = [batch(step, r, 2, kind)[0] for r in range(2)]
+        step_bytes = ps_step_bytes(plan.of("ps"), [[i[:, t] for i in ids] for t in range(TABLES)],
+                                   Topology.uniform(1, 2), plan.local_aggregation, id_blocks)
+        total = [a + b for a, b in zip(total, step_bytes)]
+    assert [sum(out[r][2]) for r in range(2)] == total
+
+
+def test_a_batch_changed_in_place_after_it_was_read_ahead_is_refused():
+    with pytest.raises(RankFailed, match=r"ids looked up differ from those tilework.prefetch "
+                                         r"read ahead at batch\[0\]"):
+        spawn(_train, world_size=2, args=("random", True, True), timeout=90)
+
+
+def _mixed(rank, world_size, ahead):
+    """One table looked up with the batch's ids, in a pull of its own, then one with ids
+    computed from them (never routed ahead); an evaluation on another batch between steps."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Embedding(40, 4, sparse=True),
+                           "b": nn.Embedding(41, 4, sparse=True), "head": nn.Linear(8, 1)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if world_size > 1:
+        tilework.parallelize(model, opt, mode="hybrid", log=False)
+
+    def forward(ids):
+        a = model["a"](ids[:, 0]) * 2   # used at once: a pull of its own
+        x = torch.cat([a, model["b"]((ids[:, 1] * 7) % 41)], 1)
+        return model["head"](x).squeeze(1)
+
+    loader = [batch(step, rank, world_size) for step in range(STEPS)]
+    if world_size > 1 and ahead:
+        loader = tilework.prefetch(loader, model)
+    calls, losses, evaluated = [], [], []
+    for ids, y in loader:
+        loss = nn.functional.mse_loss(forward(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        with torch.no_grad():
+            evaluated.append(forward(batch(10 + len(losses), rank, world_size)[0]).sum().item())
+        if world_size > 1:
+            calls.append(tilework.stats(model)["last_step"]["ps"]["calls"])
+    return calls, losses, evaluated
+
+
+def test_a_pull_of_computed_ids_and_an_evaluation_between_steps():
+    """Table a's pull is routed ahead; b's ids are computed, so its pull sends them as always;
+    an evaluation's lookups (not the loop's batch) leave the routed entries to the next
+    training step. Meetings: fewer in all (which step pays an overflow depends on how the
+    evaluation's and training's ids take turns in a's blocks)."""
+    routed = spawn(_mixed, world_size=2, args=(True,), timeout=90)
+    plain = spawn(_mixed, world_size=2, args=(False,), timeout=90)
+    one = _mixed(0, 1, False)
+    for step in range(STEPS):
+        assert abs((routed[0][1][step] + routed[1][1][step]) / 2 - one[1][step]) < 1e-5
+        assert routed[0][1][step] == plain[0][1][step]
+        assert routed[0][2][step] == plain[0][2][step]
+    assert routed[0][0] == routed[1][0]
+    assert sum(routed[0][0]) < sum(plain[0][0])
+
+
+def _hot(rank, world_size, ahead):
+    model = HotModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if world_size > 1:
+        tilework.parallelize(model, opt, plan=hot_plan(model, world_size), log=False)
+    loader = [hot_batch(step, rank, world_size) for step in range(STEPS)]
+    if world_size > 1 and ahead:
+        loader = tilework.prefetch(loader, model)
+    losses = []
+    for ids, y in loader:
+        loss = nn.functional.mse_loss(model(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_hot_heads_and_two_tables_reading_one_batch_tensor():
+    """Two tables (an Embedding and an EmbeddingBag) look up the same batch tensor, their head
+    rows replicated: each table routes its own tail ahead."""
+    routed = spawn(_hot, world_size=2, args=(True,), timeout=90)
+    losses, state = _hot(0, 1, False)
+    for step in range(STEPS):
+        assert abs((routed[0][0][step] + routed[1][0][step]) / 2 - losses[step]) < 1e-5
+    for name, value in state.items():
+        torch.testing.assert_close(routed[0][1][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_prefetch_needs_a_parallelized_model():
+    with pytest.raises(PlanError, match="not parallelized by tilework.parallelize"):
+        next(iter(tilework.prefetch([1, 2], nn.Linear(1, 1))))
+
+
+def test_prefetch_reads_one_batch_ahead_and_yields_every_batch():
+    read = []
+
+    def loader():
+        for i in range(3):
+            read.append(i)
+            yield i
+
+    class Engine:
+        lookups = dataclasses.make_dataclass("L", ["ahead"])(
+            tilework.sync.ahead.Ahead())
+
+    model = nn.Linear(1, 1)
+    model._tilework_engine = Engine()
+    seen = []
+    for b in tilework.prefetch(loader(), model):
+        seen.append((b, list(read), Engine.lookups.ahead.next))
+    assert seen == [(0, [0, 1], 1), (1, [0, 1, 2], 2), (2, [0, 1, 2], None)]
+    assert not Engine.lookups.ahead.active
