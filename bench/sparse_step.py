@@ -2,13 +2,16 @@
 
     torchrun --nproc-per-node 2 bench/sparse_step.py recommender [--rounds 5] [--steps 30]
     torchrun --nproc-per-node 2 bench/sparse_step.py lm100k --systems ddp-sparse hybrid --profile
+    torchrun --nproc-per-node 2 bench/sparse_step.py recommender --base hybrid-ahead \
+        --systems hybrid-ahead hybrid ddp-sparse torchrec
 
 Each round builds every system afresh (same model, seed, data and SGD as `tilework bench`) and
 times `steps` steps after 5 warm-up ones; a step's time is its slowest rank's, a round's the
 median step. Rounds interleave the systems so that drifts in the machine's speed hit all alike;
-hybrid's step time over each system's is the median of the per-round ratios (paired). Also
-prints, for hybrid, how many times per step the ranks meet (counted collectives by method) and,
-with --profile, rank 0's cProfile of one round of hybrid (the top functions by own time).
+the base system's (--base, hybrid unless named) step time over each system's is the median of
+the per-round ratios (paired). Also prints, for tilework's systems, how many times per step the
+ranks meet (counted collectives by method) and, with --profile, rank 0's cProfile of one round
+of the base system (the top functions by own time).
 TorchRec systems run where torchrec is installed (see README), else they are left out.
 """
 
@@ -24,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tilework.bench.worker import TORCHREC_SYSTEMS, _setup
+from tilework.bench.worker import TORCHREC_SYSTEMS, _setup, batches
 from tilework.bench.workloads import WORKLOADS
 
 WARMUP = 5
@@ -33,8 +36,8 @@ WARMUP = 5
 def round_median(workload, system, steps, rank, world_size, profile=None) -> tuple[float, dict]:
     model, opt, _, _ = _setup(workload, system, world_size)
     times = []
-    for step in range(WARMUP + steps):
-        inputs = workload.batch(step, rank, world_size)
+    for step, inputs in enumerate(batches(workload, system, model, rank, world_size,
+                                          WARMUP + steps)):
         dist.barrier()
         if profile is not None and step == WARMUP:
             profile.enable()
@@ -49,7 +52,7 @@ def round_median(workload, system, steps, rank, world_size, profile=None) -> tup
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     calls = {}
-    if system in ("hybrid", "ps", "allreduce"):
+    if system in ("hybrid", "hybrid-ahead", "ps", "allreduce"):
         import tilework
 
         calls = {m: t["calls"] for m, t in tilework.stats(model)["last_step"].items()}
@@ -71,6 +74,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--base", default="hybrid", help="the system the others are compared with "
+                   "(hybrid-ahead: hybrid reading its batches through tilework.prefetch)")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -82,30 +87,32 @@ def main() -> None:
     calls: dict = {}
     for r in range(a.rounds):
         for system in systems:
-            profile = cProfile.Profile() if a.profile and system == "hybrid" and r == 0 \
+            profile = cProfile.Profile() if a.profile and system == a.base and r == 0 \
                 and rank == 0 else None
             median, got = round_median(workload, system, a.steps, rank, world_size, profile)
             rounds[system].append(median)
-            calls = got or calls
+            if got:
+                calls[system] = got
             if profile is not None:
                 text = io.StringIO()
                 pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
                 print(text.getvalue())
     if rank == 0:
-        report(a.workload, rounds, calls)
+        report(a.workload, rounds, calls, a.base)
+    dist.destroy_process_group()
 
 
-def report(workload: str, rounds: dict[str, list[float]], calls: dict) -> None:
-    base = rounds.get("hybrid")
+def report(workload: str, rounds: dict[str, list[float]], calls: dict, base_system: str) -> None:
+    base = rounds.get(base_system)
     for system, values in rounds.items():
-        line = (f"{workload:>11} {system:>11}: " + " ".join(f"{v * 1e3:6.2f}" for v in values)
+        line = (f"{workload:>11} {system:>12}: " + " ".join(f"{v * 1e3:6.2f}" for v in values)
                 + f"  median {statistics.median(values) * 1e3:6.2f} ms/step")
-        if base and system != "hybrid":
+        if base and system != base_system:
             paired = statistics.median(b / v for v, b in zip(values, base))
-            line += f"  hybrid's step is {paired:.2f}x this one's"
+            line += f"  {base_system}'s step is {paired:.2f}x this one's"
         print(line)
-    if calls:
-        print(f"hybrid meets the other ranks per step: {calls} (collectives by method)")
+    for system, counted in calls.items():
+        print(f"{system} meets the other ranks per step: {counted} (collectives by method)")
 
 
 if __name__ == "__main__":

@@ -77,8 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                                          "namespaces; else loopback)")
     bench.add_argument("--quick", action="store_true", help="under 2 minutes: lm100k and cnn")
     bench.add_argument("--workloads", nargs="+", help="lm100k lm800k cnn gpt recommender")
-    bench.add_argument("--systems", nargs="+", help="ddp ddp-sparse allreduce ps hybrid torchrec "
-                       "torchrec-rw (the last two: recommender only, optional; see README); "
+    bench.add_argument("--systems", nargs="+", help="ddp ddp-sparse allreduce ps hybrid "
+                       "hybrid-ahead (hybrid reading its batches through tilework.prefetch) "
+                       "torchrec torchrec-rw (the last two: recommender only, optional; see README); "
                        "also, not by default: hybrid-zipf hybrid-hot (hot rows), "
                        "hybrid-contiguous (rows in contiguous ranges)")
     bench.add_argument("--steps", type=int, default=5, help="measured steps (median)")

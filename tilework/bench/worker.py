@@ -9,7 +9,8 @@ hybrid-zipf (hybrid planned with the workload's Zipf traffic: the planner choose
 its hot head), hybrid-hot (that plan with each server table's head that a rank touches with
 probability >= 0.5 replicated where the planner kept none; sync/hot.py), hybrid-contiguous
 (hybrid with every table's rows in contiguous ranges, the layout before the planner chose hashed
-rows: what the row map gains), and TorchRec (torchrec,
+rows: what the row map gains), hybrid-ahead (hybrid with the loop's batches read through
+`tilework.prefetch`: the next batch's ids routed during this step), and TorchRec (torchrec,
 torchrec-rw: recommender only, optional; see torchrec_peer.py).
 """
 
@@ -27,8 +28,8 @@ import torch.distributed as dist
 
 from .torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
 
-SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-zipf", "hybrid-hot",
-           "hybrid-contiguous") + TORCHREC_SYSTEMS
+SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-ahead", "hybrid-zipf",
+           "hybrid-hot", "hybrid-contiguous") + TORCHREC_SYSTEMS
 
 
 def _setup(workload, system: str, world_size: int):
@@ -53,8 +54,18 @@ def _setup(workload, system: str, world_size: int):
     if system == "hybrid-contiguous":
         tilework.parallelize(model, opt, mode="hybrid", row_map="contiguous", log=False)
         return model, opt, None, {}
-    tilework.parallelize(model, opt, mode=system, log=False)
+    tilework.parallelize(model, opt, mode=system.removesuffix("-ahead"), log=False)
     return model, opt, None, {}
+
+
+def batches(workload, system: str, model, rank: int, world_size: int, count: int):
+    """The workload's batches, read through tilework.prefetch for hybrid-ahead."""
+    made = (workload.batch(step, rank, world_size) for step in range(count))
+    if system != "hybrid-ahead":
+        return made
+    import tilework
+
+    return tilework.prefetch(made, model)
 
 
 def _hot_plan(model, workload, world_size: int, probability: float | None):
@@ -101,8 +112,8 @@ def timed_steps(workload, system: str, model, opt, counter, rank: int, world_siz
     """`steps` steps after `warmup`, each from a barrier to after the optimizer's step: this
     rank's seconds and the bytes it sent in each (the system's own count)."""
     times, sent = [], []
-    for step in range(warmup + steps):
-        inputs = workload.batch(step, rank, world_size)
+    for step, inputs in enumerate(batches(workload, system, model, rank, world_size,
+                                          warmup + steps)):
         dist.barrier()
         start = time.perf_counter()
         model(*inputs).backward()
