@@ -17,7 +17,9 @@ What changed for tilework:
 - gradient clipping by `tilework.clip_grad_norm_(dlrm, max_norm)`, the drop-in that also sees the
   tables' gradients (torch's own sees only parameters, and refuses sparse gradients);
 - `dlrm.state_dict()` gathers the tables, so EVERY rank calls it; rank 0 writes the file;
-- rank r trains on its contiguous slice of each global mini-batch (offsets rebuilt for the slice).
+- rank r trains on its contiguous slice of each global mini-batch (offsets rebuilt for the slice);
+- the batches are read through `tilework.prefetch(batches, dlrm)`, which routes the next batch's
+  indices to the tables' owners during this step.
 The data is synthetic from a fixed seed (labels from a hidden rule): nothing is downloaded.
 
     python examples/dlrm_style.py --steps 8
@@ -192,8 +194,11 @@ def all_sum(values):
 
 ### main loop ###
 losses, norms, lrs = [], [], []
-for it in range(args.steps):
-    X, lS_o, lS_i, T = data.to_dlrm(*data.samples(it, args.mini_batch_size), rank, world_size)
+batches = (data.to_dlrm(*data.samples(it, args.mini_batch_size), rank, world_size)
+           for it in range(args.steps))
+if not args.plain:
+    batches = tilework.prefetch(batches, dlrm)   # tilework: next batch's ids routed meanwhile
+for it, (X, lS_o, lS_i, T) in enumerate(batches):
     optimizer.zero_grad()
     Z = dlrm(X, lS_o, lS_i)
     E = loss_fn(Z, T)

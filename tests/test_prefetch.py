@@ -176,3 +176,52 @@ def test_prefetch_reads_one_batch_ahead_and_yields_every_batch():
         seen.append((b, list(read), Engine.lookups.ahead.next))
     assert seen == [(0, [0, 1], 1), (1, [0, 1, 2], 2), (2, [0, 1, 2], None)]
     assert not Engine.lookups.ahead.active
+
+
+def _bags(step, rank, world_size):
+    """Multi-hot bags of varying length, as DLRM feeds them: (indices, offsets, targets); the
+    indices tensor changes length every batch."""
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(1, 4, (BATCH_BAGS,), generator=g)
+    ids = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
+    y = torch.randn(BATCH_BAGS, generator=g)
+    per = BATCH_BAGS // world_size
+    mine = slice(rank * per, (rank + 1) * per)
+    start = int(lengths[:rank * per].sum())
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths[mine].cumsum(0)[:-1]])
+    return ids[start:start + int(lengths[mine].sum())], offsets, y[mine]
+
+
+BATCH_BAGS = 8
+
+
+def _bag_model(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"bag": nn.EmbeddingBag(30, 4, mode="sum", sparse=True),
+                           "head": nn.Linear(4, 1)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = [_bags(step, rank, world_size) for step in range(STEPS)]
+    if world_size > 1:
+        tilework.parallelize(model, opt, mode="hybrid", log=False)
+        loader = tilework.prefetch(loader, model)
+    losses, calls = [], []
+    for ids, offsets, y in loader:
+        loss = nn.functional.mse_loss(model["head"](model["bag"](ids, offsets)).squeeze(1), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if world_size > 1:
+            calls.append(tilework.stats(model)["last_step"]["ps"]["calls"])
+    return losses, calls
+
+
+def test_bags_whose_indices_change_length_every_batch_are_routed_ahead():
+    """A whole batch tensor is keyed by its path alone, so bags of another length each batch
+    still go ahead (a view's geometry must match, a whole tensor's need not)."""
+    routed = spawn(_bag_model, world_size=2, timeout=90)
+    one, _ = _bag_model(0, 1)
+    for step in range(STEPS):
+        assert abs((routed[0][0][step] + routed[1][0][step]) / 2 - one[step]) < 1e-5
+    calls = routed[0][1]
+    assert calls == routed[1][1] and calls[-1] == 2 and set(calls[1:]) <= {2, 3}, calls

@@ -3,7 +3,8 @@ other ranks once (rows), not twice (ids, then rows).
 
 `prefetch(loader, model)` reads the loader one batch ahead and tells the engine which batch is
 being trained on and which comes next. A lookup whose ids are (a view of) a tensor of the current
-batch is keyed by where they sit in it: the tensor's path in the batch and the view's geometry.
+batch is keyed by where they sit in it: the tensor's path in the batch and, for a view, its
+geometry (a whole tensor is keyed by its path alone: multi-hot bags change length every batch).
 The pull that serves it carries, in its rows exchange, the same view of the next batch: its
 unique ids sorted to their owners, in an id block like the one the next pull would have sent
 (sync/exchange.py). Each rank keeps what it sent and what arrived as an `Entry`, and the next
@@ -93,6 +94,9 @@ class Ahead:
         if found is None:
             return None
         path, leaf = found
+        if (ids.shape == leaf.shape and ids.stride() == leaf.stride()
+                and ids.storage_offset() == leaf.storage_offset()):
+            return (path,)   # the whole tensor: the next one's, whatever its shape (bags vary)
         return (path, tuple(leaf.shape), leaf.stride(), tuple(ids.shape), ids.stride(),
                 ids.storage_offset() - leaf.storage_offset())
 
@@ -100,12 +104,16 @@ class Ahead:
         """The same view of the next batch, or None where it has none like it."""
         if key is None or self.next is None:
             return None
-        path, shape, stride, size, view_stride, offset = key
         try:
-            leaf = _at(self.next, path)
+            leaf = _at(self.next, key[0])
         except (KeyError, IndexError, TypeError):
             return None
-        if not torch.is_tensor(leaf) or tuple(leaf.shape) != shape or leaf.stride() != stride:
+        if not torch.is_tensor(leaf):
+            return None
+        if len(key) == 1:
+            return leaf
+        _, shape, stride, size, view_stride, offset = key
+        if tuple(leaf.shape) != shape or leaf.stride() != stride:
             return None
         return leaf.as_strided(size, view_stride, leaf.storage_offset() + offset)
 
