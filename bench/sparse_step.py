@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 bench/sparse_step.py lm100k --systems ddp-sparse hybrid --profile
     torchrun --nproc-per-node 2 bench/sparse_step.py recommender --base hybrid-ahead \
         --systems hybrid-ahead hybrid ddp-sparse torchrec
+    python bench/sparse_step.py recommender --hosts 2 --rate parallax ...   # root: emulated hosts
 
 Each round builds every system afresh (same model, seed, data and SGD as `tilework bench`) and
 times `steps` steps after 5 warm-up ones; a step's time is its slowest rank's, a round's the
@@ -20,8 +21,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -59,6 +63,31 @@ def round_median(workload, system, steps, rank, world_size, profile=None) -> tup
     return statistics.median(slowest.tolist()), calls
 
 
+def on_emulated_hosts(hosts: int, rate: str) -> int:
+    """This script again, one rank on each of `hosts` emulated hosts; rank 0's output shown."""
+    from tilework.bench.netns import LinkShape, available as emulation, emulated_cluster
+    from tilework.bench.suite import PARALLAX_FLOP_PER_BYTE, _free_port
+    from tilework.calibrate import matmul_flops
+    from tilework.worker_env import WorkerEnv
+
+    ok, why = emulation(LinkShape(rate_mbit=100))
+    if not ok:
+        return f"no emulated hosts here: {why}"
+    mbit = matmul_flops() / PARALLAX_FLOP_PER_BYTE * 8 / 1e6 if rate == "parallax" else float(rate)
+    print(f"{hosts} emulated hosts, one rank each, links at {mbit:,.0f} Mbit/s ({rate})", flush=True)
+    port, argv = _free_port(), [sys.executable, *sys.argv]
+    with emulated_cluster(hosts, LinkShape(rate_mbit=mbit)) as cluster:
+        procs = []
+        for r in range(hosts):   # all on this machine: local ranks 0 to n - 1, as the suite does
+            env = WorkerEnv(launched=True, rank=r, world_size=hosts, local_rank=r,
+                            local_world_size=hosts, master_addr="127.0.0.1", master_port=port)
+            procs.append(subprocess.Popen(
+                cluster.command(r, argv), stdout=None if r == 0 else subprocess.DEVNULL,
+                env={**os.environ, "OMP_NUM_THREADS": "1", **env.to_environ(),
+                     **cluster.gloo_env(r, port)}))
+        return max(proc.wait() for proc in procs)
+
+
 def available(systems: list[str]) -> list[str]:
     try:
         import torchrec  # noqa: F401  (only whether it imports)
@@ -76,7 +105,13 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--base", default="hybrid", help="the system the others are compared with "
                    "(hybrid-ahead: hybrid reading its batches through tilework.prefetch)")
+    p.add_argument("--hosts", type=int, help="run on this many emulated hosts, one rank each "
+                   "(root: network namespaces, as `tilework bench`), not on loopback")
+    p.add_argument("--rate", default="parallax", help="their links' Mbit/s, or 'parallax' "
+                   "(this machine's FLOP/s over Parallax's FLOP per byte, as `tilework bench`)")
     a = p.parse_args()
+    if a.hosts and "RANK" not in os.environ:
+        sys.exit(on_emulated_hosts(a.hosts, a.rate))
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
