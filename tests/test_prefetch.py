@@ -1,7 +1,7 @@
 """tilework.prefetch: the next batch's ids are routed with this step's rows (sync/ahead.py).
 A pull then meets the other ranks once instead of twice; the bytes over a run are those of the
-same run without it (the same id blocks, each sent one exchange earlier); the model trains as
-one process does. Where a rank cannot route a lookup ahead, no rank does."""
+same run without it (the same id blocks, each sent one exchange earlier) and one padded block
+at the end that says there is no next batch; the model trains as one process does. Where a rank cannot route a lookup ahead, no rank does."""
 
 import dataclasses
 
@@ -66,7 +66,9 @@ def test_a_prefetched_pull_meets_once_and_the_run_sends_the_same_bytes(kind, cal
         step_bytes = ps_step_bytes(plan.of("ps"), [[i[:, t] for i in ids] for t in range(TABLES)],
                                    Topology.uniform(1, 2), plan.local_aggregation, id_blocks)
         total = [a + b for a, b in zip(total, step_bytes)]
-    assert [sum(out[r][2]) for r in range(2)] == total
+    # ... and the last step's blocks, which say there is no next batch: a header and padding
+    last = [8 * (TABLES + 1 + id_blocks[(0, r, 1 - r)]) for r in range(2)]
+    assert [sum(out[r][2]) for r in range(2)] == [t + b for t, b in zip(total, last)]
 
 
 def test_a_batch_changed_in_place_after_it_was_read_ahead_is_refused():
@@ -225,3 +227,22 @@ def test_bags_whose_indices_change_length_every_batch_are_routed_ahead():
         assert abs((routed[0][0][step] + routed[1][0][step]) / 2 - one[step]) < 1e-5
     calls = routed[0][1]
     assert calls == routed[1][1] and calls[-1] == 2 and set(calls[1:]) <= {2, 3}, calls
+
+
+def _uneven(rank, world_size):
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, mode="hybrid", log=False)
+    loader = [batch(step, rank, world_size) for step in range(3 + rank)]   # rank 1: one more
+    for ids, y in tilework.prefetch(loader, model):
+        nn.functional.mse_loss(model(ids), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.distributed.barrier()
+
+
+def test_loaders_of_different_lengths_stop_with_the_guards_verdict_not_a_crash_or_hang():
+    """The last batch's pull still sends its blocks (every table held back), so rank 0's last
+    exchange matches rank 1's; rank 1's extra lookup then meets the call guard."""
+    with pytest.raises(RankFailed, match="exited with code 2"):
+        spawn(_uneven, world_size=2, timeout=60)

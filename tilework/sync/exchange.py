@@ -168,13 +168,13 @@ def _fetch_ahead(tables, ids_list, routes, ahead: Ahead, keys):
             payload[j].append(part.reshape(-1))
     sizes = [[per_peer[j] * w for ((_, per_peer), _), w in zip(steps, widths)]
              for j in range(n)]
-    blocks, following = _blocks_ahead(tables, keys, ahead, n) if ahead.next is not None \
-        else (None, None)
+    # Blocks go even without a next batch (all held back): a rank whose loader ended early then
+    # still sends what its peers expect, and the peers' next pull is stopped by the guard.
+    blocks, following = _blocks_ahead(tables, keys, ahead, n)
     dtype = tables[0].shard.dtype
     ratio = 8 // tables[0].shard.element_size()   # an id block's int64 words in the rows' dtype
-    lead = [0] * n if blocks is None else [k * ratio for k in blocks.in_lengths]
-    if blocks is not None:
-        payload = [[b.view(dtype), *parts] for b, parts in zip(blocks.out, payload)]
+    lead = [k * ratio for k in blocks.in_lengths]
+    payload = [[b.view(dtype), *parts] for b, parts in zip(blocks.out, payload)]
     back = all_to_all_v([torch.cat(parts) for parts in payload], hop.group, stats, "ps",
                         hop.remote, recv_lengths=[a + sum(s) for a, s in zip(lead, sizes)])
     out = []
@@ -186,9 +186,9 @@ def _fetch_ahead(tables, ids_list, routes, ahead: Ahead, keys):
         out.append(rows_t)
         routes[t].hops.insert(0, (order, per_peer, [len(a) for a in arrived], merged[t][1],
                                   merged[t][0]))
-    if blocks is not None:   # a block is cloned to start at 0: an int64 view needs alignment
-        _keep_ahead(tables, keys, ahead, following,
-                    *blocks.read([b[:a].clone().view(torch.int64) for b, a in zip(back, lead)]))
+    # a block is cloned to start at 0: an int64 view needs alignment
+    _keep_ahead(tables, keys, ahead, following,
+                *blocks.read([b[:a].clone().view(torch.int64) for b, a in zip(back, lead)]))
     return out
 
 
