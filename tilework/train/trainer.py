@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .. import full_parameters, optim
+from .. import full_parameters, optim, prefetch
 from ..data import ShardedBatches
 from . import checkpoint
 from .job import Job
@@ -176,9 +176,11 @@ def _run_steps(job: Job, work: Workload, sampler: ShardedBatches, model, opt, se
     """Steps `start` to the end, logging, evaluating and checkpointing on the job's schedule."""
     steps = job.train.steps
     log.open_window(sampler.global_batch * work.units_per_sample)
+    batches = (work.train_set.collate(sampler.indices(step)) for step in range(start, steps))
+    if not session.pipelined and getattr(model, "_tilework_engine", None) is not None:
+        batches = prefetch(batches, model)   # the next batch's ids routed during this step
     with log.bar(steps, start):
-        for step in range(start, steps):
-            batch = work.train_set.collate(sampler.indices(step))
+        for step, batch in enumerate(batches, start):
             if session.pipelined:   # the runtime owns forward and backward; the loss is the
                 loss = model.step(*batch)  # last stage's (None on the others' ranks)
             else:
