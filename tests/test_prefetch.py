@@ -1,7 +1,8 @@
 """tilework.prefetch: the next batch's ids are routed with this step's rows (sync/ahead.py).
 A pull then meets the other ranks once instead of twice; the bytes over a run are those of the
 same run without it (the same id blocks, each sent one exchange earlier) and one padded block
-at the end that says there is no next batch; the model trains as one process does. Where a rank cannot route a lookup ahead, no rank does."""
+at the end that says there is no next batch; the model trains as one process does. Where a
+rank cannot route a lookup ahead, no rank does."""
 
 import dataclasses
 
@@ -246,3 +247,38 @@ def test_loaders_of_different_lengths_stop_with_the_guards_verdict_not_a_crash_o
     exchange matches rank 1's; rank 1's extra lookup then meets the call guard."""
     with pytest.raises(RankFailed, match="exited with code 2"):
         spawn(_uneven, world_size=2, timeout=60)
+
+
+def test_keys_find_whole_tensors_by_identity_and_views_by_storage():
+    from tilework.sync.ahead import Ahead
+
+    ahead = Ahead()
+    now = {"b": torch.empty(0, dtype=torch.long), "c": torch.empty(0, dtype=torch.long),
+           "ids": torch.arange(12).reshape(4, 3), "s": torch.eye(3).to_sparse()}
+    after = {"b": torch.tensor([5]), "c": torch.tensor([7, 8]),
+             "ids": torch.arange(12, 24).reshape(4, 3), "s": torch.eye(3).to_sparse()}
+    ahead.advance(now, after)   # a sparse leaf is passed over, not an error
+    # empty tensors may share one null storage: each is found as itself
+    assert ahead.key_of(now["c"]) == (0, ("c",))
+    assert ahead.key_of(torch.empty(0, dtype=torch.long)) is None
+    assert torch.equal(ahead.next_ids(ahead.key_of(now["c"])), after["c"])
+    column = ahead.key_of(now["ids"][:, 1])
+    assert torch.equal(ahead.next_ids(column), after["ids"][:, 1])
+    assert ahead.key_of(now["ids"].view(4, 3)) == (0, ("ids",))   # all of it: whole
+    assert ahead.key_of(now["ids"][:, 1] + 0) is None            # computed: not routed
+    ahead.advance(after, None)   # a key from the batch before is not this batch's
+    assert ahead.next_ids(column) is None and ahead.take("t", column, now["ids"][:, 1]) is None
+
+
+def test_a_prefetch_inside_another_for_the_same_model_is_refused():
+    from tilework.sync.ahead import Ahead
+
+    class Engine:
+        lookups = dataclasses.make_dataclass("L", ["ahead"])(Ahead())
+
+    model = nn.Linear(1, 1)
+    model._tilework_engine = Engine()
+    for _ in tilework.prefetch([1, 2], model):
+        with pytest.raises(PlanError, match="already read through another tilework.prefetch"):
+            tilework.prefetch([3], model)
+    assert list(tilework.prefetch([3], model)) == [3]   # the outer one has ended

@@ -63,12 +63,25 @@ def _storage(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr())
 
 
+def _strided(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and not t.is_nested
+
+
+def _extent(t: torch.Tensor) -> int:
+    """One past the last storage element `t` reads, from its storage offset."""
+    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+
+
 class Ahead:
-    """The engine's view of the loop's batches and the entries routed for the next one."""
+    """The engine's view of the loop's batches and the entries routed for the next one.
+    A key leads with the batch index it was made in: a lookup pulled after the loop moved on
+    is not the next batch's."""
 
     def __init__(self):
         self.index = -1
         self.current = self.next = None
+        self.reading = False               # a prefetch generator is running
+        self._by_identity: dict[int, tuple] = {}
         self._by_storage: dict[tuple, tuple[tuple, torch.Tensor]] = {}
         self.entries: dict[tuple, Entry] = {}
 
@@ -80,57 +93,75 @@ class Ahead:
         """The loop moves to `current`; `following` (or None at the end) comes after it."""
         self.index += 1
         self.current, self.next = current, following
-        self._by_storage = {}
-        if current is not None:
-            for path, t in leaves(current):
+        self._by_identity, self._by_storage = {}, {}
+        for path, t in leaves(current) if current is not None else ():
+            if not _strided(t):   # sparse or nested: no storage to find ids in
+                continue
+            self._by_identity.setdefault(id(t), path)
+            if t.numel():   # every empty tensor may share one null storage
                 self._by_storage.setdefault(_storage(t), (path, t))
         self.entries = {k: e for k, e in self.entries.items() if e.index == self.index}
 
     def key_of(self, ids: torch.Tensor) -> tuple | None:
         """Where `ids` sit in the current batch (path and view geometry), or None."""
-        if not self.active or torch.compiler.is_compiling():
+        if not self.active or torch.compiler.is_compiling() or torch.jit.is_tracing() \
+                or not _strided(ids):
             return None
-        found = self._by_storage.get(_storage(ids))
+        if id(ids) in self._by_identity:
+            # the whole tensor: the next one's, whatever its shape (bags vary in length)
+            return (self.index, self._by_identity[id(ids)])
+        found = self._by_storage.get(_storage(ids)) if ids.numel() else None
         if found is None:
             return None
         path, leaf = found
+        if ids.storage_offset() < leaf.storage_offset() or _extent(ids) > _extent(leaf):
+            return None   # on the leaf's storage but outside it
         if (ids.shape == leaf.shape and ids.stride() == leaf.stride()
                 and ids.storage_offset() == leaf.storage_offset()):
-            return (path,)   # the whole tensor: the next one's, whatever its shape (bags vary)
-        return (path, tuple(leaf.shape), leaf.stride(), tuple(ids.shape), ids.stride(),
-                ids.storage_offset() - leaf.storage_offset())
+            return (self.index, path)   # a view of all of it: whole, as above
+        return (self.index, path, tuple(leaf.shape), leaf.stride(), tuple(ids.shape),
+                ids.stride(), ids.storage_offset() - leaf.storage_offset())
 
     def next_ids(self, key: tuple | None) -> torch.Tensor | None:
         """The same view of the next batch, or None where it has none like it."""
-        if key is None or self.next is None:
+        if key is None or self.next is None or key[0] != self.index:
             return None
         try:
-            leaf = _at(self.next, key[0])
+            leaf = _at(self.next, key[1])
         except (KeyError, IndexError, TypeError):
             return None
-        if not torch.is_tensor(leaf):
+        if not torch.is_tensor(leaf) or not _strided(leaf):
             return None
-        if len(key) == 1:
+        if len(key) == 2:
             return leaf
-        _, shape, stride, size, view_stride, offset = key
+        _, _, shape, stride, size, view_stride, offset = key
         if tuple(leaf.shape) != shape or leaf.stride() != stride:
             return None
         return leaf.as_strided(size, view_stride, leaf.storage_offset() + offset)
 
     def take(self, table: str, key: tuple | None, ids: torch.Tensor) -> Entry | None:
-        """The entry routed for this lookup, if any (used once)."""
-        if key is None:
+        """The entry routed for this lookup, if any (used once). Every rank has the same
+        entries, so a lookup that misses its table's entry would leave its rank alone in
+        another exchange: refused here, on the rank that sees it."""
+        if key is None or key[0] != self.index:
             return None
-        entry = self.entries.pop((table, key), None)
-        if entry is not None and not torch.equal(entry.ids, ids.to(entry.ids.dtype)):
+        where = "batch" + "".join(f"[{p!r}]" for p in key[1])
+        entry = self.entries.pop((table, key[1:]), None)
+        if entry is None:
+            if any(name == table for name, _ in self.entries):
+                raise PlanError(f"{table}: looked up with ids at {where}, not where "
+                                "tilework.prefetch routed them ahead from the batch before "
+                                "(a view here, a copy there?); index the batch the same way "
+                                "every step, or leave tilework.prefetch out")
+            return None
+        if not torch.equal(entry.ids, ids.to(entry.ids.dtype)):
             raise PlanError(f"{table}: the ids looked up differ from those tilework.prefetch "
-                            f"read ahead at batch{''.join(f'[{p!r}]' for p in key[0])}: the "
-                            "batch was changed in place after the loader gave it; change a "
-                            "copy, or leave tilework.prefetch out")
+                            f"read ahead at {where}: the batch was changed in place after the "
+                            "loader gave it; change a copy, or leave tilework.prefetch out")
         return entry
 
     def keep(self, table: str, key: tuple, entry: Entry) -> None:
-        self.entries[(table, key)] = entry
+        self.entries[(table, key[1:])] = entry
 
 
 def prefetch(loader: Iterable, model) -> Iterator:
@@ -141,15 +172,21 @@ def prefetch(loader: Iterable, model) -> Iterator:
     if engine is None:
         raise PlanError("tilework.prefetch(loader, model): the model was not parallelized by "
                         "tilework.parallelize")
-    lookups = getattr(engine, "lookups", None)
-    ahead = getattr(lookups, "ahead", None)
+    ahead = getattr(getattr(engine, "lookups", None), "ahead", None)
     if ahead is None:    # no server tables here (a mesh): nothing to route ahead
-        yield from loader
-        return
+        return iter(loader)
+    if ahead.reading:
+        raise PlanError("tilework.prefetch: this model's batches are already read through "
+                        "another tilework.prefetch (an evaluation loop inside the training "
+                        "loop?); read the inner loader directly")
+    return _read_ahead(iter(loader), ahead)
+
+
+def _read_ahead(batches: Iterator, ahead: Ahead) -> Iterator:
     end = object()
-    batches = iter(loader)
-    current = next(batches, end)
+    ahead.reading = True
     try:
+        current = next(batches, end)
         while current is not end:
             following = next(batches, end)
             ahead.advance(current, None if following is end else following)
@@ -157,3 +194,4 @@ def prefetch(loader: Iterable, model) -> Iterator:
             current = following
     finally:
         ahead.advance(None, None)
+        ahead.reading = False

@@ -242,17 +242,17 @@ class IdBlocks:
     its sender overflowed any of its blocks, then holds up to the capacity of ids (padded).
     Every rank reads every sender's flag, so all agree on the second exchange, of what did not
     fit, only when some block overflowed; its sizes are read from the counts. Each end then
-    sets the pair's capacity from the same count (wire.id_block_capacity), unless the block
-    held some table back (-1). A rank's block to itself holds exactly its ids. The capacities
-    belong to the tables' exchange at hop `h`, so blocks sent ahead for a pull and the blocks
-    of that pull itself share them."""
+    sets the pair's capacity from the same count (wire.id_block_capacity; only growing where
+    the block held some table back, -1). A rank's block to itself holds exactly its ids. The
+    capacities belong to the tables' exchange at hop `h`, so blocks sent ahead for a pull and
+    the blocks of that pull itself share them."""
 
     def __init__(self, tables, h, counts: torch.Tensor, flat_ids: list[torch.Tensor]):
-        self.tables, self.h = tables, h
+        self.tables = tables
         self.hop = hop = tables[0].hops[h]
         self.flat_ids = [f.long() for f in flat_ids]   # 8 bytes an id, as the model says
         n, self.width = group_size(hop.group), len(tables) + 1
-        self.me = me = dist.get_rank(hop.group) if n > 1 else 0
+        me = dist.get_rank(hop.group) if n > 1 else 0
         self.out_caps, self.in_caps = tables[0].id_blocks.setdefault(
             (tuple(t.name for t in tables), h), ([0] * n, [0] * n))
         self.sending = counts.clamp(min=0).sum(1).tolist()
@@ -280,12 +280,18 @@ class IdBlocks:
                                 self.tables[0].stats, "ps", hop.remote,
                                 recv_lengths=[max(0, a - k) for a, k in zip(arriving, in_caps)])
             ids_in = [torch.cat([a, b]) for a, b in zip(ids_in, rest)]
-        for j in range(len(in_caps)):   # a block holding back a table says nothing of sizes
-            if not self.holding_back:
-                self.out_caps[j] = id_block_capacity(self.sending[j], self.out_caps[j])
-            if min(heard[j], default=0) >= 0:
-                in_caps[j] = id_block_capacity(arriving[j], in_caps[j])
+        for j in range(len(in_caps)):
+            self.out_caps[j] = _fit(self.sending[j], self.out_caps[j], self.holding_back)
+            in_caps[j] = _fit(arriving[j], in_caps[j], min(heard[j], default=0) < 0)
         return heard, ids_in
+
+
+def _fit(count: int, capacity: int, held_back: bool) -> int:
+    """A pair's capacity after a block (wire.id_block_capacity); one that held a table back
+    only grows: its count is not the whole exchange's, so it says nothing of shrinking."""
+    if held_back and count <= capacity:
+        return capacity
+    return id_block_capacity(count, capacity)
 
 
 # -- push ---------------------------------------------------------------------------------------
