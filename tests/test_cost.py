@@ -12,6 +12,7 @@ from tilework.analysis import analyze
 from tilework.cluster import Links, Topology
 from tilework.comm import build_groups
 from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
+                           push_over_world,
                            hot_head_bytes, hot_sync_bytes, ps_expected, ps_step_bytes,
                            zero_sync_bytes)
 from tilework.wire import CHECK_WORDS, input_check_bytes, ring_allreduce_bytes
@@ -83,6 +84,8 @@ def predicted(mode, world_size, hosts, local_aggregation, step, hot=0, zero=0, s
     # the check is an exchange and the head an all-reduce of its own.
     heads = sum(hot_head_bytes(pp) for pp in plan.of("ps"))
     carried = CHECK_WORDS * 4 + heads if dense else 0
+    # The last bucket rides the push where the servers' rows go in one exchange over the world.
+    push = bool(plan.of("ps")) and push_over_world(topo, local_aggregation)
     sharded = sum(zero_sync_bytes(pp, world_size, hosts)[0] for pp in plan.params if pp.zero)
     sharded -= sum(ring_allreduce_bytes(pp.nbytes, world_size) for pp in plan.params
                    if pp.zero == 1)   # stage 1's all-reduce is counted with the dense buckets
@@ -90,7 +93,7 @@ def predicted(mode, world_size, hosts, local_aggregation, step, hot=0, zero=0, s
                  "check": 0 if dense else input_check_bytes(world_size)}
                 for _ in range(world_size)]
     for r in range(world_size):
-        per_rank[r]["allreduce"] = dense_sync_bytes(dense, BUCKET, world_size, carried)
+        per_rank[r]["allreduce"] = dense_sync_bytes(dense, BUCKET, world_size, carried, push)
     lookups = {"words.weight": 0, "tags.weight": 1}
     # Each table's output is used (`.mean(1)`) before the next lookup: a pull each, whose id
     # blocks' capacities carry over from the steps before.

@@ -21,7 +21,7 @@ from .cluster import Link, Links, Topology
 from .layout import TableLayout, routes
 from .plan import Cost, ParamPlan, assign_buckets, dtype_bytes
 from .wire import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, REDUCE_SCATTER, all_gather_bytes,
-                   id_block_capacity, ring_allreduce_bytes)
+                   bucket_rides_push, id_block_capacity, ring_allreduce_bytes)
 
 
 def link_for(topology: Topology, links: Links) -> Link:
@@ -35,14 +35,25 @@ def seconds(nbytes: float, link: Link, messages: int) -> float:
 # -- all-reduce --------------------------------------------------------------------------------
 
 def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
-                     carried_bytes: int = 0) -> int:
+                     carried_bytes: int = 0, push: bool = False) -> int:
     """Exact: what `sync.dense.DenseSync` counts per step for parameters in registration order;
-    `carried_bytes` ride the last bucket (the input check's words: CHECK_WORDS elements)."""
+    `carried_bytes` ride the last bucket (the input check's words: CHECK_WORDS elements, hot
+    heads). `push`: a server push over the world happens that step, which the last bucket
+    rides where `wire.bucket_rides_push` says so, whole to every peer."""
     order = list(reversed(param_nbytes))
     buckets = assign_buckets(order, bucket_bytes)
-    return sum(ring_allreduce_bytes(sum(order[i] for i in b)
-                                    + (carried_bytes if k == len(buckets) - 1 else 0), n)
-               for k, b in enumerate(buckets))
+    sizes = [sum(order[i] for i in b) for b in buckets]
+    if sizes:
+        sizes[-1] += carried_bytes
+    last = len(sizes) - 1
+    return sum((n - 1) * s if k == last and push and bucket_rides_push(s, n)
+               else ring_allreduce_bytes(s, n) for k, s in enumerate(sizes))
+
+
+def push_over_world(topology: Topology, local_aggregation: bool) -> bool:
+    """Whether the servers' push is one all-to-all over the world (layout.routes: no local
+    aggregation), which the last dense bucket may ride (`dense_sync_bytes`' `push`)."""
+    return not (local_aggregation and topology.can_aggregate_locally)
 
 
 def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int = 1) -> Cost:

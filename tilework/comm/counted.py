@@ -25,11 +25,11 @@ class Traffic:
     sent_inter_host: int = 0   # the part of `sent` that left this host
     calls: int = 0
 
-    def add(self, sent: int, received: int, sent_inter_host: int) -> None:
+    def add(self, sent: int, received: int, sent_inter_host: int, call: bool = True) -> None:
         self.sent += sent
         self.received += received
         self.sent_inter_host += sent_inter_host
-        self.calls += 1
+        self.calls += call
 
 
 @dataclass
@@ -41,9 +41,11 @@ class Stats:
     last_step: dict[str, Traffic] = field(default_factory=dict)
     steps: int = 0
 
-    def record(self, method: str, sent: int, received: int, sent_inter_host: int = 0) -> None:
-        self.total[method].add(sent, received, sent_inter_host)
-        self.step[method].add(sent, received, sent_inter_host)
+    def record(self, method: str, sent: int, received: int, sent_inter_host: int = 0,
+               call: bool = True) -> None:
+        """`call`: a collective of its own (False: bytes riding another method's call)."""
+        self.total[method].add(sent, received, sent_inter_host, call)
+        self.step[method].add(sent, received, sent_inter_host, call)
 
     def discard_step(self) -> None:
         """Keep what was counted so far in the totals only (set-up is not a training step)."""
@@ -186,13 +188,16 @@ def broadcast(tensor: torch.Tensor, src: int, group, stats: Stats, method: str) 
 
 def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
                  remote: list[bool] | None = None,
-                 recv_lengths: list[int] | None = None) -> list[torch.Tensor]:
+                 recv_lengths: list[int] | None = None,
+                 tail: tuple[str, int] | None = None) -> list[torch.Tensor]:
     """Send chunks[j] to group rank j; return what each group rank sent here, in rank order.
 
     Chunks may differ in length (first dimension) but share the trailing shape and dtype. Unless
     the caller knows what will arrive (`recv_lengths`, e.g. the answers to its own requests),
     the lengths go first in a small all-to-all of int64 counts (counted too: real traffic).
     `remote[j]` says group rank j is on another host, for the inter-host byte count.
+    `tail`: (method, k): the last k elements of every chunk, sent and received, are another
+    method's bytes (a dense bucket riding the push, sync/dense.py), counted as that method's.
     """
     n = group_size(group)
     if n == 1:
@@ -215,7 +220,11 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
     dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
                            input_split_sizes=[c.numel() for c in chunks], group=group)
     item = send.element_size()
-    stats.record(method, item * (send.numel() - chunks[me].numel()),
-                 item * (recv.numel() - recv_sizes[me]),
-                 item * sum(c.numel() for c, far in zip(chunks, remote) if far))
+    other, k = tail or (method, 0)
+    peers, peers_far = item * k * (n - 1), item * k * sum(remote)
+    stats.record(method, item * (send.numel() - chunks[me].numel()) - peers,
+                 item * (recv.numel() - recv_sizes[me]) - peers,
+                 item * sum(c.numel() for c, far in zip(chunks, remote) if far) - peers_far)
+    if k:
+        stats.record(other, peers, peers, peers_far, call=False)
     return [part.reshape(-1, *trailing) for part in torch.split(recv, recv_sizes)]

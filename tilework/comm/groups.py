@@ -133,6 +133,21 @@ def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | No
                   store=_store_of(world), env=env)
 
 
+def push_group(groups: Groups) -> dist.ProcessGroup:
+    """A second gloo group over the world's ranks for the servers' push (collective: every rank
+    calls it, in the same order). The push's all-to-all and a forward's pull are then never
+    paired: under gloo a pull on one rank met by the push of another (the forward run on one
+    rank only, to evaluate) aborted the process on a size mismatch before the call guard could
+    name it; on two groups both wait, and the guard says which calls disagree. The world itself
+    where another group cannot be made safely: a world that is not the default group (new_group
+    is collective over the default one), or NCCL (a communicator's memory for no such abort)."""
+    if groups.world_size == 1 or groups.world is None or groups.world is not dist.group.WORLD \
+            or dist.get_backend(groups.world) != "gloo":
+        return groups.world
+    return dist.new_group(list(range(groups.world_size)), backend="gloo",
+                          timeout=_timeout_of(groups.world, "gloo", groups.env))
+
+
 def _store_of(world: dist.ProcessGroup):
     """The default group's store (TCPStore behind a prefix), where the world is that group."""
     if world is not dist.group.WORLD:

@@ -39,7 +39,7 @@ from .preflight import (check_device, check_not_tied, check_optimizer_covers,
 from .state import (gathered_model_state, gathered_state, load_state, parallel_optimizer_state,
                     plain_optimizer_state)
 from .changes import Changes, leave_optimizer, replace_module
-from .exchange import pull_tables, push_tables
+from .exchange import pull_tables, push_route, push_tables
 from .lookups import Batch
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 from .offload import Offload
@@ -104,8 +104,7 @@ class Engine:
         self.all_param_bytes = sum(p.numel() * p.element_size() for p in named.values())
         self.embeddings = embedding_modules(model)
         self.tables: dict[str, PSTable] = {}
-        self.table_modules: dict[str, ShardedEmbedding] = {}
-        self.served: dict[str, DenseServed] = {}
+        self.table_modules, self.served = {}, {}   # name -> ShardedEmbedding, DenseServed
         dense: list[tuple[str, nn.Parameter]] = []
         for pp in plan.params:
             p = named[pp.name]
@@ -150,10 +149,11 @@ class Engine:
         dense = [(n, p) for n, p in dense if stage.get(n, 0) <= 1]
         self.dense_params = dense
         head_dtypes = {t.head.weight.dtype for t in self.tables.values() if t.head is not None}
+        self.push_route = push_route(list(self.tables.values()), groups)
         self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
-                               self.plan.bucket_bytes, successor_remote, self.checks,
-                               on_grad=self._touched,
-                               rider_dtype=head_dtypes.pop() if len(head_dtypes) == 1 else None)
+                               self.plan.bucket_bytes, successor_remote, self.checks, self._touched,
+                               rider_dtype=head_dtypes.pop() if len(head_dtypes) == 1 else None,
+                               push_dtype=self.push_route.dtype)
         self.changes.record("dense parameters: post-accumulate-grad hooks (all-reduce buckets)",
                             lambda: [handle.remove() for handle in self.dense.handles])
         if self.checks is not None:   # server tables check their ids before the pull
@@ -250,9 +250,9 @@ class Engine:
             return
         self._check_server_gradients()  # before the dense sync, which carries the verdict
         heads = [t.head for t in self.tables.values() if t.head is not None]
-        heads_ride = self.dense.launch_rest(heads)
+        heads_ride = self.dense.launch_rest(heads, push=bool(self.tables))
         self.zero.launch_rest()
-        self._push_servers(heads_ride)  # while the last buckets are reduced
+        self._push_servers(heads_ride)  # carrying the last bucket, where it rides
         self.dense.wait()
         self.zero.wait()
         self.zero.end_backward()
@@ -288,7 +288,7 @@ class Engine:
 
     def _push_servers(self, heads_ride: bool = False) -> None:
         """`heads_ride`: the hot heads' sums are on their way in the last dense bucket."""
-        push_tables(list(self.tables.values()), with_heads=not heads_ride)
+        push_tables(list(self.tables.values()), not heads_ride, self.push_route.start(self.dense))
         for served in self.served.values():
             served.push()
         self._unsynced = False

@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm.counted import all_to_all_v, group_size
+from ..comm.groups import push_group
 from ..wire import id_block_capacity
 from .ahead import Ahead, Entry
+from .dense import PushRide
 from .sparse import PSTable, _by_destination
 
 
@@ -76,11 +78,13 @@ def _per_table(got: list[torch.Tensor], sizes: list[list[int]], width: list[int]
     return [torch.cat([peer[t] for peer in pieces]).reshape(-1, w) for t, w in enumerate(width)]
 
 
-def _lengths(tables, h, counts: torch.Tensor) -> list[torch.Tensor]:
-    """Every table's per-peer lengths at once: T int64 per peer, as T exchanges would send."""
+def _lengths(tables, h, counts: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every table's per-peer lengths at once: T int64 per peer, as T exchanges would send
+    (over `group`, default the hop's)."""
     hop = tables[0].hops[h]
-    return all_to_all_v(list(counts), hop.group, tables[0].stats, "ps", hop.remote,
-                        recv_lengths=[len(tables)] * group_size(hop.group))
+    group = hop.group if group is None else group
+    return all_to_all_v(list(counts), group, tables[0].stats, "ps", hop.remote,
+                        recv_lengths=[len(tables)] * group_size(group))
 
 
 # -- pull ---------------------------------------------------------------------------------------
@@ -296,10 +300,22 @@ def _fit(count: int, capacity: int, held_back: bool) -> int:
 
 # -- push ---------------------------------------------------------------------------------------
 
-def push_tables(tables: list[PSTable], with_heads: bool = True) -> None:
+def push_route(tables: list[PSTable], groups) -> PushRide:
+    """How this engine's pushes go (sync/dense.py's PushRide). Where every table's push is one
+    all-to-all over the world, it runs on a group of its own (made here: collective), and the
+    last dense bucket may ride it where the tables' rows are all of one dtype."""
+    dtypes = {table.shard.dtype for table in tables}
+    one_hop = bool(tables) and all(len(t.hops) == 1 and t.hops[0].group is groups.world
+                                   for t in tables)
+    return PushRide(dtypes.pop() if len(dtypes) == 1 and one_hop else None, groups.world,
+                    push_group(groups) if one_hop else groups.world)
+
+
+def push_tables(tables: list[PSTable], with_heads: bool, ride: PushRide) -> None:
     """Send every table's pending gradient rows to their owners, which sum them into `received`
     until the step applies them (a collective: every rank calls it with the same tables). Hot
-    heads (sync/hot.py) are all-reduced meanwhile, unless they ride a dense bucket instead."""
+    heads (sync/hot.py) are all-reduced meanwhile, unless they ride a dense bucket instead.
+    `ride`: the route, and the last dense bucket riding along where one does."""
     heads = [t.head for t in tables if t.head is not None] if with_heads else []
     for head in heads:
         head.launch()
@@ -310,13 +326,13 @@ def push_tables(tables: list[PSTable], with_heads: bool = True) -> None:
         routes = [table.pulls[0] for table in batch]
         grads = [table.take_pending()[1] for table in batch]
         for h in range(len(batch[0].hops)):
-            grads = _retrace_hop(batch, h, [r.hops[h] for r in routes], grads)
+            grads = _retrace_hop(batch, h, [r.hops[h] for r in routes], grads, ride)
         for table, route, g in zip(batch, routes, grads):
             table.receive(route.owned, g)
     for batch, in _batches(carry):
         items = [table.take_pending() for table in batch]
         for h in range(len(batch[0].hops)):
-            items = _carry_hop(batch, h, items)
+            items = _carry_hop(batch, h, items, ride)
         for table, (ids, grads) in zip(batch, items):
             table.receive(ids, grads)
     for table in tables:
@@ -333,7 +349,7 @@ def _retraceable(table: PSTable) -> bool:
     return ids is table.pulls[0].ids or torch.equal(ids, table.pulls[0].ids)
 
 
-def _retrace_hop(tables, h, steps, grads):
+def _retrace_hop(tables, h, steps, grads, ride: PushRide):
     """Gradient rows the way the pull's ids went: sorted and split as then, summed where the
     ids were merged. Both sides know every length."""
     hop = tables[0].hops[h]
@@ -345,8 +361,8 @@ def _retrace_hop(tables, h, steps, grads):
             to_peer[j].append(part.reshape(-1))
     sizes = [[a * w for a, w in zip(arrivals, widths)]
              for arrivals in zip(*[step[2] for step in steps])]
-    got = all_to_all_v([torch.cat(parts) for parts in to_peer], hop.group, tables[0].stats, "ps",
-                       hop.remote, recv_lengths=[sum(s) for s in sizes])
+    got = ride.all_to_all([torch.cat(parts) for parts in to_peer], hop, tables[0].stats,
+                          [sum(s) for s in sizes])
     out = []
     for (_, _, _, inverse, merged), w, rows in zip(steps, widths, _per_table(got, sizes, widths)):
         summed = rows.new_zeros(len(merged), w)
@@ -355,21 +371,21 @@ def _retrace_hop(tables, h, steps, grads):
     return out
 
 
-def _carry_hop(tables: list[PSTable], h: int, items):
+def _carry_hop(tables: list[PSTable], h: int, items, ride: PushRide):
     """One hop where ids ride with their gradient rows (their 8 bytes viewed as the row's
     dtype, a bit-exact round trip), after the lengths; what arrives is merged by id per table."""
     hop = tables[0].hops[h]
-    group, n, stats = hop.group, group_size(hop.group), tables[0].stats
+    n, stats = group_size(hop.group), tables[0].stats
     dtype = items[0][1].dtype
     id_width = 8 // items[0][1].element_size()
     widths = [id_width + grads.shape[1] for _, grads in items]
     packed = [torch.cat([ids.contiguous().view(dtype).reshape(len(ids), id_width), grads], 1)
               for ids, grads in items]
     _, counts, to_peer = _to_owners(tables, h, [ids for ids, _ in items], packed, n)
-    heard = _lengths(tables, h, counts)
+    heard = _lengths(tables, h, counts, ride.group_of(hop))
     arriving = [[int(c) * w for c, w in zip(from_peer.tolist(), widths)] for from_peer in heard]
-    got = all_to_all_v([torch.cat(parts) for parts in to_peer], group, stats, "ps", hop.remote,
-                       recv_lengths=[sum(sizes) for sizes in arriving])
+    got = ride.all_to_all([torch.cat(parts) for parts in to_peer], hop, stats,
+                          [sum(sizes) for sizes in arriving])
     out = []
     for width, rows in zip(widths, _per_table(got, arriving, widths)):
         ids = rows[:, :id_width].reshape(-1).view(torch.int64)

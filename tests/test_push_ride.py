@@ -1,0 +1,70 @@
+"""The last dense bucket rides the servers' push (sync/dense.py, wire.bucket_rides_push): where
+the push is one all-to-all over the world, a small last bucket goes whole to every peer at the
+end of it and each rank sums the copies in rank order. No all-reduce of its own is issued (one
+meeting of all ranks fewer per step); its bytes are counted as the all-reduce's, (n - 1) times
+the bucket, as the cost model says; the model trains as one process does, and every rank holds
+the same bits. Where the push takes two hops (local aggregation), the bucket is all-reduced."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tilework
+from tilework.cluster import Topology
+from tilework.comm import build_groups
+from tilework.cost import dense_sync_bytes, push_over_world
+from tilework.testing import spawn
+from tilework.wire import CHECK_WORDS, RIDE_EXTRA_BYTES, bucket_rides_push, ring_allreduce_bytes
+from tests.test_lookups import TABLES, Recommender, _one_process_losses, batch
+
+STEPS = 3
+DENSE_BYTES = (4 * TABLES + 1) * 4   # the head Linear(12, 1), float32
+
+
+def _train(rank, world_size, hosts):
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
+    tilework.parallelize(model, opt, mode="hybrid", groups=groups, log=False)
+    losses = []
+    for step in range(STEPS):
+        ids, y = batch(step, rank, world_size)
+        loss = nn.functional.mse_loss(model(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    last = tilework.stats(model)["last_step"]["allreduce"]
+    head = torch.cat([p.detach().reshape(-1) for p in model.head.parameters()])
+    return losses, last["calls"], last["sent"], head
+
+
+@pytest.mark.parametrize("world_size, hosts", [(2, 1), (4, 1), (4, 2)])
+def test_the_last_bucket_rides_the_push_where_it_is_one_exchange(world_size, hosts):
+    out = spawn(_train, world_size=world_size, args=(hosts,), timeout=90)
+    rides = push_over_world(Topology.uniform(hosts, world_size // hosts), True)
+    assert rides == (hosts == 1)
+    carried = DENSE_BYTES + CHECK_WORDS * 4
+    for losses, calls, sent, head in out:
+        assert calls == (0 if rides else 1)
+        assert sent == dense_sync_bytes([DENSE_BYTES], 25 * 2**20, world_size, CHECK_WORDS * 4,
+                                        push=rides)
+        assert sent == ((world_size - 1) * carried if rides
+                        else ring_allreduce_bytes(carried, world_size))
+        assert torch.equal(head, out[0][3])   # the same bits on every rank
+    for step, want in enumerate(_one_process_losses("random", STEPS)):
+        mean = sum(o[0][step] for o in out) / world_size
+        assert abs(mean - want) < 1e-5, step
+
+
+def test_the_rule_rides_while_the_extra_bytes_cost_less_than_a_meeting():
+    assert not bucket_rides_push(1000, 1)
+    # Two ranks: the ride sends what the ring sends, at any size.
+    assert bucket_rides_push(2**30, 2)
+    # Four: (n - 1) x the bucket against the ring's 1.5 x, at most RIDE_EXTRA_BYTES more.
+    edge = RIDE_EXTRA_BYTES * 2 // 3
+    assert bucket_rides_push(edge, 4) and not bucket_rides_push(edge + 4, 4)
+    assert dense_sync_bytes([edge], 2**20, 4, push=True) == 3 * edge
+    assert dense_sync_bytes([edge + 4], 2**20, 4, push=True) == ring_allreduce_bytes(edge + 4, 4)
+    assert dense_sync_bytes([edge], 2**20, 4) == ring_allreduce_bytes(edge, 4)
