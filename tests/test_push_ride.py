@@ -15,15 +15,26 @@ from tilework.cluster import Topology
 from tilework.comm import build_groups
 from tilework.cost import dense_sync_bytes, push_over_world
 from tilework.testing import spawn
-from tilework.wire import CHECK_WORDS, RIDE_EXTRA_BYTES, bucket_rides_push, ring_allreduce_bytes
+from tilework.wire import CHECK_WORDS, RIDE_BYTES, bucket_rides_push, ring_allreduce_bytes
 from tests.test_lookups import TABLES, Recommender, _one_process_losses, batch
 
 STEPS = 3
 DENSE_BYTES = (4 * TABLES + 1) * 4   # the head Linear(12, 1), float32
 
 
-def _train(rank, world_size, hosts):
-    model = Recommender()
+class Wide(Recommender):
+    """A dense bucket over RIDE_BYTES: a parameter the loss ignores (its gradient is zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Parameter(torch.zeros(RIDE_BYTES // 4))
+
+    def forward(self, ids):
+        return super().forward(ids) + 0 * self.extra.sum()
+
+
+def _train(rank, world_size, hosts, model_class=Recommender):
+    model = model_class()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
     tilework.parallelize(model, opt, mode="hybrid", groups=groups, log=False)
@@ -58,13 +69,21 @@ def test_the_last_bucket_rides_the_push_where_it_is_one_exchange(world_size, hos
         assert abs(mean - want) < 1e-5, step
 
 
-def test_the_rule_rides_while_the_extra_bytes_cost_less_than_a_meeting():
+def test_the_rule_rides_small_buckets_only():
     assert not bucket_rides_push(1000, 1)
-    # Two ranks: the ride sends what the ring sends, at any size.
-    assert bucket_rides_push(2**30, 2)
-    # Four: (n - 1) x the bucket against the ring's 1.5 x, at most RIDE_EXTRA_BYTES more.
-    edge = RIDE_EXTRA_BYTES * 2 // 3
+    # What the ride sends, (n - 1) x the bucket, at most RIDE_BYTES.
+    assert bucket_rides_push(RIDE_BYTES, 2) and not bucket_rides_push(RIDE_BYTES + 4, 2)
+    edge = RIDE_BYTES // 3
     assert bucket_rides_push(edge, 4) and not bucket_rides_push(edge + 4, 4)
     assert dense_sync_bytes([edge], 2**20, 4, push=True) == 3 * edge
     assert dense_sync_bytes([edge + 4], 2**20, 4, push=True) == ring_allreduce_bytes(edge + 4, 4)
     assert dense_sync_bytes([edge], 2**20, 4) == ring_allreduce_bytes(edge, 4)
+
+
+def test_a_large_bucket_keeps_its_all_reduce():
+    out = spawn(_train, world_size=2, args=(1, Wide), timeout=90)
+    carried = DENSE_BYTES + RIDE_BYTES + CHECK_WORDS * 4
+    assert not bucket_rides_push(carried, 2)
+    for _, calls, sent, head in out:
+        assert calls == 1 and sent == ring_allreduce_bytes(carried, 2)
+        assert torch.equal(head, out[0][3])
