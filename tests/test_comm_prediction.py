@@ -64,7 +64,7 @@ def test_predict_hybrid_is_the_cost_model_on_its_links():
 
     table = ParamPlan(name="emb", shape=(1000, 16), dtype="float32", method="ps", partitions=2,
                       kind="sparse")
-    dense = ParamPlan(name="w", shape=(64, 64), dtype="float32", method="allreduce")
+    dense = ParamPlan(name="w", shape=(160, 160), dtype="float32", method="allreduce")
     traffic = {"emb": cost.TableTraffic(100.0, 100.0, 150.0)}
     ar, a2a = Link(0.1, 100.0), Link(0.05, 0.0)
     links = {"all_reduce": ar, "all_to_all": a2a, "all_gather": ar}
@@ -76,6 +76,13 @@ def test_predict_hybrid_is_the_cost_model_on_its_links():
     assert got.bytes_sent == pytest.approx(want_dense.bytes_sent + want_ps.bytes_sent)
     on_ar = cost.ps_expected(table, traffic["emb"], topo, Links(inter=ar), True)
     assert got.single_link_s == pytest.approx(want_dense.seconds + on_ar.seconds)
+    # A bucket small enough rides the push (wire.bucket_rides_push): its bytes on the push's
+    # link, no meeting of its own.
+    small = ParamPlan(name="w", shape=(64, 64), dtype="float32", method="allreduce")
+    rides = cp.predict_hybrid(_Plan([table, small]), traffic, 2, links)
+    assert "dense all-reduce" not in rides.terms
+    assert rides.terms["dense riding the push"] == pytest.approx(cost.seconds(small.nbytes, a2a, 0))
+    assert rides.bytes_sent == pytest.approx(small.nbytes + want_ps.bytes_sent)
 
 
 def test_predict_ddp_sparse_all_gathers_each_table():

@@ -20,8 +20,8 @@ import torch
 from .cluster import Link, Links, Topology
 from .layout import TableLayout, routes
 from .plan import Cost, ParamPlan, assign_buckets, dtype_bytes
-from .wire import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, REDUCE_SCATTER, all_gather_bytes,
-                   bucket_rides_push, id_block_capacity, ring_allreduce_bytes)
+from .wire import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHECK_WORDS, ID_BYTES, REDUCE_SCATTER,
+                   all_gather_bytes, bucket_rides_push, id_block_capacity, ring_allreduce_bytes)
 
 
 def link_for(topology: Topology, links: Links) -> Link:
@@ -54,6 +54,16 @@ def push_over_world(topology: Topology, local_aggregation: bool) -> bool:
     """Whether the servers' push is one all-to-all over the world (layout.routes: no local
     aggregation), which the last dense bucket may ride (`dense_sync_bytes`' `push`)."""
     return not (local_aggregation and topology.can_aggregate_locally)
+
+
+def dense_rides_push(plan, topology: Topology) -> bool:
+    """Whether `plan`'s dense gradients, in one bucket with the input checks' words, ride the
+    servers' push (`wire.bucket_rides_push`) on `topology`: for the step predictions
+    (bench/comm_prediction.py), which cost them as bytes on the push's link, no meeting."""
+    dense = sum(pp.nbytes for pp in plan.of("allreduce") if not pp.zero)
+    return (any(pp.is_table for pp in plan.of("ps")) and 0 < dense <= plan.bucket_bytes
+            and push_over_world(topology, plan.local_aggregation)
+            and bucket_rides_push(dense + CHECK_WORDS * 4, topology.world_size))
 
 
 def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int = 1) -> Cost:

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from ..cluster import Cluster, Host, Link, Links, Topology
-from ..cost import (TableTraffic, predict, ps_table_bytes, ring_allreduce, seconds,
-                    sparse_allgather)
+from ..cost import (TableTraffic, dense_rides_push, predict, ps_table_bytes, ring_allreduce,
+                    seconds, sparse_allgather)
 from ..wire import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, ring_allreduce_bytes
 
 SPARSE_WORKLOADS = ("lm100k", "lm800k", "recommender")
@@ -130,7 +130,10 @@ def predict_hybrid(plan, traffic: dict[str, TableTraffic], n: int,
     def run(ar: Link, a2a: Link):
         terms, sent = {}, 0.0
         dense = sum(pp.nbytes for pp in plan.of("allreduce") if not pp.zero)
-        if dense:
+        if dense and dense_rides_push(plan, topo):   # bytes on the push's link, no meeting
+            terms["dense riding the push"] = seconds((n - 1) * dense, a2a, 0)
+            sent += (n - 1) * dense
+        elif dense:
             c = ring_allreduce(dense, topo, Links(inter=ar), math.ceil(dense / plan.bucket_bytes))
             terms["dense all-reduce"], sent = c.seconds, sent + c.bytes_sent
         for pp in plan.of("ps"):
@@ -162,8 +165,11 @@ def hybrid_exact(plan, ids_steps: list[list[dict[str, torch.Tensor]]], n: int,
                                   id_blocks[pp.name])
             per_rank = [a + b / len(ids_steps) for a, b in zip(per_rank, sent)]
     dense = sum(pp.nbytes for pp in plan.of("allreduce") if not pp.zero)
-    t = ring_allreduce(dense, topo, Links(inter=links["all_reduce"]),
-                       math.ceil(dense / plan.bucket_bytes)).seconds if dense else 0.0
+    if dense and dense_rides_push(plan, topo):
+        t = seconds((n - 1) * dense, links["all_to_all"], 0)
+    else:
+        t = ring_allreduce(dense, topo, Links(inter=links["all_reduce"]),
+                           math.ceil(dense / plan.bucket_bytes)).seconds if dense else 0.0
     t += seconds(max(per_rank), links["all_to_all"], 3 * (n - 1) * len(plan.of("ps")))
     return t, per_rank
 
