@@ -64,7 +64,7 @@ def bucket_rides_push(nbytes: int, n: int) -> bool:
     all-reduce of its own (sync/dense.py): while the ride sends at most 64 KiB, where a step's
     meetings, not its bytes, are the cost. Measured (2 ranks, gloo): an async all-reduce beside
     the push cost 1.2-1.9 ms, the push carrying it 0.4-0.6 ms (3k-20k floats), and the
-    recommender's step (6 KB bucket) fell to 0.67-0.80x TorchRec's at 2 emulated hosts; but
+    recommender's step (6 KB bucket) fell to 0.67-0.84x TorchRec's at 2 emulated hosts; but
     an LM's 430 KB bucket riding on 850 Mbit/s links made its step 1.26-1.34x DDP-sparse's
     against 1.13x all-reduced, so a large bucket keeps its all-reduce. The ride sends (n-1)
     times the bucket (the ring 2(n-1)/n): the same at 2 ranks, more beyond."""
