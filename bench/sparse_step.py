@@ -23,6 +23,7 @@ import cProfile
 import io
 import os
 import pstats
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,7 +86,12 @@ def on_emulated_hosts(hosts: int, rate: str) -> int:
                 cluster.command(r, argv), stdout=None if r == 0 else subprocess.DEVNULL,
                 env={**os.environ, "OMP_NUM_THREADS": "1", **env.to_environ(),
                      **cluster.gloo_env(r, port)}))
-        return max(proc.wait() for proc in procs)
+        codes = [proc.wait() for proc in procs]
+    for r, code in enumerate(codes):
+        if code:   # rank 1's output is not shown: say at least how it ended
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            print(f"rank {r} ended with {how}", file=sys.stderr)
+    return max(abs(code) for code in codes)
 
 
 def available(systems: list[str]) -> list[str]:
