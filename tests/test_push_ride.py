@@ -87,3 +87,20 @@ def test_a_large_bucket_keeps_its_all_reduce():
     for _, calls, sent, head in out:
         assert calls == 1 and sent == ring_allreduce_bytes(carried, 2)
         assert torch.equal(head, out[0][3])
+
+
+def _two_models(rank, world_size):
+    routes = []
+    for _ in range(2):
+        model = Recommender()
+        tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="hybrid",
+                             log=False)
+        routes.append(model._tilework_engine.push_route)
+    return routes[0].group is routes[1].group, routes[0].group is not dist.group.WORLD
+
+
+def test_the_push_has_one_group_of_its_own_per_world():
+    """A second model parallelized in the process finds the push's group the first one made
+    (a gloo group holds threads and sockets until the world ends)."""
+    for same, own in spawn(_two_models, world_size=2, timeout=90):
+        assert same and own

@@ -140,12 +140,24 @@ def push_group(groups: Groups) -> dist.ProcessGroup:
     rank only, to evaluate) aborted the process on a size mismatch before the call guard could
     name it; on two groups both wait, and the guard says which calls disagree. The world itself
     where another group cannot be made safely: a world that is not the default group (new_group
-    is collective over the default one), or NCCL (a communicator's memory for no such abort)."""
-    if groups.world_size == 1 or groups.world is None or groups.world is not dist.group.WORLD \
-            or dist.get_backend(groups.world) != "gloo":
-        return groups.world
-    return dist.new_group(list(range(groups.world_size)), backend="gloo",
-                          timeout=_timeout_of(groups.world, "gloo", groups.env))
+    is collective over the default one), or NCCL (a communicator's memory for no such abort).
+    Every rank makes (or finds) it at the same call, so the collective stays in step."""
+    world = groups.world
+    if groups.world_size == 1 or world is None or world is not dist.group.WORLD \
+            or dist.get_backend(world) != "gloo":
+        return world
+    # One twin per world, however many models are parallelized in the process (a gloo group
+    # holds threads and sockets until the world is destroyed). Keyed by the world itself, held,
+    # so a world made after this one was destroyed gets a twin of its own.
+    held = _twins.get(id(world))
+    if held is None or held[0] is not world:
+        held = _twins[id(world)] = (world, dist.new_group(
+            list(range(groups.world_size)), backend="gloo",
+            timeout=_timeout_of(world, "gloo", groups.env)))
+    return held[1]
+
+
+_twins: dict[int, tuple] = {}
 
 
 def _store_of(world: dist.ProcessGroup):
