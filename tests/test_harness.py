@@ -57,3 +57,23 @@ def _crashes(rank, world_size):
 def test_rank_killed_without_reporting():
     with pytest.raises(RankFailed, match="exited with code 7"):
         spawn(_crashes, 2, timeout=30)
+
+
+def _peer_left_on_the_guards_verdict(rank, world_size):
+    import os
+    import threading
+
+    from tilework.comm import guard
+
+    if rank == 0:
+        time.sleep(60)
+    # What rank 1 sees when the guard has its verdict and its peer, having read it, leaves
+    # first: the collective fails in the main thread while the guard's thread is about to exit.
+    guard.STOPPING.set()
+    threading.Timer(0.5, os._exit, args=(guard.EXIT_CODE,)).start()
+    raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+
+
+def test_a_peer_lost_to_the_guards_verdict_reports_the_verdicts_exit_not_the_lost_peer():
+    with pytest.raises(RankFailed, match="exited with code 2"):
+        spawn(_peer_left_on_the_guards_verdict, 2, timeout=30)

@@ -91,13 +91,7 @@ def stop_worker(exc: BaseException, env: WorkerEnv) -> NoReturn:
     """
     import traceback
 
-    from .comm import guard
-
-    if guard.STOPPING.is_set():
-        # The call guard found why the ranks diverged and ends this process itself with that
-        # reason; this exception (a peer that left) is only its consequence.
-        guard.STOPPING.wait()
-        time.sleep(2 * guard.ANSWER_S)
+    yield_to_the_guards_verdict()
     failure = worker_failure(exc, env.rank, env.collective_timeout_s)
     if failure.traceback:
         traceback.print_exception(exc)
@@ -107,6 +101,16 @@ def stop_worker(exc: BaseException, env: WorkerEnv) -> NoReturn:
     sys.stdout.flush()
     # No teardown: a process group whose peer vanished can block in its destructors.
     os._exit(failure.exit_code)
+
+
+def yield_to_the_guards_verdict() -> None:
+    """Where the call guard found why the ranks diverged, let it end this process with that
+    reason: the exception at hand (a peer that left first) is only its consequence. Returns at
+    once when the guard has no verdict."""
+    from .comm import guard
+
+    if guard.STOPPING.is_set():
+        time.sleep(2 * guard.ANSWER_S)   # the guard's thread exits the process within ANSWER_S
 
 
 def record_for_launcher(line: str, path: str | None) -> None:

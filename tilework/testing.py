@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .faults import yield_to_the_guards_verdict
+
 
 class RankFailed(RuntimeError):
     def __init__(self, rank: int, detail: str):
@@ -50,6 +52,9 @@ def _child(fn, rank, world_size, port, args, results, timeout, backend):
         torch.save(out, buffer)
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        # As under a launcher: a peer that left on the call guard's verdict is not this rank's
+        # failure to report; the verdict (exit code 2) ends this process too.
+        yield_to_the_guards_verdict()
         results.put((rank, "error", traceback.format_exc()))
 
 
