@@ -189,7 +189,7 @@ def broadcast(tensor: torch.Tensor, src: int, group, stats: Stats, method: str) 
 def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
                  remote: list[bool] | None = None,
                  recv_lengths: list[int] | None = None,
-                 tail: tuple[str, int] | None = None) -> list[torch.Tensor]:
+                 tail: tuple[str, int] | None = None, async_op: bool = False):
     """Send chunks[j] to group rank j; return what each group rank sent here, in rank order.
 
     Chunks may differ in length (first dimension) but share the trailing shape and dtype. Unless
@@ -198,10 +198,11 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
     `remote[j]` says group rank j is on another host, for the inter-host byte count.
     `tail`: (method, k): the last k elements of every chunk, sent and received, are another
     method's bytes (a dense bucket riding the push, sync/dense.py), counted as that method's.
+    `async_op` (with `recv_lengths`): launch and return at once; `.wait()` gives the list.
     """
     n = group_size(group)
     if n == 1:
-        return [chunks[0]]
+        return _Pending(None, lambda: [chunks[0]]) if async_op else [chunks[0]]
     me = dist.get_rank(group)
     trailing = chunks[0].shape[1:]
     row = math.prod(trailing)
@@ -217,8 +218,9 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
     send = torch.cat([c.reshape(-1) for c in chunks])
     recv_sizes = [int(c) * row for c in recv_lengths]
     recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=device)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
-                           input_split_sizes=[c.numel() for c in chunks], group=group)
+    work = dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
+                                  input_split_sizes=[c.numel() for c in chunks], group=group,
+                                  async_op=async_op)
     item = send.element_size()
     other, k = tail or (method, 0)
     peers, peers_far = item * k * (n - 1), item * k * sum(remote)
@@ -227,4 +229,6 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
                  item * sum(c.numel() for c, far in zip(chunks, remote) if far) - peers_far)
     if k:
         stats.record(other, peers, peers, peers_far, call=False)
-    return [part.reshape(-1, *trailing) for part in torch.split(recv, recv_sizes)]
+    pending = _Pending(work, lambda: [part.reshape(-1, *trailing)
+                                      for part in torch.split(recv, recv_sizes)])
+    return pending if async_op else pending.wait()

@@ -39,7 +39,8 @@ from .preflight import (check_device, check_not_tied, check_optimizer_covers,
 from .state import (gathered_model_state, gathered_state, load_state, parallel_optimizer_state,
                     plain_optimizer_state)
 from .changes import Changes, leave_optimizer, replace_module
-from .exchange import pull_tables, push_route, push_tables
+from .exchange import pull_tables
+from .push import EarlyPush, push_route
 from .lookups import Batch
 from .sparse import DenseServed, PSTable, ShardedEmbedding
 from .offload import Offload
@@ -114,7 +115,7 @@ class Engine:
                 check_not_tied(model, pp.name, p)
                 table = PSTable(pp, p.data, groups, self.stats, plan.local_aggregation,
                                 plan.sparse_reduce, row_optimizer(self.optimizer, pp.name, p, lazy=True))
-                table.on_grad, table.guard = self._touched, self.guard
+                table.guard = self.guard
                 module = ShardedEmbedding(table, self.embeddings[pp.name], self.lookups)
                 replace_module(self.changes, model, pp.name, module, self.embeddings[pp.name])
                 self.tables[pp.name], self.table_modules[pp.name] = table, module
@@ -156,6 +157,7 @@ class Engine:
                                push_dtype=self.push_route.dtype)
         self.changes.record("dense parameters: post-accumulate-grad hooks (all-reduce buckets)",
                             lambda: [handle.remove() for handle in self.dense.handles])
+        self.early = EarlyPush(self.tables, self.push_route, self.checks, self._touched)
         if self.checks is not None:   # server tables check their ids before the pull
             self.checks.install(self.model, {n: m for n, m in self.embeddings.items()
                                              if n not in self.tables}, self.changes)
@@ -288,11 +290,10 @@ class Engine:
 
     def _push_servers(self, heads_ride: bool = False) -> None:
         """`heads_ride`: the hot heads' sums are on their way in the last dense bucket."""
-        push_tables(list(self.tables.values()), not heads_ride, self.push_route.start(self.dense))
+        self.early.finish(not heads_ride, self.push_route.start(self.dense))
         for served in self.served.values():
             served.push()
-        self._unsynced = False
-        self._unapplied = bool(self.tables or self.served)
+        self._unsynced, self._unapplied = False, bool(self.tables or self.served)
 
     def discard_server_gradients(self) -> None:
         for part in [*self.tables.values(), *self.served.values()]:
@@ -305,8 +306,8 @@ class Engine:
         # never calls optimizer.step() would leave the server tables untouched, silently.
         if self._unapplied and torch.is_grad_enabled() and self.dense_params and all(
                 p.grad is None for _, p in self.dense_params if p.requires_grad):
-            names = ", ".join([*self.tables, *self.served])
-            first = next(iter([*self.tables, *self.served]))
+            served = [*self.tables, *self.served]
+            names, first = ", ".join(served), served[0]
             raise PlanError(f"gradients were zeroed without optimizer.step(), which is what "
                             f"updates the parameters on the servers ({names}): call "
                             f"optimizer.step(), or keep them all-reduced: "
@@ -352,8 +353,7 @@ class Engine:
         self.stats.end_step()
 
     def _after_load(self, module, incompatible) -> None:
-        # model.load_state_dict wrote the replicas of server-updated dense parameters; their
-        # owners' rows follow.
+        # load_state_dict wrote the replicas of server-updated parameters: the owners' rows follow
         for served in self.served.values():
             served.shard.copy_(served.take_shard(served.param.detach()))
         self.zero.after_load()

@@ -5,11 +5,8 @@ number of times per hop however many tables the model has.
   ids in one all-to-all of blocks sized from earlier steps, each leading with its counts (a
   second one, of what did not fit, only on a step whose ids outgrew a block), their rows back
   in one.
-- Push (end of backward): a table looked up once since the last push sends only its gradient
-  rows, in the order its pull sent the ids, so the owner matches them to what it was asked (the
-  route each pull took is kept): one all-to-all of rows, no ids, no lengths. A table looked up
-  several times (accumulation without sync, two lookups in one forward) carries its ids with the
-  rows, after an exchange of lengths.
+- Push (backward; sync/push.py): the gradient rows retrace the route each pull took, kept here
+  (`PullRoute`).
 
 The rows are what separate exchanges per table would send; the id blocks are per exchange (their
 headers, capacities and overflow): the cost model replays both (cost.ps_step_bytes).
@@ -24,10 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.counted import all_to_all_v, group_size
-from ..comm.groups import push_group
 from ..wire import id_block_capacity
 from .ahead import Ahead, Entry
-from .dense import PushRide
 from .sparse import PSTable, _by_destination
 
 
@@ -39,6 +34,7 @@ class PullRoute:
     # per hop: (order, counts, arrived, inverse, merged): how this rank sorted its ids to the
     # peers and how many went to each, how many arrived from each, and how they were merged
     hops: list[tuple] = field(default_factory=list)
+    together: list = field(default_factory=list)  # the tables whose routes this pull kept
 
     @property
     def owned(self) -> torch.Tensor:
@@ -107,9 +103,11 @@ def pull_tables(tables: list[PSTable], ids_list: list[torch.Tensor], record: lis
                 rows = _fetch_ahead(batch, list(ids), routes, ahead, keyed)
             else:
                 rows = _fetch(batch, 0, list(ids), routes)
+        kept = [table for table, k in zip(batch, keep) if k]
         for table, route, r, k, i in zip(batch, routes, rows, keep, where):
             if k:
                 table.pulls.append(route)
+                route.together = kept
             out[i] = r
     return out
 
@@ -296,101 +294,3 @@ def _fit(count: int, capacity: int, held_back: bool) -> int:
     if held_back and count <= capacity:
         return capacity
     return id_block_capacity(count, capacity)
-
-
-# -- push ---------------------------------------------------------------------------------------
-
-def push_route(tables: list[PSTable], groups) -> PushRide:
-    """How this engine's pushes go (sync/dense.py's PushRide). Where every table's push is one
-    all-to-all over the world, it runs on a group of its own (made here: collective), and the
-    last dense bucket may ride it where the tables' rows are all of one dtype."""
-    dtypes = {table.shard.dtype for table in tables}
-    one_hop = bool(tables) and all(len(t.hops) == 1 and t.hops[0].group is groups.world
-                                   for t in tables)
-    return PushRide(dtypes.pop() if len(dtypes) == 1 and one_hop else None, groups.world,
-                    push_group(groups) if one_hop else groups.world)
-
-
-def push_tables(tables: list[PSTable], with_heads: bool, ride: PushRide) -> None:
-    """Send every table's pending gradient rows to their owners, which sum them into `received`
-    until the step applies them (a collective: every rank calls it with the same tables). Hot
-    heads (sync/hot.py) are all-reduced meanwhile, unless they ride a dense bucket instead.
-    `ride`: the route, and the last dense bucket riding along where one does."""
-    heads = [t.head for t in tables if t.head is not None] if with_heads else []
-    for head in heads:
-        head.launch()
-    retrace, carry = [], []
-    for table in tables:
-        (retrace if _retraceable(table) else carry).append(table)
-    for batch, in _batches(retrace):
-        routes = [table.pulls[0] for table in batch]
-        grads = [table.take_pending()[1] for table in batch]
-        for h in range(len(batch[0].hops)):
-            grads = _retrace_hop(batch, h, [r.hops[h] for r in routes], grads, ride)
-        for table, route, g in zip(batch, routes, grads):
-            table.receive(route.owned, g)
-    for batch, in _batches(carry):
-        items = [table.take_pending() for table in batch]
-        for h in range(len(batch[0].hops)):
-            items = _carry_hop(batch, h, items, ride)
-        for table, (ids, grads) in zip(batch, items):
-            table.receive(ids, grads)
-    for table in tables:
-        table.pulls.clear()
-    for head in heads:
-        head.wait()
-
-
-def _retraceable(table: PSTable) -> bool:
-    """One pull, one gradient for exactly its ids: the owners know what each row is."""
-    if len(table.pulls) != 1 or len(table.pending) != 1:
-        return False
-    ids = table.pending[0][0]
-    return ids is table.pulls[0].ids or torch.equal(ids, table.pulls[0].ids)
-
-
-def _retrace_hop(tables, h, steps, grads, ride: PushRide):
-    """Gradient rows the way the pull's ids went: sorted and split as then, summed where the
-    ids were merged. Both sides know every length."""
-    hop = tables[0].hops[h]
-    n = group_size(hop.group)
-    widths = [g.shape[1] for g in grads]
-    to_peer: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for (order, per_peer, _, _, _), g in zip(steps, grads):
-        for j, part in enumerate(torch.split(g[order], per_peer)):
-            to_peer[j].append(part.reshape(-1))
-    sizes = [[a * w for a, w in zip(arrivals, widths)]
-             for arrivals in zip(*[step[2] for step in steps])]
-    got = ride.all_to_all([torch.cat(parts) for parts in to_peer], hop, tables[0].stats,
-                          [sum(s) for s in sizes])
-    out = []
-    for (_, _, _, inverse, merged), w, rows in zip(steps, widths, _per_table(got, sizes, widths)):
-        summed = rows.new_zeros(len(merged), w)
-        summed.index_add_(0, inverse, rows)
-        out.append(summed)
-    return out
-
-
-def _carry_hop(tables: list[PSTable], h: int, items, ride: PushRide):
-    """One hop where ids ride with their gradient rows (their 8 bytes viewed as the row's
-    dtype, a bit-exact round trip), after the lengths; what arrives is merged by id per table."""
-    hop = tables[0].hops[h]
-    n, stats = group_size(hop.group), tables[0].stats
-    dtype = items[0][1].dtype
-    id_width = 8 // items[0][1].element_size()
-    widths = [id_width + grads.shape[1] for _, grads in items]
-    packed = [torch.cat([ids.contiguous().view(dtype).reshape(len(ids), id_width), grads], 1)
-              for ids, grads in items]
-    _, counts, to_peer = _to_owners(tables, h, [ids for ids, _ in items], packed, n)
-    heard = _lengths(tables, h, counts, ride.group_of(hop))
-    arriving = [[int(c) * w for c, w in zip(from_peer.tolist(), widths)] for from_peer in heard]
-    got = ride.all_to_all([torch.cat(parts) for parts in to_peer], hop, stats,
-                          [sum(sizes) for sizes in arriving])
-    out = []
-    for width, rows in zip(widths, _per_table(got, arriving, widths)):
-        ids = rows[:, :id_width].reshape(-1).view(torch.int64)
-        merged, inverse = torch.unique(ids, return_inverse=True)
-        summed = rows.new_zeros(len(merged), width - id_width)
-        summed.index_add_(0, inverse, rows[:, id_width:])
-        out.append((merged, summed))
-    return out

@@ -81,7 +81,8 @@ class PSTable:
         # leads: {(tables, hop): (to each peer, from each peer)}
         self.id_blocks: dict[tuple, tuple[list[int], list[int]]] = {}
         self.received: tuple[torch.Tensor, torch.Tensor] | None = None  # owned rows, local index
-        self.on_grad: Callable[[], object] | None = None  # the engine's end-of-backward trigger
+        # the engine's trigger (end of backward queued; sync/push.py's EarlyPush)
+        self.on_grad: Callable[[PSTable], object] | None = None
         self.guard = UNGUARDED                            # the engine's CallGuard
         # rows [0, hot_rows) replicated here, all-reduced (sync/hot.py); the servers keep theirs
         # unused until a checkpoint is gathered, which takes the head's
@@ -99,7 +100,7 @@ class PSTable:
             ids, grad_rows = ids[k:], grad_rows[k:]
         self.pending.append((ids, grad_rows))
         if self.on_grad is not None:
-            self.on_grad()
+            self.on_grad(self)
 
     def hot_count(self, ids: torch.Tensor) -> int:
         """How many of the sorted `ids` are head rows (they come first)."""
