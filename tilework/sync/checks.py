@@ -95,6 +95,11 @@ class InputChecks:
             self.nonfinite = f"the loss the model returned ({output.item()})"
             self.dirty = True
 
+    def on_tables(self, tables) -> None:
+        """The gradient rows each server table (sync/sparse.py's PSTable) holds on this rank."""
+        for table in tables:
+            self.on_gradients([(table.name, g) for g in table.gradients()])
+
     def on_gradients(self, named: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None = None):
         """`named` gradients (or their concatenation `flat`, checked in one pass first)."""
         if self.nonfinite is not None:

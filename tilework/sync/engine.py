@@ -272,8 +272,7 @@ class Engine:
 
     def _check_server_gradients(self) -> None:
         if self.checks is not None:
-            for name, table in self.tables.items():
-                self.checks.on_gradients([(name, g) for g in table.gradients()])
+            self.checks.on_tables(self.tables.values())
             for name, served in self.served.items():
                 self.checks.on_gradients([(name, served.param.grad)])
 

@@ -71,12 +71,12 @@ def _retraceable(table: PSTable) -> bool:
 def _retrace_hop(tables, h, steps, grads, ride: PushRide):
     """Gradient rows the way the pull's ids went: sorted and split as then, summed where the
     ids were merged. Both sides know every length."""
-    parts, sizes, widths = retrace_parts(tables[0].hops[h], steps, grads)
+    parts, sizes, widths = _retrace_parts(tables[0].hops[h], steps, grads)
     got = ride.all_to_all(parts, tables[0].hops[h], tables[0].stats, [sum(s) for s in sizes])
-    return retrace_land(steps, widths, got, sizes)
+    return _retrace_land(steps, widths, got, sizes)
 
 
-def retrace_parts(hop, steps, grads):
+def _retrace_parts(hop, steps, grads):
     """What each peer gets of the gradient rows `grads` retracing the pull's `steps` at `hop`:
     (each peer's flat part, the element counts that arrive from each peer per table, widths)."""
     widths = [g.shape[1] for g in grads]
@@ -89,7 +89,7 @@ def retrace_parts(hop, steps, grads):
     return [torch.cat(parts) for parts in to_peer], sizes, widths
 
 
-def retrace_land(steps, widths, got, sizes) -> list[torch.Tensor]:
+def _retrace_land(steps, widths, got, sizes) -> list[torch.Tensor]:
     """The rows that arrived (`got`, per peer), summed per table by the ids the pull merged."""
     out = []
     for (_, _, _, inverse, merged), w, rows in zip(steps, widths, _per_table(got, sizes, widths)):
@@ -137,7 +137,7 @@ class EarlyPush:
 
     def __init__(self, tables: dict[str, PSTable], ride: PushRide, checks, touched):
         self.tables, self.ride, self.checks, self.touched = tables, ride, checks, touched
-        self.flying: list[tuple] = []   # (tables, routes, steps, widths, sizes, pending work)
+        self.flying: list[tuple] = []   # (tables, routes, widths, sizes, pending work)
         for table in tables.values():
             table.on_grad = self.on_grad
 
@@ -152,24 +152,24 @@ class EarlyPush:
                            if t not in batch)):
             return
         if self.checks is not None:   # before any row leaves
-            for t in batch:
-                self.checks.on_gradients([(t.name, g) for g in t.gradients()])
+            self.checks.on_tables(batch)
         hop, routes = batch[0].hops[0], [t.pulls[0] for t in batch]
         steps = [route.hops[0] for route in routes]
-        parts, sizes, widths = retrace_parts(hop, steps, [t.take_pending()[1] for t in batch])
+        parts, sizes, widths = _retrace_parts(hop, steps, [t.take_pending()[1] for t in batch])
         work = all_to_all_v(parts, self.ride.group_of(hop), batch[0].stats, "ps", hop.remote,
                             recv_lengths=[sum(s) for s in sizes], async_op=True)
         for t in batch:
             t.pulls.clear()
-        self.flying.append((batch, routes, steps, widths, sizes, work))
+        self.flying.append((batch, routes, widths, sizes, work))
 
     def finish(self, with_heads: bool, ride: PushRide) -> None:
         """The end-of-backward push of the tables left (push_tables), then the early pushes'
         rows summed into their owners' `received`."""
         early = {id(t) for flying in self.flying for t in flying[0]}
         push_tables([t for t in self.tables.values() if id(t) not in early], with_heads, ride)
-        for batch, routes, steps, widths, sizes, work in self.flying:
+        for batch, routes, widths, sizes, work in self.flying:
+            steps = [route.hops[0] for route in routes]
             for table, route, g in zip(batch, routes,
-                                       retrace_land(steps, widths, work.wait(), sizes)):
+                                       _retrace_land(steps, widths, work.wait(), sizes)):
                 table.receive(route.owned, g)
         self.flying = []
