@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	# Only when no torch is importable: 2.13.0's CPU build lies on this machine's disk, while an
 	# unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,models]"
 	touch $(STAMP)
 
 install: $(STAMP)

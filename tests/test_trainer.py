@@ -89,6 +89,22 @@ def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
         checkpoint.load(path)
 
 
+def test_a_tensor_without_its_values_is_refused_before_the_last_good_checkpoint_goes(tmp_path):
+    """A value whose storage was freed between uses (ZeRO-3's, read outside a gather) would be
+    written as a file torch's own reader refuses: it is named, and nothing is written."""
+    good = checkpoint.save(tmp_path, 1, {"w": torch.arange(4.0)}, {"f": 1})
+    freed = torch.zeros(8, 2)
+    freed.untyped_storage().resize_(0)
+    with pytest.raises(CheckpointError, match=r"state\['model'\]\['head.weight'\]: the tensor's "
+                                              r"storage holds 0 of its 64 bytes"):
+        checkpoint.save(tmp_path, 2, {"model": {"head.weight": freed}}, {"f": 1})
+    assert checkpoint.latest(tmp_path) == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001.pt"]
+    # Views, empty tensors and meta tensors are whole as they are.
+    checkpoint.write(tmp_path / "views.pt", {"v": torch.arange(10.0)[2:5], "e": torch.empty(0),
+                                             "t": torch.arange(6.0).view(2, 3).t()})
+
+
 def test_format_1_checkpoints_still_load(tmp_path):
     path = tmp_path / "old.pt"
     torch.save({"format": "tilework-checkpoint", "version": 1, "step": 3, "fingerprint": {"f": 1},

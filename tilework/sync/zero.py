@@ -122,7 +122,11 @@ class ZeroSync:
             self.optimizer = optimizer
             self.offload.prepare(optimizer, self.shards)
         if self.units is not None:
-            changes.hook("model: state_dict post-hook (ZeRO-3 values gathered)",
+            # The values are gathered before any module saves its entries, so a model's own
+            # state-dict hooks (torchtitan's fused wqkv split by a hook) read whole values.
+            changes.hook("model: state_dict pre-hook (ZeRO-3 values gathered)",
+                         model.register_state_dict_pre_hook(PicklesAsNoop(self._gather_for_save)))
+            changes.hook("model: state_dict post-hook (ZeRO-3 values copied, then freed)",
                          model.register_state_dict_post_hook(PicklesAsNoop(self._full_values)))
             changes.hook("model: load_state_dict pre-hook (ZeRO-3 values gathered)",
                          model.register_load_state_dict_pre_hook(
@@ -322,20 +326,32 @@ class ZeroSync:
             self.units.pinned = False
             self.units.free_all()
 
+    def _gather_for_save(self, *_) -> None:
+        self.was_gathered = [unit.gathered for unit in self.units.units]
+        if self.gather_to != "meta":
+            with self.guard("model.state_dict(), which gathers ZeRO-3's values"):
+                self.units.gather_all()
+
     def _full_values(self, module, state: dict, prefix: str, metadata) -> None:
-        """model.state_dict(): stage 3's entries hold the full values (a collective)."""
-        with self.guard("model.state_dict(), which gathers ZeRO-3's values"):
-            for unit in self.units.units:
-                was = unit.gathered
-                if self.gather_to != "meta":
-                    unit.gather()
-                for s in unit.shards:
-                    state[prefix + s.name] = (torch.empty(s.shape, dtype=s.param.dtype,
-                                                          device="meta")
-                                              if self.gather_to == "meta" else
-                                              s.param.detach().clone())
-                if not was:
-                    unit.free()
+        """model.state_dict(): every entry that is (a view of) a stage-3 value becomes a copy
+        of it, taken while gathered. Entries are found by storage, not by name: a tied weight
+        has two names (nanoGPT's lm_head.weight is transformer.wte.weight), and a model's hook
+        may rename or split an entry; each keeps its view's geometry, and tied entries share
+        one copy as they share one tensor in torch's own state dict."""
+        storages = {s.param.untyped_storage()._cdata for s in self.shards if s.stage == 3}
+        copies: dict = {}
+        for key, value in state.items():
+            if not torch.is_tensor(value) or value.untyped_storage()._cdata not in storages:
+                continue
+            geometry = (value.untyped_storage()._cdata, value.storage_offset(),
+                        tuple(value.shape), value.stride(), value.dtype)
+            if geometry not in copies:
+                copies[geometry] = (torch.empty(value.shape, dtype=value.dtype, device="meta")
+                                    if self.gather_to == "meta" else value.detach().clone())
+            state[key] = copies[geometry]
+        for unit, was in zip(self.units.units, self.was_gathered):
+            if not was:
+                unit.free()
 
     def after_load(self) -> None:
         """The model's values were loaded into the parameters: the shards follow."""

@@ -32,6 +32,7 @@ def write(path: str | Path, state: dict[str, Any], step: int | None = None,
           fingerprint: dict[str, Any] | None = None) -> Path:
     """One checkpoint file, atomically: header (length, digest), then the torch.save payload."""
     path = Path(path)
+    _check_whole(state)
     for stale in path.parent.glob(_TEMP_GLOB):  # one writer per directory: these are a dead one's
         stale.unlink(missing_ok=True)
     buffer = io.BytesIO()
@@ -42,6 +43,27 @@ def write(path: str | Path, state: dict[str, Any], step: int | None = None,
                                   hashlib.sha256(payload).hexdigest().encode())
     write_atomic(path, header + payload)
     return path
+
+
+def _check_whole(state: Any, where: str = "state") -> None:
+    """Refuse a tensor whose storage does not hold all of it (a sharded value freed between
+    uses): torch.save would write a file its own reader refuses, after the last good one."""
+    if torch.is_tensor(state):
+        if state.device.type == "meta" or state.numel() == 0:
+            return
+        extent = (state.storage_offset() + sum((n - 1) * s for n, s in
+                                               zip(state.shape, state.stride())) + 1)
+        if state.untyped_storage().nbytes() < extent * state.element_size():
+            raise CheckpointError(f"{where}: the tensor's storage holds "
+                                  f"{state.untyped_storage().nbytes():,} of its "
+                                  f"{extent * state.element_size():,} bytes (a sharded value "
+                                  "freed between uses?); nothing was written")
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            _check_whole(value, f"{where}[{key!r}]")
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            _check_whole(value, f"{where}[{i}]")
 
 
 def save(directory: str | Path, step: int, state: dict[str, Any], fingerprint: dict[str, Any],

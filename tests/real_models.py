@@ -1,0 +1,137 @@
+"""Models not written for tilework, tiny, as a user would bring them.
+
+- `NanoGPT`: karpathy/nanoGPT's model.py shape, module names included (transformer.wte / wpe /
+  h[i].attn.c_attn (fused q, k, v) / c_proj / mlp.c_fc / c_proj / ln_f, an lm_head tied to wte,
+  `F.scaled_dot_product_attention(is_causal=True)`, forward(idx, targets) -> (logits, loss)).
+  nanoGPT is not on PyPI, so the file is rewritten here the way its README has users copy it.
+- `hf_llama(tied=...)`: Hugging Face transformers' `LlamaForCausalLM` on a tiny config (tied as
+  Llama 3.2 1B ships, or not), from the pinned `models` extra; None where it is not installed.
+
+`lm_batch(step, vocab, seq, batch, part, parts)` is step `step`'s global batch, or one rank's
+contiguous slice of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class LayerNorm(nn.Module):
+    """nanoGPT's: a LayerNorm whose bias is optional."""
+
+    def __init__(self, ndim: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, bias: bool):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)   # q, k, v in one matmul
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, bias: bool):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, bias: bool):
+        super().__init__()
+        self.ln_1 = LayerNorm(n_embd, bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, bias)
+        self.ln_2 = LayerNorm(n_embd, bias)
+        self.mlp = MLP(n_embd, bias)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, bias=False):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            h=nn.ModuleList([Block(n_embd, n_head, bias) for _ in range(n_layer)]),
+            ln_f=LayerNorm(n_embd, bias),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight   # weight tying, as nanoGPT does
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        t = idx.size(1)
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-1)
+        return logits, loss
+
+
+def have_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def hf_llama(tied: bool, vocab_size: int = 64, layers: int = 2):
+    """A tiny `LlamaForCausalLM` (eager attention: deterministic on the CPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=16, tie_word_embeddings=tied,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def lm_batch(step: int, vocab: int, seq: int, batch: int, part: int = 0, parts: int = 1):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    per = batch // parts
+    tokens = tokens[part * per:(part + 1) * per]
+    return tokens[:, :-1], tokens[:, 1:]

@@ -1,0 +1,116 @@
+"""Models not written for tilework (tests/real_models.py: nanoGPT's model.py, Hugging Face's
+LlamaForCausalLM tied and untied) trained under the dimensions beyond data parallelism, as one
+process trains them: the same losses, and the same parameters read back through
+`tilework.state_dict`, through `tilework.save` and `tilework.load`, and after
+`tilework.unparallelize`. Tied weights must come back tied and whole in each.
+
+Tolerance 1e-4 of each tensor's largest magnitude (AdamW; the ranks' sums reorder one process's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilework
+from tilework.testing import spawn
+
+from .real_models import NanoGPT, have_transformers, hf_llama, lm_batch
+
+STEPS, BATCH, SEQ, VOCAB = 3, 4, 8, 64
+TOL = 1e-4
+
+needs_transformers = pytest.mark.skipif(
+    not have_transformers(), reason="Hugging Face transformers is not installed "
+    "(pip install -e '.[models]')")
+
+
+def build(family: str):
+    torch.manual_seed(0)
+    if family == "nanogpt":
+        return NanoGPT(vocab_size=VOCAB, block_size=SEQ)
+    return hf_llama(tied=family == "llama-tied", vocab_size=VOCAB)
+
+
+def loss_of(family: str, model, x, y):
+    if family == "nanogpt":
+        return model(x, y)[1]
+    # HF shifts the labels itself: labels are the inputs, the loss is next-token prediction.
+    return model(input_ids=torch.cat([x, y[:, -1:]], 1), labels=torch.cat([x, y[:, -1:]], 1)).loss
+
+
+def optimizer_for(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+
+
+def train(family, model, opt, steps, part=0, parts=1):
+    losses = []
+    for step in steps:
+        loss = loss_of(family, model, *lm_batch(step, VOCAB, SEQ, BATCH, part, parts))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def reference(family: str):
+    model = build(family)
+    losses = train(family, model, optimizer_for(model), range(STEPS))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def tied_names(model) -> set[frozenset[str]]:
+    by_param: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), set()).add(name)
+    return {frozenset(names) for names in by_param.values() if len(names) > 1}
+
+
+def _zero3(rank, world_size, family, path):
+    model = build(family)
+    ties = tied_names(model)
+    opt = optimizer_for(model)
+    tilework.parallelize(model, opt, zero=3, log=False)
+    losses = train(family, model, opt, range(STEPS), rank, world_size)
+    state = tilework.state_dict(model, opt)["model"]
+    tilework.save(path, model, opt)
+    # A fresh model, parallelized the same way, loads the checkpoint and gives it back.
+    again = build(family)
+    again_opt = optimizer_for(again)
+    tilework.parallelize(again, again_opt, zero=3, log=False)
+    tilework.load(path, again, again_opt)
+    loaded = tilework.state_dict(again, again_opt)["model"]
+    tilework.unparallelize(model, opt)
+    plain = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state, "loaded": loaded, "plain": plain,
+            "ties_kept": tied_names(model) == ties}
+
+
+def assert_close(a, b, what):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    scale = max(b.abs().max().item(), 1e-12)
+    worst = (a.double() - b.double()).abs().max().item()
+    assert worst <= TOL * scale, f"{what}: differs by {worst:.3g} (scale {scale:.3g})"
+
+
+def assert_same_state(got: dict, want: dict, what: str):
+    assert set(got) == set(want), f"{what}: keys differ: {set(got) ^ set(want)}"
+    for k, v in want.items():
+        assert got[k].untyped_storage().nbytes() >= v.numel() * v.element_size(), \
+            f"{what}: {k} holds no values"
+        assert_close(got[k], v, f"{what}: {k}")
+
+
+@pytest.mark.parametrize("family", ["nanogpt", pytest.param("llama-tied", marks=needs_transformers),
+                                    pytest.param("llama", marks=needs_transformers)])
+def test_zero3_keeps_tied_weights_whole_through_state_save_load_and_unparallelize(family,
+                                                                                  tmp_path):
+    want_losses, want = reference(family)
+    results = spawn(_zero3, 2, args=(family, str(tmp_path / "ckpt.pt")), timeout=180)
+    got_losses = [sum(r["losses"][i] for r in results) / 2 for i in range(STEPS)]
+    assert_close(torch.tensor(got_losses), torch.tensor(want_losses), "losses")
+    for r in results:
+        for what in ("state", "loaded", "plain"):
+            assert_same_state(r[what], want, f"{family} {what}")
+        assert r["ties_kept"], f"{family}: tied parameters are no longer one after unparallelize"
