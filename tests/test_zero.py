@@ -383,3 +383,24 @@ def test_clip_norm_under_zero_in_each_host_is_one_process_norm(zero):
     expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
     got = spawn(_clip_norm, 4, args=(zero, {"zero_scope": "host", "hosts": 2}), timeout=120)
     assert all(abs(g - expected) <= 1e-5 * expected for g in got), (got, expected)
+
+
+def _clip_norm_float64(rank, world_size, zero):
+    model = new_model().double()
+    opt = new_optimizer("sgd", model.parameters())
+    tilework.parallelize(model, opt, zero=zero, log=False)
+    model(*batch(0, rank, world_size)).backward()
+    norm = tilework.clip_grad_norm_(model, 1e9)
+    return norm.dtype, norm.item()
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_clip_norm_of_a_float64_model_is_float64_at_every_stage(zero):
+    """torch's norm has its gradients' dtype: a float64 model's is float64 (under stage 3 no
+    gradient is dense on the rank, and the norm came back float32)."""
+    model = new_model().double()
+    model(*batch(0)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    for dtype, value in spawn(_clip_norm_float64, 2, args=(zero,), timeout=120):
+        assert dtype == torch.float64 == expected.dtype
+        assert abs(value - expected.item()) <= 1e-12 * expected.item(), (value, expected.item())

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .comm.counted import all_reduce
 from .mesh_checks import plain
-from .sync.clip import clip_by_total_norm, coalesced_grads, head_gradients
+from .sync.clip import clip_by_total_norm, coalesced_grads, head_gradients, norm_dtype
 
 
 # Where a gradient's parts are spread besides tp: over the dp group (server rows), over the
@@ -75,5 +75,5 @@ def clip_norm_on_mesh(engine, max_norm: float, norm_type: float, error_if_nonfin
     all_reduce(stage, mesh.groups.group("pp"), stats, "clip", op=op)
     total = stage[0] if inf else stage[0] ** (1.0 / norm_type)
     tensors = [g for g, _, _ in grads]
-    total = total.to(tensors[0].device if tensors else torch.device("cpu"), torch.float32)
+    total = total.to(tensors[0].device if tensors else torch.device("cpu"), norm_dtype(tensors))
     return clip_by_total_norm(tensors, total, max_norm, norm_type, error_if_nonfinite)

@@ -4,6 +4,7 @@ hold (sync/engine.py combines the owners' parts with one scalar all-reduce)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,12 +30,21 @@ def coalesced_grads(params) -> list[torch.Tensor]:
     return out
 
 
+def norm_dtype(grads: list[torch.Tensor]) -> torch.dtype:
+    """The dtype torch.nn.utils.clip_grad_norm_'s norm has: its gradients' promoted dtype
+    (a float64 model's norm is float64), float32 with none."""
+    return functools.reduce(torch.promote_types, (g.dtype for g in grads), grads[0].dtype) \
+        if grads else torch.float32
+
+
 def total_norm(grads: list[torch.Tensor], norm_type: float, foreach=None,
-               device: torch.device | None = None) -> torch.Tensor:
+               device: torch.device | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
     """The total norm of `grads`, as torch.nn.utils.clip_grad_norm_ computes it. With no
-    gradients it is 0 on `device` (torch's own: the CPU), where the caller combines it."""
+    gradients it is 0 on `device` (torch's own: the CPU), where the caller combines it, in
+    `dtype` (float32 unless given: the dtype of the gradients the other parts hold)."""
     if not grads:
-        return torch.tensor(0.0, device=device)
+        return torch.tensor(0.0, device=device, dtype=dtype or torch.float32)
     # Each norm where its gradient is, combined on `device` (offloaded shards' are on the CPU).
     return torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device or g.device)
@@ -89,7 +99,8 @@ def clip_norm_with_servers(engine, max_norm, norm_type, error_if_nonfinite, fore
     # device (gloo's is the CPU, whatever the model's).
     grads = [*dense, *server, *chunks]
     home = grads[0].device if grads else engine.groups.device
-    total = total_norm(dense, norm_type, foreach, device=home)
+    dtype = norm_dtype(grads)   # torch's: all parts' dtype, not only this rank's dense ones
+    total = total_norm(dense, norm_type, foreach, device=home, dtype=dtype)
     inf = math.isinf(norm_type)
     spread = []
     if engine.tables or engine.served:
@@ -103,5 +114,5 @@ def clip_norm_with_servers(engine, max_norm, norm_type, error_if_nonfinite, fore
             total = torch.maximum(total, combined.to(total.dtype))
         else:
             total = (total.double() ** norm_type + combined) ** (1.0 / norm_type)
-            total = total.to(dense[0].dtype if dense else torch.float32)
+    total = total.to(dtype)
     return clip_by_total_norm(grads, total, max_norm, norm_type, error_if_nonfinite)
