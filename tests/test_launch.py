@@ -165,6 +165,22 @@ def test_a_script_raising_a_user_error_is_one_line_without_traceback(tmp_path):
         "tilework run: rank 1 failed (exit code 2): job.toml: lr: expected a number"], r.stderr
 
 
+def test_a_refusal_of_the_users_model_is_its_line_without_traceback(tmp_path):
+    """tilework's refusals are UserErrors (PlanError, a ValueError too): a layout naming no
+    module prints no traceback on any rank, only its line."""
+    r = _run_script(tmp_path, """
+        import torch, tilework
+        from torch import nn
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tilework.parallelize(model, opt, tp=2, layout={"nope": "colwise"})
+    """)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert ("tilework run: ranks 0, 1 failed (exit code 2): layout pattern 'nope' matches no "
+            "module of Sequential") in r.stderr.splitlines(), r.stderr
+
+
 def test_a_scripts_sys_exit_passes_through_and_its_exit_handlers_run(tmp_path):
     r = _run_script(tmp_path, """
         import atexit, pathlib, sys, time

@@ -27,8 +27,15 @@ class ConfigError(UserError):
         super().__init__(f"{where}: {problem}" if where else problem)
 
 
-class PlanError(UserError):
-    """A parallel plan cannot be applied to this model (names the parameter, and the ranks)."""
+class PlanError(UserError, ValueError):
+    """A parallel plan cannot be applied to this model (names the parameter, and the ranks), or
+    a model's call is one the plan cannot run. A ValueError too, as torch's own refusals of a
+    bad argument are, so code that catches those catches these."""
+
+
+class UnsupportedCall(PlanError, TypeError):
+    """A call on a parallelized tensor or module that the layout cannot give one process's
+    answer to (a loss other than cross-entropy on vocabulary-split logits, say)."""
 
 
 class CheckpointError(UserError):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.counted import Stats
+from ..errors import PlanError
 from .comm import Ring
 from .layout import global_of_local
 from .ring import ring_attention
@@ -49,14 +50,14 @@ def ring_call_causal(name: str, ring: Ring, dropout: float, query, key, value,
     causal. (`dropout`: the attention's dropout probability in this mode.)"""
     where = f"{name} (ring attention over cp={ring.size})"
     if not (query is key and key is value):
-        raise ValueError(f"{where}: self-attention only (query, key and value the same tensor)")
+        raise PlanError(f"{where}: self-attention only (query, key and value the same tensor)")
     if need_weights:
-        raise ValueError(f"{where}: need_weights=True (the weights span every rank's keys); "
+        raise PlanError(f"{where}: need_weights=True (the weights span every rank's keys); "
                          "call with need_weights=False")
     if key_padding_mask is not None:
-        raise ValueError(f"{where}: key_padding_mask is not supported")
+        raise PlanError(f"{where}: key_padding_mask is not supported")
     if dropout > 0:
-        raise ValueError(f"{where}: attention dropout={dropout} in training (each rank would "
+        raise PlanError(f"{where}: attention dropout={dropout} in training (each rank would "
                          "drop its own pattern)")
     if is_causal and attn_mask is None:
         raise RuntimeError("need attn_mask if specifying the is_causal hint")
@@ -64,7 +65,7 @@ def ring_call_causal(name: str, ring: Ring, dropout: float, query, key, value,
         return bool(is_causal)
     if _is_causal_mask(attn_mask, query.shape[1]):
         return True
-    raise ValueError(f"{where}: only a causal attn_mask or none; this "
+    raise PlanError(f"{where}: only a causal attn_mask or none; this "
                      f"{tuple(attn_mask.shape)} mask is neither")
 
 
@@ -124,7 +125,7 @@ class ShardedPositions(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local_len = ids.shape[-1]
         if self.ring.size > 1 and local_len % 2:
-            raise ValueError(f"positions: a local sequence of {local_len} tokens is not two "
+            raise PlanError(f"positions: a local sequence of {local_len} tokens is not two "
                              "chunks; shard it with tilework.context.shard_sequence")
         where = global_of_local(ids, local_len, self.ring.rank, self.ring.size)
         return F.embedding(where, self.weight, self.padding_idx)
@@ -143,14 +144,14 @@ def _position_table(model: nn.Module, positions: str) -> nn.Embedding:
     try:
         table = model.get_submodule(positions)
     except AttributeError:
-        raise ValueError(f"no module {positions!r} to hold position embeddings; pass "
+        raise PlanError(f"no module {positions!r} to hold position embeddings; pass "
                          "positions=None if the model has none (or its own per-token ids)") \
             from None
     if type(table) is not nn.Embedding:
-        raise ValueError(f"positions={positions!r} is a {type(table).__name__}, not an "
+        raise PlanError(f"positions={positions!r} is a {type(table).__name__}, not an "
                          "nn.Embedding")
     if table.max_norm is not None or table.sparse:
-        raise ValueError(f"positions={positions!r}: max_norm / sparse=True are not supported")
+        raise PlanError(f"positions={positions!r}: max_norm / sparse=True are not supported")
     return table
 
 
@@ -174,12 +175,12 @@ def apply_context_parallel(model: nn.Module, group, stats: Stats,
     found = [(name, m) for name, m in model.named_modules()
              if isinstance(m, nn.MultiheadAttention)]
     if not found and not split:
-        raise ValueError(f"{type(model).__name__} has no nn.MultiheadAttention to make ring "
+        raise PlanError(f"{type(model).__name__} has no nn.MultiheadAttention to make ring "
                          "attention")
     for name, mha in found:
         why = refusal(mha)
         if why is not None:
-            raise ValueError(f"cannot make {name!r} ring attention: {why}")
+            raise PlanError(f"cannot make {name!r} ring attention: {why}")
     table = _position_table(model, positions) if positions is not None else None
     for name, mha in found:
         _replace(model, name, RingSelfAttention(mha, ring, name))

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import PlanError
+
 SEQ_DIM = 1   # (batch, sequence, ...) as batch-first models hold tokens and activations
 
 
 def _check(seq: int, cp_rank: int, cp: int) -> None:
     if not (isinstance(cp, int) and cp >= 1):
-        raise ValueError(f"cp must be an integer >= 1, got {cp!r}")
+        raise PlanError(f"cp must be an integer >= 1, got {cp!r}")
     if not 0 <= cp_rank < cp:
-        raise ValueError(f"cp rank {cp_rank} is not in a cp group of {cp}")
+        raise PlanError(f"cp rank {cp_rank} is not in a cp group of {cp}")
     if seq % (2 * cp):
-        raise ValueError(f"a sequence of {seq} tokens does not cut into 2*cp = {2 * cp} equal "
+        raise PlanError(f"a sequence of {seq} tokens does not cut into 2*cp = {2 * cp} equal "
                          "chunks (context parallelism's load-balanced layout); pad or choose "
                          "another cp")
 
@@ -74,6 +76,6 @@ def shard_sequence(tokens: torch.Tensor, targets: torch.Tensor, cp_rank: int,
     Each rank's mean loss over its tokens averages, over cp, to the one-process mean: every
     rank holds batch * seq / cp tokens (targets with ignore_index would break that equality)."""
     if tokens.shape != targets.shape:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} "
+        raise PlanError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} "
                          "differ in shape")
     return shard(tokens, cp_rank, cp), shard(targets, cp_rank, cp)

@@ -25,6 +25,7 @@ import math
 import torch
 from torch.autograd import Function
 
+from ..errors import PlanError
 from .comm import TAG_DKV, TAG_KV, Ring
 
 ALL = slice(None)
@@ -141,10 +142,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     shapes. Causal or full (no mask); the local sequence must be even (two chunks) when the
     ring has more than one rank."""
     if not q.shape == k.shape == v.shape or q.dim() != 4:
-        raise ValueError("ring_attention: q, k and v must share one (batch, heads, seq, "
+        raise PlanError("ring_attention: q, k and v must share one (batch, heads, seq, "
                          f"head_dim) shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     if ring.size > 1 and q.shape[-2] % 2:
-        raise ValueError(f"ring_attention: a local sequence of {q.shape[-2]} tokens is not two "
+        raise PlanError(f"ring_attention: a local sequence of {q.shape[-2]} tokens is not two "
                          "equal chunks; shard the sequence with tilework.context.shard")
     return _RingAttention.apply(q, k, v, ring, causal)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.counted import Stats
+from ..errors import PlanError
 from . import comm
 from .schedule import Action, Schedule, validate
 
@@ -38,11 +39,11 @@ class PipelineRunner:
         if schedule.pp > 1:
             self.group = group if group is not None else dist.group.WORLD
             if dist.get_world_size(self.group) != schedule.pp:
-                raise ValueError(f"the schedule is for {schedule.pp} ranks, the group has "
+                raise PlanError(f"the schedule is for {schedule.pp} ranks, the group has "
                                  f"{dist.get_world_size(self.group)}")
             self.rank = dist.get_rank(self.group)
         if sorted(stages) != schedule.stages_of(self.rank):
-            raise ValueError(f"rank {self.rank} runs stages {schedule.stages_of(self.rank)} of "
+            raise PlanError(f"rank {self.rank} runs stages {schedule.stages_of(self.rank)} of "
                              f"this schedule, got modules for {sorted(stages)}")
         self.stages, self.schedule = dict(stages), schedule
         self.stats = stats if stats is not None else Stats()
@@ -66,7 +67,7 @@ class PipelineRunner:
         data-parallel sync may start, the gradients then being whole."""
         m = self.schedule.microbatches
         if inputs.shape[0] % m:
-            raise ValueError(f"a batch of {inputs.shape[0]} does not split into {m} equal "
+            raise PlanError(f"a batch of {inputs.shape[0]} does not split into {m} equal "
                              "microbatches (the loss would not be the batch's mean)")
         run = _Step(self, inputs.chunk(m), targets.chunk(m))
         self.timeline = []

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import PlanError
+
 
 def _matmul_params(module: nn.Module) -> int:
     """Weights that multiply every token (FLOPs per token ~ 2x this); an embedding's rows are
@@ -31,7 +33,7 @@ def balance(costs: Sequence[float], parts: int, first: float = 0.0, last: float 
     Exact, by dynamic programming over split points: blocks are few."""
     n = len(costs)
     if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} blocks into {parts} stages of at least one block each")
+        raise PlanError(f"cannot cut {n} blocks into {parts} stages of at least one block each")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -106,7 +108,7 @@ def split_stages(model: nn.Module, stages: int, costs: Sequence[float] | None = 
     if costs is None:
         costs = [_matmul_params(layer) for layer in layers]
     if len(costs) != len(layers):
-        raise ValueError(f"{len(costs)} costs for {len(layers)} blocks")
+        raise PlanError(f"{len(costs)} costs for {len(layers)} blocks")
     last = _matmul_params(model.head) + _matmul_params(model.norm)
     parts = balance(costs, stages, first=0.0, last=last)
     return [GPTStage(model, part, k == 0, k == stages - 1) for k, part in enumerate(parts)]

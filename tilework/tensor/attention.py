@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import PlanError
 from .layers import RowParallelLinear
 from .regions import TensorParallel, enter_region
 
@@ -52,10 +53,10 @@ class HeadParallelAttention(nn.Module):
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                 attn_mask=None, average_attn_weights=True, is_causal=False):
         if not (query is key and key is value):
-            raise ValueError("HeadParallelAttention: self-attention only (query, key and value "
+            raise PlanError("HeadParallelAttention: self-attention only (query, key and value "
                              "the same tensor)")
         if need_weights or key_padding_mask is not None:
-            raise ValueError("HeadParallelAttention: call with need_weights=False and no "
+            raise PlanError("HeadParallelAttention: call with need_weights=False and no "
                              "key_padding_mask (the heads' weights are on different ranks)")
         if is_causal and attn_mask is None:
             raise RuntimeError("need attn_mask if specifying the is_causal hint")
@@ -90,7 +91,7 @@ def _float_mask(mask: torch.Tensor | None, dtype) -> torch.Tensor | None:
     if mask is None:
         return None
     if mask.dim() != 2:
-        raise ValueError("HeadParallelAttention: only a 2-D (target, source) attn_mask; a "
+        raise PlanError("HeadParallelAttention: only a 2-D (target, source) attn_mask; a "
                          "per-head mask would have to be split by heads too")
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..cluster import Topology
 from ..comm.groups import Groups, _timeout_of
+from ..errors import PlanError
 from ..mesh import Mesh
 from ..worker_env import WorkerEnv
 
@@ -49,11 +50,11 @@ def build_mesh_groups(mesh: Mesh, world=None, env: WorkerEnv | None = None) -> M
     """
     if world is None and not dist.is_initialized():
         if mesh.size != 1:
-            raise ValueError(f"a mesh of {mesh.size} ranks needs an initialised process group")
+            raise PlanError(f"a mesh of {mesh.size} ranks needs an initialised process group")
         return MeshGroups(mesh, 0, {axis: None for axis in mesh.names})
     world = world or dist.group.WORLD
     if dist.get_world_size(world) != mesh.size:
-        raise ValueError(f"the mesh {mesh} has {mesh.size} ranks but the world has "
+        raise PlanError(f"the mesh {mesh} has {mesh.size} ranks but the world has "
                          f"{dist.get_world_size(world)}")
     rank = dist.get_rank(world)
     backend = dist.get_backend(world)

@@ -30,6 +30,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from . import attention
+from ..errors import PlanError
 from .shards import local_shape
 
 # style -> parameter name -> spec (shards.py); names not listed are replicated
@@ -129,15 +130,15 @@ def _styles(model: nn.Module, layout: dict[str, str]) -> dict[str, str]:
     names = [name for name, _ in model.named_modules()]
     for pattern, style in layout.items():
         if style not in SPECS:
-            raise ValueError(f"layout {pattern!r}: unknown style {style!r} (styles: "
+            raise PlanError(f"layout {pattern!r}: unknown style {style!r} (styles: "
                              f"{', '.join(STYLES)})")
         hits = [n for n in names if fnmatchcase(n, pattern)]
         if not hits:
-            raise ValueError(f"layout pattern {pattern!r} matches no module of "
+            raise PlanError(f"layout pattern {pattern!r} matches no module of "
                              f"{type(model).__name__}")
         for name in hits:
             if name in chosen and chosen[name][1] != style:
-                raise ValueError(f"module {name!r}: patterns {chosen[name][0]!r} and {pattern!r} "
+                raise PlanError(f"module {name!r}: patterns {chosen[name][0]!r} and {pattern!r} "
                                  f"give it styles {chosen[name][1]!r} and {style!r}")
             chosen[name] = (pattern, style)
     return {name: style for name, (_, style) in chosen.items()}
@@ -153,7 +154,7 @@ def plan_layout(model: nn.Module, layout: dict[str, str], tp: int,
         module = modules[name]
         why = _refusal(module, style, tp, sequence_parallel)
         if why:
-            raise ValueError(f"tensor parallel: cannot apply {style!r} to {name or 'the model'!r}"
+            raise PlanError(f"tensor parallel: cannot apply {style!r} to {name or 'the model'!r}"
                              f" ({type(module).__name__}): {why}")
         specs = SPECS[style]
         params = tuple((p, tuple(v.shape), specs.get(p)) for p, v in module.named_parameters())
@@ -163,14 +164,14 @@ def plan_layout(model: nn.Module, layout: dict[str, str], tp: int,
     covered: dict[str, str] = {}
     for key, module in keys:
         if key in covered:
-            raise ValueError(f"parameter {key!r} is named twice by the layout (as part of "
+            raise PlanError(f"parameter {key!r} is named twice by the layout (as part of "
                              f"{covered[key] or 'the model'!r} and of {module or 'the model'!r})")
         covered[key] = module
     if sequence_parallel:
         loose = sorted({k.rpartition(".")[0] or k for k, _ in model.named_parameters()
                         if k not in covered})
         if loose:
-            raise ValueError("sequence parallelism needs every module with parameters in the "
+            raise PlanError("sequence parallelism needs every module with parameters in the "
                              f"layout ('sequence' or 'replicate' where it is not split); not "
                              f"named: {', '.join(loose)}")
     return LayoutPlan(tuple(placements), tp, sequence_parallel,
@@ -192,7 +193,7 @@ def _ties(model: nn.Module, placements) -> tuple[tuple[str, ...], ...]:
             continue
         specs = {repr(spec_of.get(k)) for k in keys}
         if len(specs) > 1:
-            raise ValueError(f"tensor parallel: {' and '.join(keys)} are one tied parameter, "
+            raise PlanError(f"tensor parallel: {' and '.join(keys)} are one tied parameter, "
                              f"but the layout splits them differently "
                              f"({', '.join(f'{k}: {spec_of.get(k)}' for k in keys)}); give their "
                              "modules styles that split it alike (vocab_embedding with "
@@ -236,7 +237,7 @@ def layout_for(model: nn.Module) -> dict[str, str]:
         elif isinstance(module, nn.Sequential):
             layout |= _mlp_pairs(prefix, list(module.named_children()))
     if not layout:
-        raise ValueError(f"no built-in layout fits {type(model).__name__}: no transformer "
+        raise PlanError(f"no built-in layout fits {type(model).__name__}: no transformer "
                          "encoder layer or Linear-Linear MLP found; write a layout")
     return layout
 

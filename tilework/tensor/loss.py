@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from ..errors import PlanError, UnsupportedCall
 from .regions import TensorParallel
 
 
@@ -52,7 +53,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
                                  reduction: str = "mean") -> torch.Tensor:
     """F.cross_entropy(full_logits, target) from this rank's columns [start, start + local)."""
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
-        raise ValueError("vocabulary-parallel cross-entropy takes (N, vocab/tp) logits and (N,) "
+        raise PlanError("vocabulary-parallel cross-entropy takes (N, vocab/tp) logits and (N,) "
                          f"targets, got {tuple(logits.shape)} and {tuple(target.shape)}")
     loss = _VocabParallelCrossEntropy.apply(logits, target, tp, start, ignore_index)
     if reduction == "none":
@@ -61,13 +62,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
         return loss.sum()
     if reduction == "mean":
         return loss.sum() / (target != ignore_index).sum()
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    raise PlanError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
     if weight is not None or size_average is not None or reduce is not None or label_smoothing:
-        raise ValueError("F.cross_entropy on vocabulary-split logits: weight, label_smoothing "
+        raise PlanError("F.cross_entropy on vocabulary-split logits: weight, label_smoothing "
                          "and the deprecated size_average/reduce are not supported")
     return vocab_parallel_cross_entropy(input.as_subclass(torch.Tensor), target, input._tp,
                                         input._start, ignore_index, reduction)
@@ -106,7 +107,7 @@ class ShardedLogits(torch.Tensor):
                 out = func(*args, **kwargs)
                 if out.shape[-1] == me.shape[-1]:
                     return ShardedLogits.wrap(out, me._tp, me._start)
-        raise TypeError(f"{getattr(func, '__name__', func)} on logits split over the vocabulary "
+        raise UnsupportedCall(f"{getattr(func, '__name__', func)} on logits split over the vocabulary "
                         "(tensor parallel, style 'vocab_head'): only views that keep the "
                         "vocabulary last, and F.cross_entropy, are supported; give the head "
                         "the style 'replicate' to keep it whole")

@@ -20,6 +20,7 @@ from torch.autograd import Function
 
 from ..comm import counted
 from ..comm.counted import Stats
+from ..errors import PlanError
 
 SEQ_DIM = 1   # activations are (batch, sequence, features), as batch_first modules have them
 
@@ -61,7 +62,7 @@ class TensorParallel:
             return x
         length = x.shape[dim]
         if length % self.size:
-            raise ValueError(f"sequence parallelism: a sequence of {length} does not split "
+            raise PlanError(f"sequence parallelism: a sequence of {length} does not split "
                              f"over tp={self.size} ranks")
         chunks = torch.stack(x.chunk(self.size, dim=dim))   # rank-major, so the flat is too
         out = counted.reduce_scatter_async(chunks.view(-1), self.group, self.stats,
@@ -71,7 +72,7 @@ class TensorParallel:
     def slice_seq(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
         length = x.shape[dim]
         if length % self.size:
-            raise ValueError(f"sequence parallelism: a sequence of {length} does not split "
+            raise PlanError(f"sequence parallelism: a sequence of {length} does not split "
                              f"over tp={self.size} ranks")
         return x.chunk(self.size, dim=dim)[self.rank]
 

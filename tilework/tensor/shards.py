@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import PlanError
+
 Spec = int | str | None
 
 
 def check_spec(spec: Spec) -> None:
     if spec is not None and spec != "qkv" and not isinstance(spec, int):
-        raise ValueError(f"a shard spec is None, a dimension or 'qkv', got {spec!r}")
+        raise PlanError(f"a shard spec is None, a dimension or 'qkv', got {spec!r}")
 
 
 def local_shape(shape: tuple[int, ...], spec: Spec, n: int) -> tuple[int, ...]:
@@ -26,7 +28,7 @@ def local_shape(shape: tuple[int, ...], spec: Spec, n: int) -> tuple[int, ...]:
     dim = 0 if spec == "qkv" else spec
     parts = 3 * n if spec == "qkv" else n
     if shape[dim] % parts:
-        raise ValueError(f"dimension {dim} of {tuple(shape)} does not split into {parts}")
+        raise PlanError(f"dimension {dim} of {tuple(shape)} does not split into {parts}")
     out = list(shape)
     out[dim] //= n
     return tuple(out)
