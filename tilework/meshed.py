@@ -11,6 +11,7 @@ same plan as a data-parallel run of that part of the model. docs/architecture.md
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from . import planner
 from .comm import counted
 from .comm.counted import Stats
 from .comm.groups import Groups
-from .errors import PlanError
+from .errors import PlanError, UserError
 from .mesh import Mesh, parallel_mesh
 from .mesh_checks import SameBatchCheck, mark_local
 from .parallel_config import ParallelConfig
@@ -131,6 +132,47 @@ def _split_layers(model, optimizer, config: ParallelConfig, found: MeshParallel)
     before = dict(model.named_parameters())
     found.layout = apply_layout(model, config.layout or layout_for(model), found.tp)
     _swap_in_optimizer(optimizer, before, dict(model.named_parameters()))
+    _name_failures_of_split_parents(model, found.layout)
+
+
+_SPLIT_STYLES = ("colwise", "colwise_fused", "colwise_gather", "rowwise", "heads")
+
+
+def _name_failures_of_split_parents(model: nn.Module, layout) -> None:
+    """A module whose children were split runs the user's code on their local widths; code
+    that assumes the whole width (nanoGPT's `c_attn(x).split(self.n_embd, dim=2)`, a view to
+    the input's width) fails there with a message about shapes. Its forward is given a wrapper
+    that says which split it met and how to write it instead, in one line."""
+    from .tensor.layout import base_style
+
+    split: dict[str, list[str]] = {}
+    for p in layout.placements:
+        if base_style(p.style) in _SPLIT_STYLES and p.module:
+            parent = p.module.rpartition(".")[0]
+            split.setdefault(parent, []).append(f"{p.module.rpartition('.')[2]}: {p.style}")
+    for name, children in split.items():
+        module = model.get_submodule(name)
+        if "forward" not in vars(module):
+            module.forward = types.MethodType(_SplitParentForward(name, children), module)
+
+
+class _SplitParentForward:
+    def __init__(self, name: str, children: list[str]):
+        self.name, self.children = name, children
+
+    def __call__(self, module, *args, **kwargs):
+        try:
+            return type(module).forward(module, *args, **kwargs)
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            if isinstance(e, UserError):
+                raise
+            raise PlanError(
+                f"tensor parallel: {self.name or 'the model'} ({type(module).__name__}) failed "
+                f"on its split modules ({', '.join(self.children)}): {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}. Its forward assumes whole "
+                "widths (a split by a width it keeps, a view to the input's width); write "
+                "those with -1 or the local width, as Hugging Face's models do, or leave "
+                "these modules out of the layout") from e
 
 
 def _cut_stages(model, optimizer, config: ParallelConfig, found: MeshParallel) -> nn.Module:

@@ -14,21 +14,24 @@ from torch import nn
 
 from ..comm import counted
 from .attention import HeadParallelAttention
-from .layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbedding,
-                     SequenceParallelLayerNorm, VocabParallelEmbedding, VocabParallelHead)
-from .layout import LayoutPlan, Placement, plan_layout
+from .layers import (ColumnParallelLinear, GatheredColumnParallelLinear, RowParallelLinear,
+                     SequenceParallelEmbedding, SequenceParallelLayerNorm,
+                     VocabParallelEmbedding, VocabParallelHead)
+from .layout import LayoutPlan, Placement, base_style, plan_layout
 from .regions import TensorParallel
 from .shards import shard, unshard
 
-_SPLIT = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear,
+# colwise_fused holds its parts' slices packed (shards.py): a plain column-parallel layer.
+_SPLIT = {"colwise": ColumnParallelLinear, "colwise_fused": ColumnParallelLinear,
+          "colwise_gather": GatheredColumnParallelLinear, "rowwise": RowParallelLinear,
           "vocab_head": VocabParallelHead, "vocab_embedding": VocabParallelEmbedding,
           "heads": HeadParallelAttention}
 _SEQUENCE = {nn.LayerNorm: SequenceParallelLayerNorm, nn.Embedding: SequenceParallelEmbedding}
 
 
 def _replacement(module: nn.Module, p: Placement, tp: TensorParallel) -> nn.Module | None:
-    if p.style in _SPLIT:
-        return _SPLIT[p.style](module, tp)
+    if base_style(p.style) in _SPLIT:
+        return _SPLIT[base_style(p.style)](module, tp)
     if p.style == "sequence" and tp.sequence_parallel and tp.size > 1:
         kind = next(k for k in _SEQUENCE if isinstance(module, k))
         return _SEQUENCE[kind](module, tp)

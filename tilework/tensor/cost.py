@@ -10,6 +10,7 @@ moves (without sequence parallelism | with it):
     leaving a region (rowwise, heads, vocab_embedding) all-reduce T*w forward
                                                      | reduce-scatter T*w fwd, all-gather T/tp*w bwd
     vocab_head's cross-entropy                       all-reduce T (max) and 2T (target, sum exp)
+    colwise_gather's output (o features)             all-gather T*o/tp forward
     sequence parallelism only: each 'sequence' norm parameter's and each row-parallel bias's
     gradient all-reduced; a 'sequence' position table all-gathers its rows' gradients, one
     sequence's worth (the table is looked up once per sequence and broadcast over the batch).
@@ -23,7 +24,7 @@ from __future__ import annotations
 from math import prod
 
 from ..wire import all_gather_bytes, all_to_all_bytes, ring_allreduce_bytes
-from .layout import LayoutPlan, Placement
+from .layout import LayoutPlan, Placement, base_style
 
 
 def _region(tokens: int, width: int, n: int, sp: bool, item: int) -> int:
@@ -37,8 +38,12 @@ def _region(tokens: int, width: int, n: int, sp: bool, item: int) -> int:
 def _placement_bytes(p: Placement, batch: int, seq: int, n: int, sp: bool, item: int) -> int:
     tokens = batch * seq
     shapes = {name: shape for name, shape, _ in p.params}
-    if p.style == "colwise":
+    style = base_style(p.style)
+    if style in ("colwise", "colwise_fused"):
         return _region(tokens, p.width, n, sp, item)
+    if style == "colwise_gather":
+        out = shapes["weight"][0]
+        return _region(tokens, p.width, n, sp, item) + all_gather_bytes(tokens * out // n * item, n)
     if p.style == "vocab_head":
         return _region(tokens, p.width, n, sp, item) + ring_allreduce_bytes(tokens * item, n) \
             + ring_allreduce_bytes(2 * tokens * item, n)
@@ -63,8 +68,10 @@ def _placement_calls(p: Placement, sp: bool) -> tuple[int, int]:
     scatter."""
     region = (0, 2) if sp else (1, 0)
     shapes = {name for name, _, _ in p.params}
-    if p.style in ("colwise", "vocab_embedding"):
+    if base_style(p.style) in ("colwise", "colwise_fused", "vocab_embedding"):
         return region
+    if p.style == "colwise_gather":
+        return region[0], region[1] + 1               # the output's all-gather
     if p.style == "vocab_head":
         return region[0] + 2, region[1]               # the loss's max and sums
     if p.style == "rowwise":

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .loss import ShardedLogits
-from .regions import (TensorParallel, copy_to_region, enter_region, leave_region,
-                      scatter_sequence)
+from .regions import (TensorParallel, copy_to_region, enter_region, gather_features,
+                      leave_region, scatter_sequence)
 
 
 def _empty(*shape, like: torch.Tensor) -> nn.Parameter:
@@ -47,6 +47,14 @@ class VocabParallelHead(ColumnParallelLinear):
         if self.tp.size == 1:
             return logits
         return ShardedLogits.wrap(logits, self.tp, self.tp.rank * self.weight.shape[0])
+
+
+class GatheredColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel, its output gathered whole: what a model that reads every feature
+    (HF's own loss over a vocabulary-split head's logits) needs after it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_features(super().forward(x), self.tp)
 
 
 class RowParallelLinear(nn.Module):

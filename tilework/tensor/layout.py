@@ -5,6 +5,11 @@ model is built of, that comes down to one word per module, so a layout is a smal
 module-name patterns (fnmatch, matched against the whole name) to styles:
 
     colwise          nn.Linear, output features split (weight rows, bias)
+    colwise_fused:K  nn.Linear whose output packs K projections (nanoGPT's c_attn: q, k, v;
+                     a gate_up_proj: 2): each split, this rank's parts packed again, so a
+                     forward that splits the output in K equal parts gets its own heads
+    colwise_gather   colwise, its output all-gathered (Megatron's gather_output; HF's
+                     colwise_gather_output head): the model reads whole logits
     rowwise          nn.Linear, input features split (weight columns), outputs summed
     heads            nn.MultiheadAttention split by heads (in-projection colwise, out rowwise)
     vocab_embedding  nn.Embedding, rows (the vocabulary) split, lookups summed
@@ -36,6 +41,8 @@ from .shards import local_shape
 # style -> parameter name -> spec (shards.py); names not listed are replicated
 SPECS = {
     "colwise": {"weight": 0, "bias": 0},
+    "colwise_fused": {"weight": "fused:K", "bias": "fused:K"},
+    "colwise_gather": {"weight": 0, "bias": 0},
     "vocab_head": {"weight": 0, "bias": 0},
     "rowwise": {"weight": 1},
     "vocab_embedding": {"weight": 0},
@@ -43,7 +50,24 @@ SPECS = {
     "sequence": {},
     "replicate": {},
 }
-STYLES = tuple(SPECS)
+STYLES = tuple(s if s != "colwise_fused" else "colwise_fused:K" for s in SPECS)
+
+
+def base_style(style: str) -> str:
+    """The style without its parameter ("colwise_fused:3" -> "colwise_fused")."""
+    return style.partition(":")[0]
+
+
+def style_specs(style: str) -> dict[str, object] | None:
+    """Parameter name -> spec for `style`; None for a style that does not exist."""
+    base, _, arg = style.partition(":")
+    if base not in SPECS or bool(arg) != (base == "colwise_fused"):
+        return None
+    if base == "colwise_fused":
+        if not arg.isdigit() or int(arg) < 1:
+            return None
+        return {name: f"fused:{arg}" for name in SPECS[base]}
+    return SPECS[base]
 
 
 @dataclass(frozen=True)
@@ -86,13 +110,16 @@ def _plain(module: nn.Module, base: type) -> bool:
 
 
 def _refusal(module: nn.Module, style: str, tp: int, sp: bool) -> str | None:
-    if style in ("colwise", "vocab_head", "rowwise"):
+    base, _, arg = style.partition(":")
+    if base in ("colwise", "colwise_fused", "colwise_gather", "vocab_head", "rowwise"):
         if not _plain(module, nn.Linear):
             return f"style {style!r} splits an nn.Linear, this is {type(module).__name__}"
         features = module.in_features if style == "rowwise" else module.out_features
-        if features % tp:
+        parts = int(arg) * tp if base == "colwise_fused" else tp
+        if features % parts:
             side = "in" if style == "rowwise" else "out"
-            return f"{side}_features={features} does not split over tp={tp}"
+            over = f"{arg} parts x tp={tp}" if base == "colwise_fused" else f"tp={tp}"
+            return f"{side}_features={features} does not split over {over}"
     elif style == "vocab_embedding":
         if not _plain(module, nn.Embedding):
             return f"style {style!r} splits an nn.Embedding, this is {type(module).__name__}"
@@ -113,7 +140,8 @@ def _refusal(module: nn.Module, style: str, tp: int, sp: bool) -> str | None:
 
 
 def _width(module: nn.Module, style: str) -> int:
-    if style in ("colwise", "vocab_head"):
+    style = base_style(style)
+    if style in ("colwise", "colwise_fused", "colwise_gather", "vocab_head"):
         return module.in_features
     if style == "rowwise":
         return module.out_features
@@ -129,7 +157,7 @@ def _styles(model: nn.Module, layout: dict[str, str]) -> dict[str, str]:
     chosen: dict[str, tuple[str, str]] = {}
     names = [name for name, _ in model.named_modules()]
     for pattern, style in layout.items():
-        if style not in SPECS:
+        if style_specs(style) is None:
             raise PlanError(f"layout {pattern!r}: unknown style {style!r} (styles: "
                              f"{', '.join(STYLES)})")
         hits = [n for n in names if fnmatchcase(n, pattern)]
@@ -156,7 +184,7 @@ def plan_layout(model: nn.Module, layout: dict[str, str], tp: int,
         if why:
             raise PlanError(f"tensor parallel: cannot apply {style!r} to {name or 'the model'!r}"
                              f" ({type(module).__name__}): {why}")
-        specs = SPECS[style]
+        specs = style_specs(style)
         params = tuple((p, tuple(v.shape), specs.get(p)) for p, v in module.named_parameters())
         placements.append(Placement(name, style, type(module).__name__, _width(module, style),
                                     params))
@@ -215,16 +243,61 @@ GPT_LAYOUT = {
 }
 
 
+# Hugging Face transformers' tensor-parallel styles (a model's `_tp_plan`, its config's
+# `base_model_tp_plan`) in ours: the same splits under Megatron's names.
+HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",   # the LM head: HF's loss reads whole logits
+    "colwise_rep": "colwise_gather",             # its name in transformers 4.x
+    "embedding_rowwise": "vocab_embedding",
+    "packed_colwise": "colwise_fused:2",         # gate_up_proj: gate and up packed
+    "replicate": "replicate",
+}
+
+
+def models_own_layout(model: nn.Module) -> dict[str, str] | None:
+    """The tensor-parallel plan a model ships, in our styles: Hugging Face's `_tp_plan` (the
+    instance's, which prefixes its base model's `config.base_model_tp_plan`), else the
+    config's base plan under `base_model_prefix`. Patterns that match no module of this
+    model (a plan covers optional parts) are left out; a style we do not have is refused
+    by name. None where the model ships no plan."""
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) if config is not None else None
+    if not plan and base:
+        prefix = getattr(model, "base_model_prefix", "")
+        inner = prefix if prefix and hasattr(model, prefix) else ""
+        plan = {(f"{inner}.{k}" if inner else k): v for k, v in base.items()}
+    if not plan:
+        return None
+    names = [name for name, _ in model.named_modules()]
+    layout = {}
+    for pattern, style in plan.items():
+        if not any(fnmatchcase(n, pattern) for n in names):
+            continue
+        if style not in HF_STYLES:
+            raise PlanError(f"{type(model).__name__}'s own tensor-parallel plan gives "
+                            f"{pattern!r} the style {style!r}, which tilework does not have "
+                            f"(it has {', '.join(sorted(HF_STYLES))}); pass layout= instead")
+        layout[pattern] = HF_STYLES[style]
+    return layout or None
+
+
 def layout_for(model: nn.Module) -> dict[str, str]:
-    """A built-in layout: the reference GPT's, else one from common module shapes found in
-    `model`: every nn.TransformerEncoderLayer (attention by heads, its MLP colwise then
-    rowwise, its norms 'sequence') and every nn.Sequential holding Linear, elementwise
-    modules, Linear (colwise, rowwise: one sum per pair). Modules it does not name stay
-    replicated; under sequence parallelism name them too."""
+    """A built-in layout: the reference GPT's; else the plan the model ships (Hugging Face's
+    `_tp_plan` / `base_model_tp_plan`, `models_own_layout`); else one from common module
+    shapes found in `model`: every nn.TransformerEncoderLayer (attention by heads, its MLP
+    colwise then rowwise, its norms 'sequence') and every nn.Sequential holding Linear,
+    elementwise modules, Linear (colwise, rowwise: one sum per pair). Modules it does not name
+    stay replicated; under sequence parallelism name them too."""
     from ..models.gpt import TinyGPT
 
     if type(model) is TinyGPT:
         return dict(GPT_LAYOUT)
+    own = models_own_layout(model)
+    if own is not None:
+        return own
     layout: dict[str, str] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""

@@ -131,6 +131,27 @@ class _ScatterSequence(Function):
         return ctx.tp.gather_seq(grad, ctx.dim), None, None
 
 
+class _GatherFeatures(Function):
+    """Megatron's gather from the region: every rank's slice of the last dimension, whole;
+    backward keeps this rank's slice of the gradient, which every rank computed alike from
+    the same whole output."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return tp.gather_seq(x, dim=x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.tp.size, dim=-1)[ctx.tp.rank].contiguous(), None
+
+
+def gather_features(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The whole last dimension from every rank's slice (forward all-gather, no backward
+    communication)."""
+    return x if tp.size == 1 else _GatherFeatures.apply(x, tp)
+
+
 def copy_to_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """f: identity forward, gradient all-reduced backward (also for a replicated parameter whose
     uses on each rank see only part of the data: a norm's weight under sequence parallelism)."""
