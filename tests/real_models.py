@@ -111,6 +111,61 @@ class NanoGPT(nn.Module):
         return logits, loss
 
 
+class FusedAttention(nn.Module):
+    """Attention with q, k, v in one projection, written as torchtitan's and Phi-3's are: the
+    output is cut into three equal parts and heads are found from the head size (-1), so a
+    split of the projection by its parts gives each rank whole heads. Its checkpoints name
+    q, k and v apart (a state-dict hook cuts `wqkv.weight`, a load pre-hook packs it again),
+    as models whose fused layout is a training detail do."""
+
+    def __init__(self, dim: int, head_dim: int, named_apart: bool = True):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        if named_apart:
+            self._register_state_dict_hook(FusedAttention._cut)
+            self._register_load_state_dict_pre_hook(FusedAttention._pack)
+
+    @staticmethod
+    def _cut(module, state, prefix, _):
+        q, k, v = state.pop(prefix + "wqkv.weight").chunk(3, 0)
+        state.update({prefix + "wq.weight": q, prefix + "wk.weight": k, prefix + "wv.weight": v})
+
+    @staticmethod
+    def _pack(state, prefix, *_):
+        if prefix + "wq.weight" in state:
+            state[prefix + "wqkv.weight"] = torch.cat(
+                [state.pop(prefix + f"w{x}.weight") for x in "qkv"])
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).chunk(3, dim=-1)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FusedLM(nn.Module):
+    """A small LM of fused-attention blocks (untied head), forward(idx, targets) -> loss."""
+
+    def __init__(self, vocab_size=64, dim=16, head_dim=4, layers=2, named_apart=True):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(
+            norm=nn.LayerNorm(dim), attn=FusedAttention(dim, head_dim, named_apart)))
+            for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = x + layer["attn"](layer["norm"](x))
+        logits = self.out(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
+
+
 def have_transformers() -> bool:
     try:
         import transformers  # noqa: F401

@@ -80,15 +80,17 @@ def recompute_units(model: nn.Module) -> list[str]:
     of blocks; its children are the units, and nothing inside them is looked at again (the
     outermost stack wins). A transformer's layers and a ResNet's residual blocks are such
     stacks; DLRM's tables (embeddings) and an MLP's Linear/ReLU `Sequential` (two classes) are
-    not. A model without one: the root's direct children that own parameters, have a forward
-    of their own (not a ModuleList/ModuleDict) and are not embeddings.
+    not. A block with no forward of its own (a ModuleDict the model's loop indexes) gives its
+    children instead. A model without one: the root's direct children that own parameters,
+    have a forward of their own (not a ModuleList/ModuleDict) and are not embeddings.
     """
     units: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(u + ".") for u in units):
             continue
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and _is_stack(module):
-            units += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+            for child, block in module.named_children():
+                units += _called(f"{name}.{child}" if name else child, block)
     if units:
         return units
     return [name for name, child in model.named_children()
@@ -104,6 +106,16 @@ def _is_stack(container: nn.Module) -> bool:
 
 def _owns_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
+
+
+def _called(name: str, block: nn.Module) -> list[str]:
+    """`block` as units whose forward runs: a block that is a ModuleDict or ModuleList (a
+    layer written as `layer["attn"](layer["norm"](x))`) is never called itself, so its
+    children that own parameters are, each its own unit (a hook on it would never fire)."""
+    if _has_forward(block):
+        return [name]
+    return [unit for child, part in block.named_children() if _owns_parameters(part)
+            for unit in _called(f"{name}.{child}", part)]
 
 
 def _has_forward(module: nn.Module) -> bool:

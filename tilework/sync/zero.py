@@ -328,16 +328,23 @@ class ZeroSync:
 
     def _gather_for_save(self, *_) -> None:
         self.was_gathered = [unit.gathered for unit in self.units.units]
-        if self.gather_to != "meta":
-            with self.guard("model.state_dict(), which gathers ZeRO-3's values"):
-                self.units.gather_all()
+        if self.gather_to == "meta":
+            # Shapes only, no collective, but storage to view: a model's hook may cut an
+            # entry, and a freed storage refuses even a view. Contents stay undefined.
+            for unit, was in zip(self.units.units, self.was_gathered):
+                if not was:
+                    unit.materialize()
+            return
+        with self.guard("model.state_dict(), which gathers ZeRO-3's values"):
+            self.units.gather_all()
 
     def _full_values(self, module, state: dict, prefix: str, metadata) -> None:
         """model.state_dict(): every entry that is (a view of) a stage-3 value becomes a copy
-        of it, taken while gathered. Entries are found by storage, not by name: a tied weight
-        has two names (nanoGPT's lm_head.weight is transformer.wte.weight), and a model's hook
-        may rename or split an entry; each keeps its view's geometry, and tied entries share
-        one copy as they share one tensor in torch's own state dict."""
+        of it, taken while gathered (a meta tensor of its shape under `gather_to="meta"`).
+        Entries are found by storage, not by name: a tied weight has two names (nanoGPT's
+        lm_head.weight is transformer.wte.weight), and a model's hook may rename or split an
+        entry; each keeps its view's geometry, and tied entries share one copy as they share
+        one tensor in torch's own state dict."""
         storages = {s.param.untyped_storage()._cdata for s in self.shards if s.stage == 3}
         copies: dict = {}
         for key, value in state.items():
