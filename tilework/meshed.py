@@ -56,10 +56,16 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
     if config.tp > 1:
         _same_random_numbers_in_tp(found)
         _split_layers(model, optimizer, config, found)
+    ring_modules = []
     if config.cp > 1:   # after tp: attention split by heads runs the ring on its own heads
         from .context import apply_context_parallel
 
-        apply_context_parallel(model, groups.group("cp"), found.stats)
+        # Unpipelined, the forward runs under RingSDPA, which also finds SDPA calls and looks
+        # position tables up at global positions; the stages of a pipeline run outside it.
+        staged = config.pp > 1
+        ring_modules = apply_context_parallel(
+            model, groups.group("cp"), found.stats, positions="positions" if staged else None,
+            require_modules=staged)
     target = model if config.pp == 1 else _cut_stages(model, optimizer, config, found)
     engine = _engine_over_dp(model, target, optimizer, config, found, cluster, density, traffic)
     if config.cp > 1 and found.pipeline is not None:
@@ -69,6 +75,7 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
                             model.register_forward_pre_hook(
                                 PicklesAsNoop(_SequenceCut(groups.coord("cp"), config.cp)),
                                 with_kwargs=True, prepend=True))
+        _ring_sdpa(model, engine, found, bool(ring_modules))
     if config.tp > 1 or config.pp > 1:
         for name, p in target.named_parameters():
             engine.changes.hook(f"{name}: post-accumulate-grad hook (norms of a part refused)",
@@ -237,6 +244,28 @@ def plan_for_part(model: nn.Module, part: nn.Module, config: ParallelConfig, top
     return dataclasses.replace(dp_plan, recompute=tuple(
         (name, policy) for name, policy in recompute_choices(model, config.recompute)
         if name in mine))
+
+
+def _ring_sdpa(model: nn.Module, engine, found: MeshParallel, modules_ring: bool) -> None:
+    """The model's forward, after the cut, under context.sdpa.RingSDPA: its
+    F.scaled_dot_product_attention calls run as ring attention over cp."""
+    from .context import Ring, RingForward
+
+    ring_forward = RingForward(model, Ring(found.groups.group("cp"), found.stats), modules_ring)
+    engine.changes.hook("model: forward pre-hook (SDPA calls as ring attention)",
+                        model.register_forward_pre_hook(PicklesAsNoop(ring_forward.before),
+                                                        with_kwargs=True))
+    engine.changes.hook("model: forward hook (SDPA calls as ring attention: the mode ends)",
+                        model.register_forward_hook(PicklesAsNoop(ring_forward.after),
+                                                    with_kwargs=True, always_call=True))
+    for name, _ in engine.plan.recompute:
+        for child_name, child in model.get_submodule(name).named_modules():
+            if child_name:   # the block's own forward runs under checkpoint, not __call__
+                what = f"{name}.{child_name}: forward hooks (SDPA as ring attention in recompute)"
+                engine.changes.hook(what, child.register_forward_pre_hook(
+                    PicklesAsNoop(ring_forward.inside_before), with_kwargs=True))
+                engine.changes.hook(what, child.register_forward_hook(
+                    PicklesAsNoop(ring_forward.inside_after), with_kwargs=True, always_call=True))
 
 
 class _SequenceCut:

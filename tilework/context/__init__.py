@@ -16,8 +16,9 @@ from .comm import Ring
 from .cost import cp_attention_bytes, cp_gradient_bytes, cp_step_bytes, kv_block_bytes
 from .layout import chunks_of, local_positions, shard, shard_sequence, unshard
 from .ring import ring_attention
+from .sdpa import RingForward, RingSDPA
 
-__all__ = ["Ring", "RingSelfAttention", "ShardedPositions", "apply_context_parallel",
-           "chunks_of", "cp_attention_bytes", "cp_gradient_bytes", "cp_step_bytes",
-           "kv_block_bytes", "local_positions", "ring_attention", "shard", "shard_sequence",
-           "unshard"]
+__all__ = ["Ring", "RingForward", "RingSDPA", "RingSelfAttention", "ShardedPositions",
+           "apply_context_parallel", "chunks_of", "cp_attention_bytes", "cp_gradient_bytes",
+           "cp_step_bytes", "kv_block_bytes", "local_positions", "ring_attention", "shard",
+           "shard_sequence", "unshard"]

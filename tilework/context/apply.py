@@ -157,12 +157,15 @@ def _position_table(model: nn.Module, positions: str) -> nn.Embedding:
 
 @torch.no_grad()
 def apply_context_parallel(model: nn.Module, group, stats: Stats,
-                           positions: str | None = "positions", method: str = "cp") -> list[str]:
+                           positions: str | None = "positions", method: str = "cp",
+                           require_modules: bool = True) -> list[str]:
     """Make `model` context parallel over `group` (None: one rank), in place; returns the
     names of the attentions replaced. Refuses by name any nn.MultiheadAttention ring attention
     cannot run. `positions`: the model's position nn.Embedding, looked up with local slots.
     Bytes are counted in `stats` under `method`. Make the optimizer afterwards (same
-    Parameters, but new modules)."""
+    Parameters, but new modules). `require_modules=False`: a model without attention modules
+    is not refused here (its forward runs under sdpa.RingForward, which refuses one that
+    calls no SDPA either)."""
     from ..tensor.attention import HeadParallelAttention
 
     ring = Ring(group, stats, method)
@@ -174,7 +177,7 @@ def apply_context_parallel(model: nn.Module, group, stats: Stats,
         m.ring, m.ring_name = ring, name
     found = [(name, m) for name, m in model.named_modules()
              if isinstance(m, nn.MultiheadAttention)]
-    if not found and not split:
+    if not found and not split and require_modules:
         raise PlanError(f"{type(model).__name__} has no nn.MultiheadAttention to make ring "
                          "attention")
     for name, mha in found:

@@ -118,8 +118,7 @@ def _backward(q, k, v, out, lse, dout, ring: Ring, causal: bool, scale: float):
 
 class _RingAttention(Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, causal: bool):
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    def forward(ctx, q, k, v, ring: Ring, causal: bool, scale: float):
         out, lse = _forward(q, k, v, ring, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
@@ -130,13 +129,14 @@ class _RingAttention(Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), ctx.ring, ctx.causal,
                                ctx.scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
-                   causal: bool = True) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v over the whole sequence, each rank holding its load-balanced
+                   causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the whole sequence, each rank holding its load-balanced
     share (layout.shard along the sequence) of q, k, v: (batch, heads, local seq, head dim).
+    `scale` defaults to 1/sqrt(head dim), as SDPA's does.
 
     Returns this rank's share of the output. Every rank of the ring must call it with the same
     shapes. Causal or full (no mask); the local sequence must be even (two chunks) when the
@@ -148,4 +148,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     if ring.size > 1 and q.shape[-2] % 2:
         raise PlanError(f"ring_attention: a local sequence of {q.shape[-2]} tokens is not two "
                          "equal chunks; shard the sequence with tilework.context.shard")
-    return _RingAttention.apply(q, k, v, ring, causal)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, ring, causal, float(scale))
