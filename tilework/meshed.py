@@ -136,7 +136,7 @@ def _split_layers(model, optimizer, config: ParallelConfig, found: MeshParallel)
     from .tensor import TensorParallel, apply_layout, layout_for
 
     found.tp = TensorParallel.from_mesh(found.groups, found.stats, config.sequence_parallel)
-    before = dict(model.named_parameters())
+    before = dict(model.named_parameters(remove_duplicate=False))
     found.layout = apply_layout(model, config.layout or layout_for(model), found.tp)
     _swap_in_optimizer(optimizer, before, dict(model.named_parameters()))
     _name_failures_of_split_parents(model, found.layout)
@@ -189,7 +189,7 @@ def _cut_stages(model, optimizer, config: ParallelConfig, found: MeshParallel) -
 
     m = config.microbatches or 2 * config.pp
     schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
-    before = dict(model.named_parameters())
+    before = dict(model.named_parameters(remove_duplicate=False))
     found.pipeline = PipelineModel(model, schedule, found.groups.group("pp"),
                                    found.groups.coord("pp"), found.stats)
     _swap_in_optimizer(optimizer, before, dict(found.pipeline.part.named_parameters()))
@@ -312,13 +312,16 @@ def _swap_in_optimizer(optimizer, before: dict, after: dict) -> None:
     if optimizer.state:
         raise PlanError("parallelize with tp or pp > 1 before the optimizer's first step: its "
                         "state would have to be split too")
-    name_of = {id(p): n for n, p in before.items()}
+    # Every name a tied parameter has: the last stage knows the embedding as head.weight.
+    names_of: dict[int, list[str]] = {}
+    for n, p in before.items():
+        names_of.setdefault(id(p), []).append(n)
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
-            name = name_of.get(id(p))
-            if name is None:
+            names = names_of.get(id(p))
+            if names is None:
                 params.append(p)       # not the model's: left as the user made it
-            elif name in after:
-                params.append(after[name])
+            elif any(n in after for n in names):
+                params.append(after[next(n for n in names if n in after)])
         group["params"] = params

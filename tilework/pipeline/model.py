@@ -1,8 +1,13 @@
 """What `tilework.parallelize(..., pp=N)` returns: this rank's stages, trained one schedule a step.
 
     model, opt = tilework.parallelize(model, opt, pp=2, microbatches=4)
-    loss = model.step(tokens, targets)    # replaces: loss = model(...); loss.backward()
+    loss = model.step(tokens, targets)    # replaces: loss = model(tokens, targets); loss.backward()
     opt.step(); opt.zero_grad()           # unchanged
+
+`model.step` takes what the model's forward takes (`model.step(input_ids=x, labels=x)` for a
+Hugging Face model) and returns the loss the model computes. The reference GPT is cut by
+stages.py; any other model with a stack of blocks by generic.py, which runs the model's own
+forward on each stage.
 
 `part` is a module tree holding only this rank's stages' modules under their one-process names
 ("blocks.layers.2.linear1.weight"), so the data-parallel engine, the optimizer and the
@@ -19,6 +24,8 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
+from ..comm import counted
+from .generic import ModelStage, microbatches, split_model
 from .runtime import PipelineRunner
 from .schedule import Schedule
 from .stages import split_stages
@@ -41,24 +48,42 @@ def local_part(model: nn.Module, modules: list[nn.Module]) -> nn.Module:
 
 
 def _stage_modules(stage: nn.Module) -> list[nn.Module]:
-    """The model's own modules a GPTStage holds (its layers, and the ends it owns)."""
+    """The model's own modules a stage holds (its layers, and the ends it owns)."""
+    if isinstance(stage, ModelStage):
+        return [*stage.layers, *getattr(stage, "ends", ())]
     return [*stage.layers, *(m for name, m in stage.named_children() if name != "layers")]
+
+
+def _is_reference_gpt(model: nn.Module) -> bool:
+    from ..models.gpt import TinyGPT
+
+    return isinstance(model, TinyGPT)
+
+
+def cut_stages(model: nn.Module, stages: int) -> list[nn.Module]:
+    """The reference GPT's stages (stages.py), or any model's over its stack (generic.py)."""
+    return split_stages(model, stages) if _is_reference_gpt(model) else split_model(model, stages)
 
 
 class PipelineModel(nn.Module):
     def __init__(self, model: nn.Module, schedule: Schedule, group, rank: int, stats):
         super().__init__()
-        stages = split_stages(model, schedule.stages)
+        stages = cut_stages(model, schedule.stages)
         owned = {id(p) for s in stages for p in s.parameters()}
         stray = [n for n, p in model.named_parameters() if id(p) not in owned]
         if stray:
             raise PlanError(f"pp={schedule.pp}: {stray[0]} is in no pipeline stage (a stage "
                             "holds the embeddings, its blocks, or the final norm and head)")
-        _refuse_ties_across_ranks(model, stages, schedule)
         mine = {s: stages[s] for s in schedule.stages_of(rank)}
         self.part = local_part(model, [m for s in mine.values() for m in _stage_modules(s)])
         self.runner = PipelineRunner(mine, schedule, group, stats)
         self.schedule = schedule
+        self.generic = not _is_reference_gpt(model)
+        self.group, self.stats = group, stats
+        # Parameters the stages of several ranks hold (a tied embedding and head; under
+        # generic.py every parameter outside the stack): their gradients are summed over the
+        # pipeline after each step, in the model's order, so every copy takes one update.
+        self.shared = _shared_across_ranks(model, stages, schedule, rank)
         self.cut = None   # context parallelism's: (module, args, kwargs) -> this rank's part
 
     @property
@@ -80,42 +105,83 @@ class PipelineModel(nn.Module):
         finally:
             self.require_backward_grad_sync = before
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def step(self, *args, **kwargs) -> torch.Tensor | None:
         """One schedule: forward and backward of the batch in microbatches; the batch's mean
         loss on the last stage's rank, None on the others. Every rank of a pipeline passes the
-        same batch (each data-parallel replica its own)."""
+        same batch (each data-parallel replica its own): the reference GPT's (inputs,
+        targets), any other model what its forward takes."""
         if not torch.is_grad_enabled():
             raise PlanError("model.step runs the schedule's backward too, which torch.no_grad() "
                             "forbids: to evaluate with pp > 1, call model.evaluate(inputs, "
-                            "targets) (forward only) on every rank")
+                            "targets) (forward only; any model: what model.step takes) on "
+                            "every rank")
         part = self.part
         sync = self.require_backward_grad_sync
         engine = getattr(self, "_tilework_engine", None)
         if engine is not None and engine.mesh.same_batch is not None:
-            engine.mesh.same_batch([inputs, targets])
+            engine.mesh.same_batch([*args, *kwargs.values()])
+        if self.shared and engine is not None and engine.zero.owns_gradients:
+            raise PlanError(f"pp={self.schedule.pp} with ZeRO stage 2 or 3: "
+                            f"{self.shared[0][0]} is held by the stages of several ranks, "
+                            "whose gradients are summed over the pipeline, and ZeRO keeps "
+                            "them in shards; use zero=1 or 0")
         if self.cut is not None:
-            (inputs, targets), _ = self.cut(self, (inputs, targets), {})
+            args, kwargs = self.cut(self, args, kwargs)
+        inputs, context = self._microbatches(args, kwargs)
         with _local_backwards(part):
-            return self.runner.step(inputs, targets, on_last_backward=lambda: setattr(
+            loss = self.runner.run(inputs, context, on_last_backward=lambda: setattr(
                 part, "require_backward_grad_sync", sync))
+        if sync:
+            self._sum_shared_gradients()
+        return loss
+
+    def _microbatches(self, args: tuple, kwargs: dict):
+        m = self.schedule.microbatches
+        if self.generic:
+            calls = microbatches(args, kwargs, m)
+            return calls, calls
+        inputs, targets = _reference_arguments(args, kwargs)
+        if inputs.shape[0] % m:
+            raise PlanError(f"a batch of {inputs.shape[0]} does not split into {m} equal "
+                            "microbatches (the loss would not be the batch's mean)")
+        return inputs.chunk(m), targets.chunk(m)
+
+    def _sum_shared_gradients(self) -> None:
+        """Megatron-LM's tied-embedding all-reduce: each shared parameter's gradient summed
+        over the pipeline's ranks (zeros from a rank whose stages do not hold it, or that
+        computed none), one flat all-reduce."""
+        if not self.shared or self.schedule.pp == 1:
+            return
+        grads = [p.grad if held and p.grad is not None else torch.zeros_like(p)
+                 for _, p, held in self.shared]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        counted.all_reduce(flat, self.group, self.stats, "pipeline")
+        for (_, p, held), part in zip(self.shared, flat.split([g.numel() for g in grads])):
+            if held:
+                p.grad = part.view_as(p).clone()
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    def evaluate(self, *args, **kwargs) -> float | None:
         """The batch's mean loss, forward only: stage after stage, each boundary sent to the
         next stage's rank; the loss on the last stage's rank, None on the others. Every rank
-        of the pipeline calls it. Uncounted point-to-point sends: evaluation is not a
-        training step's traffic."""
+        of the pipeline calls it, with what `step` takes. Uncounted point-to-point sends:
+        evaluation is not a training step's traffic."""
         import torch.distributed as dist
 
         if self.cut is not None:
-            (inputs, targets), _ = self.cut(self, (inputs, targets), {})
+            args, kwargs = self.cut(self, args, kwargs)
+        if self.generic:
+            call = microbatches(args, kwargs, 1)[0]
+            inputs, context = call, call
+        else:
+            inputs, context = _reference_arguments(args, kwargs)
         runner = self.runner
         schedule, rank = runner.schedule, runner.rank
         x, loss = inputs, None
         for s in range(schedule.stages):
             last = s == schedule.stages - 1
             if schedule.rank_of(s) == rank:
-                x = runner.stages[s](x, targets if last else None)
+                x = runner.stages[s](x, context if last or self.generic else None)
                 loss = x.item() if last else None
             if last or schedule.rank_of(s + 1) == schedule.rank_of(s):
                 continue
@@ -135,18 +201,24 @@ class PipelineModel(nn.Module):
                         "loss.backward() (model.evaluate(inputs, targets) to evaluate)")
 
 
-def _refuse_ties_across_ranks(model: nn.Module, stages, schedule: Schedule) -> None:
-    """A parameter two ranks' stages share (a tied embedding and head) would train as two
-    copies: refused by name (Megatron-LM all-reduces such a pair's gradients; not done yet)."""
+def _reference_arguments(args: tuple, kwargs: dict):
+    """The reference GPT's step arguments: (inputs, targets)."""
+    named = dict(zip(("inputs", "targets"), args), **kwargs)
+    if set(named) != {"inputs", "targets"} or len(args) > 2:
+        raise PlanError("model.step(inputs, targets): the reference GPT's pipeline takes its "
+                        "token ids and their targets")
+    return named["inputs"], named["targets"]
+
+
+def _shared_across_ranks(model: nn.Module, stages, schedule: Schedule, rank: int) -> list:
+    """(name, parameter, held by this rank's stages) for each parameter the stages of more
+    than one rank hold, in the model's order (the same on every rank)."""
     ranks_of: dict[int, set[int]] = {}
     for s, stage in enumerate(stages):
         for p in stage.parameters():
             ranks_of.setdefault(id(p), set()).add(schedule.rank_of(s))
-    for name, p in model.named_parameters():
-        if len(ranks_of.get(id(p), ())) > 1:
-            keys = [k for k, q in model.named_parameters(remove_duplicate=False) if q is p]
-            raise PlanError(f"pp={schedule.pp}: {' and '.join(keys)} are one tied parameter in "
-                            "stages on different ranks; untie them (or use pp=1)")
+    return [(name, p, rank in ranks_of[id(p)])
+            for name, p in model.named_parameters() if len(ranks_of.get(id(p), ())) > 1]
 
 
 @contextlib.contextmanager

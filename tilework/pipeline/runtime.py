@@ -69,7 +69,13 @@ class PipelineRunner:
         if inputs.shape[0] % m:
             raise PlanError(f"a batch of {inputs.shape[0]} does not split into {m} equal "
                              "microbatches (the loss would not be the batch's mean)")
-        run = _Step(self, inputs.chunk(m), targets.chunk(m))
+        return self.run(inputs.chunk(m), targets.chunk(m), on_last_backward)
+
+    def run(self, inputs, targets, on_last_backward=None) -> torch.Tensor | None:
+        """`step` on microbatches already cut: what stage 0 takes and what the last stage
+        (or every stage that `needs_call`: pipeline/generic.py's) is given beside it."""
+        m = self.schedule.microbatches
+        run = _Step(self, inputs, targets)
         self.timeline = []
         actions = self.schedule.ranks[self.rank]
         last = max(i for i, a in enumerate(actions) if a.kind != "F")
@@ -117,7 +123,7 @@ class _Step:
         stage, last = self.r.stages[s], s == self.r.schedule.stages - 1
         x = self.inputs[mb] if s == 0 else self.take("F", s - 1, mb).requires_grad_()
         start = time.perf_counter()
-        out = stage(x, self.targets[mb] if last else None)
+        out = stage(x, self.targets[mb] if last or getattr(stage, "needs_call", False) else None)
         if last:
             self.losses.append(out.detach())
         else:
