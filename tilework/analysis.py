@@ -3,7 +3,10 @@
 Pure: reads module types and shapes only (works on the meta device). A gradient is sparse when
 PyTorch makes it a sparse tensor (`nn.Embedding(sparse=True)`, `nn.EmbeddingBag(sparse=True)`);
 a table with a dense-layout gradient is "embedding-like" and its touched-row fraction can be
-measured (`measure_density`) and given to the planner.
+measured (`measure_density`) and given to the planner. A table tied to another module (a word
+LM's decoder sharing its encoder's weight) has one gradient, the sum of every use: autograd adds
+the embedding's sparse part to the Linear's dense one and gives a dense `.grad`, so such a table
+is "embedding" whatever its `sparse` flag, and `ParamInfo.tied` names its other registrations.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class ParamInfo(TensorFacts):
     dtype: str
     kind: Kind                 # sparse gradient / embedding with dense-layout gradient / dense
     density: float | None = None  # measured touched-row fraction, where known
+    tied: tuple[str, ...] = ()    # the parameter's other names (tied weights), as registered
 
 
 def embedding_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -34,15 +38,24 @@ def embedding_modules(model: nn.Module) -> dict[str, nn.Module]:
 def analyze(model: nn.Module, density: dict[str, float] | None = None) -> list[ParamInfo]:
     tables = embedding_modules(model)
     density = density or {}
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
     infos = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         module = tables.get(name)
-        kind: Kind = "dense" if module is None else ("sparse" if module.sparse else "embedding")
+        tied = tuple(n for n in names[id(p)] if n != name)
+        kind: Kind = "dense" if module is None else (
+            "sparse" if all(_sparse_table(tables.get(n)) for n in (name, *tied)) else "embedding")
         infos.append(ParamInfo(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), kind,
-                               density.get(name)))
+                               density.get(name), tied))
     return infos
+
+
+def _sparse_table(module: nn.Module | None) -> bool:
+    return module is not None and bool(module.sparse)
 
 
 def row_density(grad: torch.Tensor) -> float:

@@ -7,6 +7,9 @@ step, from a Zipf model or a measured density): the cheaper of all-reduce and th
 server with the best partition count, and, for Zipf traffic, the best split by row (the head
 replicated and all-reduced, the tail on the servers). Where nothing is known it goes by the sparsity rule:
 sparse gradient (or measured touched-row fraction under `density_threshold`) -> servers.
+A tied table (one weight, several modules) is all-reduced in every mode that lets the planner
+choose: the servers replace one module's lookups, and a tie to a Linear makes its gradient
+dense anyway; sending it to the servers by mode="ps" or an override is refused.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
         method, reason = _rule(info, mode, density_threshold)
         searched = None
         # One rank sends nothing either way: the rule decides (a sparse gradient stays sparse).
-        if mode == "hybrid" and info.is_table and info.name in traffic and world_size > 1:
+        if mode == "hybrid" and info.is_table and info.name in traffic and world_size > 1 \
+                and not info.tied:
             searched = search(info, traffic[info.name], topology, links, local_aggregation,
                               row_map, head_rides=info.dtype in bucketed)
             method, reason = searched.method, searched.reason
@@ -91,6 +95,9 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                     f"{info.name} (shape {tuple(info.shape)}) is not an embedding table: the "
                     "parameter server serves rows looked up by ids. Use mode='ps' to send every "
                     "parameter through the servers.")
+        if method == "ps" and info.is_table and info.tied:
+            _refuse_tied_table(info, f"overrides={{{info.name!r}: 'ps'}}"
+                               if info.name in overrides else f"mode={mode!r}")
         parts = 1
         if method == "ps":
             wanted = partitions.get(info.name) if isinstance(partitions, dict) else partitions
@@ -156,11 +163,27 @@ def _refuse_recomputed_tables(recompute, params: list[ParamPlan]) -> None:
                     f"all-reduced (overrides={{{pp.name!r}: 'allreduce'}})")
 
 
+def _refuse_tied_table(info: ParamInfo, setting: str) -> None:
+    tied = ", ".join(info.tied)
+    raise PlanError(f"{info.name} is tied to {tied} (one weight, {len(info.tied) + 1} modules) and "
+                    f"{setting} sends it to the parameter server, which serves one module's "
+                    f"lookups: keep it all-reduced with overrides={{{info.name!r}: 'allreduce'}}")
+
+
+def _tied_reason(info: ParamInfo) -> str:
+    tied = ", ".join(info.tied)
+    if info.kind == "embedding":
+        return f"tied to {tied}: the tie makes its gradient dense, all-reduced whole"
+    return f"tied to {tied}: the servers serve one module's table, all-reduced whole"
+
+
 def _rule(info: ParamInfo, mode: Mode, threshold: float) -> tuple[Method, str]:
     if mode == "allreduce":
         return "allreduce", "mode=allreduce"
     if mode == "ps":
         return "ps", "mode=ps"
+    if info.is_table and info.tied:
+        return "allreduce", _tied_reason(info)
     if info.kind == "sparse":
         return "ps", "sparse gradient"
     if info.kind == "embedding" and info.density is not None and info.density < threshold:

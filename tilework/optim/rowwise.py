@@ -20,6 +20,9 @@ Given unique local row indices and their summed gradient rows, each updates only
 
 Hyper-parameters are read from the user's param group at every step, so LR schedulers that change
 `group["lr"]` keep working for the rows on the servers.
+
+Any other optimizer class runs as it is on each owner's rows where its step takes a sparse
+gradient (a row-wise optimizer of the user's own, as DLRM's RWSAdagrad): optim/own.py.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import PlanError, use_allreduce_hint
+from .own import OwnRowOptimizer, check_runs_on_rows
 
 Family = Literal["sgd", "adagrad", "adam", "adamw"]
 
@@ -40,12 +44,32 @@ _ADAMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SparseAdam)
 def row_optimizer(optimizer: torch.optim.Optimizer, name: str, param, lazy: bool):
     """A factory of the RowOptimizer that applies `optimizer`'s rule, with the hyperparameters
     of `param`'s group read at each step (a scheduler's changes reach the servers), to a
-    shard of `param`'s rows."""
+    shard of `param`'s rows; for a class of the user's own, of an OwnRowOptimizer running it."""
     index = next(i for i, g in enumerate(optimizer.param_groups)
                  if any(q is param for q in g["params"]))
-    family = family_of(optimizer, optimizer.param_groups[index], name)
+    group = optimizer.param_groups[index]
+    if not _known(optimizer):
+        check_runs_on_rows(optimizer, group, name, param, lambda why: _unsupported(
+            name, f"{type(optimizer).__name__} is not supported on the parameter server: {why}"))
+        return lambda shard: OwnRowOptimizer(type(optimizer), optimizer.defaults,
+                                             lambda: optimizer.param_groups[index], shard,
+                                             tuple(param.shape[1:]), lazy=lazy)
+    family = family_of(optimizer, group, name)
     return lambda shard: RowOptimizer(family, lambda: optimizer.param_groups[index], shard,
                                       lazy=lazy)
+
+
+def _known(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether one of the rules here stands for `optimizer` (or refuses its settings)."""
+    return type(optimizer) in _ADAMS or isinstance(optimizer, (torch.optim.SGD,
+                                                               torch.optim.Adagrad))
+
+
+def _unsupported(param_name: str, what: str) -> PlanError:
+    return PlanError(f"{param_name}: {what} (supported: SGD without momentum, Adagrad, "
+                     "Adam/SparseAdam without weight decay, AdamW, and optimizer classes whose "
+                     "step takes sparse gradients); to all-reduce it instead: "
+                     f"{use_allreduce_hint(param_name)}")
 
 
 def family_of(optimizer: torch.optim.Optimizer, group: dict, param_name: str) -> Family:
@@ -54,10 +78,8 @@ def family_of(optimizer: torch.optim.Optimizer, group: dict, param_name: str) ->
     kind = type(optimizer).__name__
 
     def unsupported(why):
-        return PlanError(f"{param_name}: {' '.join(filter(None, (kind, why)))} is not supported "
-                         "on the parameter server (supported: SGD without momentum, Adagrad, "
-                         "Adam/SparseAdam without weight decay, AdamW); to all-reduce it "
-                         f"instead: {use_allreduce_hint(param_name)}")
+        what = " ".join(filter(None, (kind, why)))
+        return _unsupported(param_name, f"{what} is not supported on the parameter server")
     if group.get("maximize", False):
         raise unsupported("with maximize=True")
     if type(optimizer) in _ADAMS:
@@ -156,4 +178,4 @@ class RowOptimizer:
     def load(self, step: int, tensors: dict[str, Any]) -> None:
         self.step_count = step
         for k, t in tensors.items():
-            self.state[k].copy_(t)
+            self.state[k].copy_(t.reshape(self.state[k].shape))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.counted import Stats, all_reduce_async
+from ..optim.own import take_rows
 from ..plan import ParamPlan
 
 
@@ -95,10 +96,10 @@ class HotHead:
                 return self.optimizer.state_tensors()[key]
         return None
 
-    def load(self, step: int, full: dict[str, torch.Tensor]) -> None:
+    def load(self, step: int, full: dict[str, torch.Tensor], table_rows: int) -> None:
         """Row-wise optimizer state from whole tables (a checkpoint): the head's rows."""
-        self.optimizer.load(step, {k: v.reshape(v.shape[0], -1)[:self.rows]
-                                   for k, v in full.items()})
+        self.optimizer.load(step, take_rows(full, table_rows,
+                                            lambda v: v.reshape(v.shape[0], -1)[:self.rows]))
 
     def nbytes(self) -> int:
         tensors = [self.weight, self.grad, *self.optimizer.state_tensors().values()]

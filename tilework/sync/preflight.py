@@ -102,9 +102,11 @@ def check_optimizer_covers(model, optimizer) -> None:
                             "built over model.parameters()")
 
 def check_not_tied(model, name, p) -> None:
-    """A table bound for the servers belongs to one module (tied weights cannot move yet)."""
+    """A table bound for the servers belongs to one module: the servers replace that module's
+    lookups, and the other owner would keep a weight nobody updates. The planner keeps tied
+    tables all-reduced; this catches a plan made elsewhere (Plan.from_dict)."""
     owners = [m for m in model.modules() if any(q is p for q in m.parameters(recurse=False))]
     if len(owners) > 1:
-        raise PlanError(f"{name} is shared by {len(owners)} modules (tied weights); a tied "
-                        "table cannot move to the parameter server yet; to all-reduce it "
+        raise PlanError(f"{name} is shared by {len(owners)} modules (tied weights), and the "
+                        "parameter server serves one module's table; to all-reduce it "
                         f"instead: {use_allreduce_hint(name)}")

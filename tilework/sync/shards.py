@@ -48,7 +48,9 @@ def chunk_size(numel: int, n: int) -> int:
 
 
 def check_elementwise(optimizer, names: list[str]) -> None:
-    if optimizer is not None and not isinstance(optimizer, ELEMENTWISE):
+    """Refuses an optimizer that cannot run on chunks of the parameters `names`; with none
+    sharded (zero=0) any optimizer runs on whole parameters (a user's own class, say)."""
+    if names and optimizer is not None and not isinstance(optimizer, ELEMENTWISE):
         raise PlanError(f"ZeRO runs the optimizer on each rank's chunk of {names[0]}, which only "
                         f"optimizers that update element by element allow; "
                         f"{type(optimizer).__name__} is not one of them (use zero=0)")

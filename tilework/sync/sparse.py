@@ -26,6 +26,7 @@ from torch import nn
 from ..comm.counted import Stats, all_gather, all_to_all_v, gather
 from ..comm.guard import CallGuard
 from ..errors import PlanError, use_allreduce_hint
+from ..optim.own import take_rows
 from ..optim.rowwise import RowOptimizer
 from .checks import check_ids
 from .hot import HotHead
@@ -156,13 +157,16 @@ class PSTable:
 
     # -- whole-table views (checkpoints, evaluation) --------------------------------------------
     def gather(self, local: torch.Tensor, dst: int | None) -> torch.Tensor | None:
-        full = gather_rows(local, self.layout, self.groups, dst, self.stats)
+        """The whole table of `local`, a tensor with one entry per shard row: the shard, or a
+        row-wise optimizer state (a user's optimizer may keep one scalar per row)."""
+        full = gather_rows(_by_rows(local), self.layout, self.groups, dst, self.stats)
         if full is None:
             return None
         twin = None if self.head is None else self.head.twin(self, local)
         if twin is not None:   # the head's rows are the replicated ones
-            full[:self.head.rows] = twin
-        return full.reshape(self.layout.rows, *self.row_shape)
+            full[:self.head.rows] = twin.reshape(self.head.rows, -1)
+        trailing = self.row_shape if local.shape[1:] == self.shard.shape[1:] else local.shape[1:]
+        return full.reshape(self.layout.rows, *trailing)
 
     def take_shard(self, full: torch.Tensor) -> torch.Tensor:
         # A checkpoint may be loaded onto another device than the table's.
@@ -177,14 +181,19 @@ class PSTable:
 
     def load_optimizer(self, step: int, full: dict[str, torch.Tensor]) -> None:
         """Row-wise optimizer state from whole tables, the head's too."""
-        self.optimizer.load(step, {k: self.take_shard(v) for k, v in full.items()})
+        self.optimizer.load(step, take_rows(full, self.layout.rows, self.take_shard))
         if self.head is not None:
-            self.head.load(step, full)
+            self.head.load(step, full, self.layout.rows)
 
     def shard_bytes(self) -> int:
         tensors = [self.shard, *self.optimizer.state_tensors().values()]
         head = self.head.nbytes() if self.head is not None else 0
         return sum(t.numel() * t.element_size() for t in tensors) + head
+
+
+def _by_rows(local: torch.Tensor) -> torch.Tensor:
+    """`local` as (rows, width): an owner of no rows has a width too."""
+    return local.reshape(len(local), local.shape[1:].numel())
 
 
 def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, dtype):
@@ -391,5 +400,10 @@ class DenseServed:
         return self._view(full)[self.global_rows.to(full.device)]
 
     def gather(self, local: torch.Tensor, dst: int | None) -> torch.Tensor | None:
-        full = gather_rows(local, self.layout, self.groups, dst, self.stats)
-        return None if full is None else full.reshape(self.param.shape)
+        """The whole of `local` (the shard, or a row-wise optimizer state: see PSTable.gather)."""
+        full = gather_rows(_by_rows(local), self.layout, self.groups, dst, self.stats)
+        if full is None:
+            return None
+        whole_rows = local.shape[1:].numel() == self.shard.shape[1]
+        return full.reshape(self.param.shape if whole_rows else (self.layout.rows,
+                                                                 *local.shape[1:]))

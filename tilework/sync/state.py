@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
+from ..optim.own import OwnRowOptimizer, take_rows
 
 
 def state_mismatch(expected: dict[str, tuple], given) -> str | None:
@@ -52,7 +53,9 @@ def check_state(engine, state: dict) -> None:
             problem = f"no row-wise optimizer state for {name}"
             continue
         for key, value in saved.items():
-            if key != "step" and tuple(value.shape)[:1] != (part.layout.rows,):
+            if key == "step" or (key == "state" and _own(part)):   # see gathered_state
+                continue
+            if tuple(value.shape)[:1] != (part.layout.rows,):
                 problem = (f"optimizer {key} of {name} has {tuple(value.shape)[:1]} rows, "
                            f"the table {part.layout.rows}")
     here = engine.optimizer.param_groups if engine.optimizer is not None else []
@@ -78,7 +81,12 @@ def load_state(engine, state: dict) -> None:
             group.update(saved)
     for name, part in [*engine.tables.items(), *engine.served.items()]:
         saved = dict(opt_state["rows"][name])
-        _load_rows(part, saved.pop("step"), saved)
+        step = saved.pop("step")
+        _load_rows(part, step, saved.get("state", {}) if _own(part) else saved)
+
+
+def _own(part) -> bool:
+    return isinstance(part.optimizer, OwnRowOptimizer)
 
 
 def _load_rows(part, step: int, full: dict) -> None:
@@ -86,7 +94,7 @@ def _load_rows(part, step: int, full: dict) -> None:
     if hasattr(part, "load_optimizer"):
         part.load_optimizer(step, full)
     else:
-        part.optimizer.load(step, {k: part.take_shard(v) for k, v in full.items()})
+        part.optimizer.load(step, take_rows(full, part.layout.rows, part.take_shard))
 
 
 def _sharded(engine, name: str, state: dict) -> dict:
@@ -130,6 +138,8 @@ def plain_optimizer_state(engine, state: dict) -> dict:
 
 def _torch_row_state(optimizer, part) -> dict | None:
     """A server parameter's state as its torch optimizer keeps it (SGD without momentum: none)."""
+    if _own(part):
+        return _own_state(part, None) or None
     tensors = part.optimizer.state_tensors()
     if not tensors:
         return None
@@ -172,6 +182,8 @@ def _checked_rows(name: str, part, saved_state: dict, name_of: dict):
     state where it has none yet (torch creates Adam's at the first step)."""
     expected = part.optimizer.state_tensors()
     entry = next((s for i, s in saved_state.items() if name_of.get(i) == name), None)
+    if _own(part):
+        return _own_rows(entry or {})
     shape = (part.layout.rows, *part.shard.shape[1:])
     if entry is None:
         return 0, {k: torch.zeros(shape, dtype=v.dtype, device=v.device)
@@ -189,12 +201,34 @@ def _checked_rows(name: str, part, saved_state: dict, name_of: dict):
         {k: v.reshape(part.layout.rows, -1) for k, v in tensors.items()}
 
 
+def _own_state(part, dst: int | None) -> dict:
+    """A user's optimizer's state of a server parameter in its plain layout: per-row tensors
+    gathered into the table's rows, the rest (step counts, scalars) as this rank holds them."""
+    optimizer = part.optimizer
+    return {**optimizer.scalars(),
+            **{k: part.gather(v, dst) for k, v in optimizer.state_tensors().items()}}
+
+
+def _own_rows(entry: dict):
+    """(step, whole-table state) for a user's optimizer, from its plain state: whatever the
+    class keeps, unchecked, as its own load_state_dict takes it in one process."""
+    step = entry.get("step", 0)
+    try:
+        step = int(step.item() if torch.is_tensor(step) else step)
+    except (TypeError, ValueError, RuntimeError):   # a class's own kind of step: not ours
+        step = 0
+    return step, dict(entry)
+
+
 def gathered_state(engine, dst: int | None) -> dict:
     """The model and optimizer in single-device layout, server rows and their row-wise state
     gathered to rank `dst` (every rank when None); optimizer state keyed by parameter name."""
     model_state = gathered_model_state(engine, gather_to=dst)
     rows: dict[str, dict] = {}
     for name, part in [*engine.tables.items(), *engine.served.items()]:
+        if _own(part):   # its own keys may hold a "step": the plain entry goes whole, nested
+            rows[name] = {"step": part.optimizer.step_count, "state": _own_state(part, dst)}
+            continue
         state = {k: part.gather(v, dst) for k, v in part.optimizer.state_tensors().items()}
         rows[name] = {"step": part.optimizer.step_count, **state}
     optimizer = engine.optimizer
