@@ -26,6 +26,18 @@ The data is a synthetic token stream from a fixed seed: nothing is downloaded.
 
     python examples/nanogpt_style.py --steps 20
     tilework run -n 2 examples/nanogpt_style.py --steps 20
+    tilework run -n 2 examples/nanogpt_style.py --steps 20 --tp 2   # or --pp 2, or --cp 2
+
+With --tp, --pp or --cp (tilework's mesh) a few more lines change, each marked `mesh:`:
+- every rank of one model replica takes the same rows: `tilework.data_parallel_rank(model)`
+  gives the replica, not the world rank;
+- --tp splits the MLP (c_fc column-wise, c_proj row-wise); nanoGPT's attention splits c_attn's
+  output by the whole n_embd, so it stays whole (tilework refuses it in one line if asked);
+- --pp: one `model.step(X, Y)` runs the accumulation's micro-batches as the pipeline's
+  microbatches (forward and backward; the loss on the last stage's rank), `model.evaluate`
+  evaluates;
+- clipping is `tilework.clip_grad_norm_(model, grad_clip)` (a rank holds a part of the model),
+  and the recorded state is `tilework.state_dict(model, optimizer)`, every rank calling it.
 """
 
 import argparse
@@ -48,7 +60,13 @@ parser.add_argument("--eval_interval", type=int, default=4)
 parser.add_argument("--eval_master_only", action="store_true",
                     help="evaluate on rank 0 only, as nanoGPT does (default: every rank)")
 parser.add_argument("--plain", action="store_true", help="do not call tilework (one process)")
+parser.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (the MLP split)")
+parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+parser.add_argument("--cp", type=int, default=1, help="context parallel ranks (the sequence)")
 args = parser.parse_args()
+on_mesh = max(args.tp, args.pp, args.cp) > 1
+if on_mesh and (args.plain or args.resume or args.eval_master_only):
+    raise SystemExit("--tp/--pp/--cp: not with --plain, --resume or --eval_master_only")
 
 # -----------------------------------------------------------------------------
 # default config values, tiny
@@ -254,7 +272,16 @@ checkpoint = None  # free up memory
 
 # tilework: where nanoGPT writes `model = DDP(model, device_ids=[ddp_local_rank])`
 if not args.plain:
-    model, optimizer = tilework.parallelize(model, optimizer)
+    mesh = dict(tp=args.tp, pp=args.pp, cp=args.cp, microbatches=gradient_accumulation_steps
+                if args.pp > 1 else None)
+    if args.tp > 1:   # mesh: the MLP split; the attention stays whole (the docstring says why)
+        mesh["layout"] = {"transformer.h.*.mlp.c_fc": "colwise",
+                          "transformer.h.*.mlp.c_proj": "rowwise"}
+    model, optimizer = tilework.parallelize(model, optimizer, **mesh)
+    # mesh: the rows of this model replica (the world's rank and size without tp/pp/cp)
+    replica, replicas = tilework.data_parallel_rank(model)
+    per_rank = batch_size // replicas
+    my_rows = slice(replica * per_rank, (replica + 1) * per_rank)
 raw_model = model  # nanoGPT: model.module if ddp else model
 
 
@@ -266,8 +293,11 @@ def estimate_loss():
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
             X, Y = get_batch(split, 7_000 + k)   # the same whole batches on every rank
-            logits, loss = model(X, Y)
-            losses[k] = loss.item()
+            if args.pp > 1:   # mesh: forward only, the loss on the last stage's rank
+                losses[k] = holders_mean(model.evaluate(X, Y))
+            else:
+                logits, loss = model(X, Y)
+                losses[k] = holders_mean(loss.item()) if on_mesh else loss.item()
         out[split] = losses.mean()
     model.train()
     return out
@@ -283,6 +313,15 @@ def get_lr(it):
     assert 0 <= decay_ratio <= 1
     coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
     return min_lr + coeff * (learning_rate - min_lr)
+
+
+def holders_mean(value):
+    """mesh: the mean over the ranks that hold a loss (under cp each its part of the
+    sequence's tokens, equal in number; under pp the last stage's ranks)."""
+    t = torch.tensor([0.0 if value is None else float(value), float(value is not None)],
+                     dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item()
 
 
 def global_mean(values):
@@ -331,12 +370,19 @@ while True:
 
     # forward backward update, with optional gradient accumulation to simulate larger batch size
     micro_losses = []
-    for micro_step in range(gradient_accumulation_steps):
+    if args.pp > 1:   # mesh: the accumulation's micro-batches are the pipeline's microbatches
+        batches = [train_batch(iter_num, m) for m in range(gradient_accumulation_steps)]
+        loss = model.step(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        micro_losses = [holders_mean(None if loss is None else loss.item())]
+        X, Y = train_batch(iter_num + 1, 0)
+    for micro_step in range(gradient_accumulation_steps if args.pp == 1 else 0):
         # nanoGPT: "in DDP training we only need to sync gradients at the last micro step"
         model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
         logits, loss = model(X, Y)
         loss = loss / gradient_accumulation_steps  # scale the loss to account for accumulation
         micro_losses.append(loss.item() * gradient_accumulation_steps)
+        if on_mesh:   # mesh: this replica's loss, as the ranks that hold it saw it
+            micro_losses[-1] = holders_mean(micro_losses[-1])
         # immediately async prefetch next batch while model is doing the forward pass
         X, Y = train_batch(iter_num + (micro_step + 1) // gradient_accumulation_steps,
                            (micro_step + 1) % gradient_accumulation_steps)
@@ -344,7 +390,8 @@ while True:
     # clip the gradient
     if grad_clip != 0.0:
         scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        norm = (tilework.clip_grad_norm_(model, grad_clip) if on_mesh   # mesh: the whole norm
+                else torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
         record["grad_norms"].append(float(norm))
     # step the optimizer and scaler if training in fp16
     scaler.step(optimizer)
@@ -352,13 +399,18 @@ while True:
     # flush the gradients as soon as we can, no need for this memory anymore
     optimizer.zero_grad(set_to_none=True)
 
-    record["losses"].append(sum(global_mean(micro_losses)) / gradient_accumulation_steps)
+    if on_mesh:   # mesh: already the batch's mean
+        record["losses"].append(sum(micro_losses) / len(micro_losses))
+    else:
+        record["losses"].append(sum(global_mean(micro_losses)) / gradient_accumulation_steps)
     record["lrs"].append(lr)
     if master_process:
         print(f"iter {iter_num}: loss {record['losses'][-1]:.4f}, lr {lr:.2e}")
     iter_num += 1
 
+final = tilework.state_dict(model, optimizer)["model"] if on_mesh else None   # every rank
 if args.out and master_process:
-    record["state"] = {k: v.detach().clone() for k, v in raw_model.state_dict().items()}
+    record["state"] = final if on_mesh else {k: v.detach().clone()
+                                             for k, v in raw_model.state_dict().items()}
     record["iter_num"] = iter_num
     torch.save(record, args.out)

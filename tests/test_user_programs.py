@@ -122,6 +122,23 @@ def test_nanogpt(nanogpt):
     assert "allreduce" in dist["stdout"] and "│ ps" not in dist["stdout"]
 
 
+@pytest.mark.parametrize("axis", ["--tp", "--pp", "--cp"])
+def test_nanogpt_on_a_mesh(nanogpt, axis, tmp_path):
+    """The same program with --tp 2 (its MLP split), --pp 2 (the accumulation's micro-batches
+    as the pipeline's, its tied embedding and head on both ends) or --cp 2 (its SDPA attention
+    as ring attention): the changed lines the README shows, the same training as one process,
+    clipping and evaluation included."""
+    r = run("nanogpt_style.py", "--steps", str(NANOGPT_STEPS), "--out", str(tmp_path / "m.pt"),
+            axis, "2", ranks=2, cwd=tmp_path)
+    mesh = torch.load(tmp_path / "m.pt", weights_only=False)
+    mesh["stdout"] = r.stdout
+    ref = nanogpt["ref"]
+    assert_same_training(ref, mesh, ADAMW_TOL, f"{axis} 2 vs 1 process")
+    assert_close(ref["grad_norms"], mesh["grad_norms"], ADAMW_TOL, "gradient norms")
+    assert_close([e[1:] for e in ref["evals"]], [e[1:] for e in mesh["evals"]], ADAMW_TOL,
+                 "estimate_loss")
+
+
 def test_nanogpt_resume(nanogpt, tmp_path):
     """nanoGPT's rank-0 checkpoint and init_from='resume': the master process alone saves
     {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num", ...} (the

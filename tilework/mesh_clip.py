@@ -25,15 +25,20 @@ from .sync.clip import clip_by_total_norm, coalesced_grads, head_gradients, norm
 # Where a gradient's parts are spread besides tp: over the dp group (server rows), over the
 # ranks that shard ZeRO's chunks (a host's under zero_scope="host"), or nowhere (replicated).
 ROWS, CHUNKS, WHOLE = 0, 1, 2
+NOWHERE = -1   # counted on another rank of the pipeline
 
 
 def _named_gradients(engine) -> list[tuple[torch.Tensor, bool, int]]:
     """(gradient, split over tp, where else it is spread) for every gradient this rank holds."""
     specs = engine.mesh.layout.specs() if engine.mesh.layout is not None else {}
+    pipeline = engine.mesh.pipeline
+    elsewhere = pipeline.counted_elsewhere() if pipeline is not None else set()
     out = []
     for name, p in engine.model.named_parameters():
+        # A parameter two ranks' stages hold (summed, equal gradients): scaled on both,
+        # counted in the norm on the first only.
         for g in coalesced_grads([p]):
-            out.append((plain(g), name in specs, WHOLE))
+            out.append((plain(g), name in specs, WHOLE if id(p) not in elsewhere else NOWHERE))
     if engine._unsynced:
         engine._sync_servers()
     for name, part in [*engine.tables.items(), *engine.served.items()]:
@@ -56,6 +61,8 @@ def clip_norm_on_mesh(engine, max_norm: float, norm_type: float, error_if_nonfin
     # [tp-split, whole] x [ROWS, CHUNKS, WHOLE], in float64 on the backend's device
     parts = torch.zeros(2, 3, dtype=torch.float64, device=engine.groups.device)
     for g, tp_split, spread in grads:
+        if spread == NOWHERE:
+            continue
         norm = torch.linalg.vector_norm(g.detach(), norm_type).double().to(parts.device)
         value = norm if inf else norm ** norm_type
         cell = parts[0 if tp_split else 1, spread]

@@ -135,6 +135,12 @@ class PipelineModel(nn.Module):
             self._sum_shared_gradients()
         return loss
 
+    def counted_elsewhere(self) -> set[int]:
+        """ids of the shared parameters whose (summed, equal) gradient another rank of the
+        pipeline counts in a norm: each is counted once, on the first rank holding it."""
+        return {id(p) for _, p, held, first in self.shared
+                if held and first != self.runner.rank}
+
     def _microbatches(self, args: tuple, kwargs: dict):
         m = self.schedule.microbatches
         if self.generic:
@@ -153,10 +159,10 @@ class PipelineModel(nn.Module):
         if not self.shared or self.schedule.pp == 1:
             return
         grads = [p.grad if held and p.grad is not None else torch.zeros_like(p)
-                 for _, p, held in self.shared]
+                 for _, p, held, _ in self.shared]
         flat = torch.cat([g.reshape(-1) for g in grads])
         counted.all_reduce(flat, self.group, self.stats, "pipeline")
-        for (_, p, held), part in zip(self.shared, flat.split([g.numel() for g in grads])):
+        for (_, p, held, _), part in zip(self.shared, flat.split([g.numel() for g in grads])):
             if held:
                 p.grad = part.view_as(p).clone()
 
@@ -211,13 +217,14 @@ def _reference_arguments(args: tuple, kwargs: dict):
 
 
 def _shared_across_ranks(model: nn.Module, stages, schedule: Schedule, rank: int) -> list:
-    """(name, parameter, held by this rank's stages) for each parameter the stages of more
-    than one rank hold, in the model's order (the same on every rank)."""
+    """(name, parameter, held by this rank's stages, the first rank that holds it) for each
+    parameter the stages of more than one rank hold, in the model's order (the same on every
+    rank)."""
     ranks_of: dict[int, set[int]] = {}
     for s, stage in enumerate(stages):
         for p in stage.parameters():
             ranks_of.setdefault(id(p), set()).add(schedule.rank_of(s))
-    return [(name, p, rank in ranks_of[id(p)])
+    return [(name, p, rank in ranks_of[id(p)], min(ranks_of[id(p)]))
             for name, p in model.named_parameters() if len(ranks_of.get(id(p), ())) > 1]
 
 
