@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import contextlib
+
 from .comm import counted
 from .errors import CheckpointError
 
@@ -40,13 +42,35 @@ def _unshard(mesh, key: str, value, shapes: dict, to_first: bool):
                    spec)
 
 
+def _own_hooks_aside(engine, kind: str):
+    """Under tp, the model's own state-dict hooks of `kind` set aside (tensor/own_hooks.py):
+    yields what was taken, to replay on the whole state; elsewhere nothing is taken."""
+    from .tensor import own_hooks
+
+    tp = engine.mesh.tp
+    if tp is None or tp.size == 1 or not own_hooks.has_own_hooks(engine.model):
+        return contextlib.nullcontext([])
+    return own_hooks.set_aside(engine.model, kind)
+
+
 def full_state(engine, dst: int | None = None) -> dict | None:
     """The one-process model and optimizer state (a collective over the world): on every rank,
     or (`dst=0`) on rank 0 only, None elsewhere."""
+    from .tensor.own_hooks import SAVE, replay_save
+
     if dst not in (None, 0):
         raise ValueError(f"a mesh's state gathers to every rank or to rank 0, not {dst!r}")
     mesh = engine.mesh
     to_first = dst == 0
+    with _own_hooks_aside(engine, SAVE) as taken:
+        state = _assembled(engine, dst, to_first)
+    if state is not None and taken:
+        state["model"] = replay_save(taken, state["model"])
+    return state
+
+
+def _assembled(engine, dst, to_first: bool) -> dict | None:
+    mesh = engine.mesh
     state = engine.state_dict(dst=dst)
     if to_first and engine.groups.rank != 0:
         # Not the first of its dp group: it holds no gathered tables or ZeRO state, and no
@@ -85,13 +109,20 @@ def full_state(engine, dst: int | None = None) -> dict | None:
 
 def load_full_state(engine, state: dict) -> None:
     """Each rank its stages' keys and its tp shards of them, then the engine's own load."""
+    from .tensor.own_hooks import LOAD, SAVE, replay_load
+
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict):
+        raise CheckpointError("checkpoint has no 'model' state dict")
+    with _own_hooks_aside(engine, LOAD) as taken, _own_hooks_aside(engine, SAVE):
+        _load_parts(engine, state, replay_load(taken, model) if taken else model)
+
+
+def _load_parts(engine, state: dict, model: dict) -> None:
     from .sync.state import gathered_model_state
 
     mesh = engine.mesh
     mine = gathered_model_state(engine, "meta")   # keys only: no gather
-    model = state.get("model") if isinstance(state, dict) else None
-    if not isinstance(model, dict):
-        raise CheckpointError("checkpoint has no 'model' state dict")
     missing = sorted(set(mine) - set(model))
     if missing:
         raise CheckpointError(f"checkpoint does not match the model: missing {missing[:3]}")
