@@ -127,7 +127,9 @@ TWO = [{"cp": 2}, {"tp": 2}, {"tp": 2, "recompute": "full"},
 SERVED_TOKENS = {"tp": 2, "layout": {k: v for k, v in GPT_LAYOUT.items() if k != "tokens"},
                  "overrides": {"tokens.weight": "ps"}}
 FOUR = [{"cp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 2},
-        {"tp": 2, "pp": 2, "microbatches": 2}, {"tp": 2, "zero": 1}, {"tp": 2, "zero": 3},
+        {"tp": 2, "pp": 2, "microbatches": 2},
+        {"tp": 2, "pp": 2, "microbatches": 2, "sequence_parallel": True},
+        {"tp": 2, "zero": 1}, {"tp": 2, "zero": 3},
         SERVED_TOKENS]
 EIGHT = [{"tp": 2, "pp": 2, "microbatches": 2}]
 # Context parallelism with the other axes: ring attention on tp's heads; on pipeline stages.

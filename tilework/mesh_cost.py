@@ -45,7 +45,10 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
         stages = split_stages(model, schedule.stages)
         mine = [mod for s in schedule.stages_of(at["pp"]) for mod in _stage_modules(stages[s])]
         part = local_part(model, mine)
-        out["pipeline"] = p2p_bytes(schedule, batch // m * (seq // config.cp)
+        # A boundary carries this rank's part of the sequence: cp's, and tp's slice under
+        # sequence parallelism.
+        sliced = config.tp if config.sequence_parallel else 1
+        out["pipeline"] = p2p_bytes(schedule, batch // m * (seq // config.cp // sliced)
                                     * model.head.in_features * itemsize)[at["pp"]]
     local_modules = {names[id(mod)] for mod in part.modules() if id(mod) in names}
     shapes = {n: tuple(p.shape) for n, p in part.named_parameters()}
@@ -53,9 +56,12 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
         layout = plan_layout(model, config.layout or layout_for(model), config.tp,
                              config.sequence_parallel)
         # On this rank's part of the sequence (cp cuts it before any layer).
-        out["tp"] = sum(_placement_bytes(p, batch, seq // config.cp, config.tp,
-                                         config.sequence_parallel, itemsize)
-                        for p in layout.placements if p.module in local_modules)
+        # Per microbatch under pp: what a step moves per token adds up over them, what it
+        # moves per parameter (sequence parallelism's norm and position gradients) repeats.
+        m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
+        out["tp"] = m * sum(_placement_bytes(p, batch // m, seq // config.cp, config.tp,
+                                             config.sequence_parallel, itemsize)
+                            for p in layout.placements if p.module in local_modules)
         held = layout.local_shapes()
         shapes = {n: held[n] for n in shapes}
     if config.cp > 1:

@@ -155,6 +155,9 @@ def _pipeline_part(meta: nn.Module, config, pp_rank: int):
     m = config.microbatches or 2 * config.pp
     schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
     stages = split_stages(meta, schedule.stages)
+    if config.sequence_parallel and config.tp > 1:   # boundaries carry sequence slices
+        for stage in stages:
+            stage.sequence_parts = config.tp
     mine = {s: stages[s] for s in schedule.stages_of(pp_rank)}
     part = local_part(meta, [mod for s in mine.values() for mod in _stage_modules(s)])
     return part, mine, schedule

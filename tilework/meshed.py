@@ -100,9 +100,6 @@ def _refuse(config: ParallelConfig, plan) -> None:
     if config.cp > 1 and config.sequence_parallel:
         raise PlanError(f"cp={config.cp} with sequence_parallel: both would cut the sequence "
                         "(ring attention's chunks, and slices between tp's layers); choose one")
-    if config.pp > 1 and config.sequence_parallel:
-        raise PlanError("pp > 1 with sequence_parallel: the stages' boundaries would carry "
-                        "sequence slices; not supported yet")
     if plan is not None:
         raise PlanError("plan=: with tp, pp or cp > 1 the data-parallel plan is made per dp "
                         "group by parallelize itself")
@@ -192,8 +189,23 @@ def _cut_stages(model, optimizer, config: ParallelConfig, found: MeshParallel) -
     before = dict(model.named_parameters(remove_duplicate=False))
     found.pipeline = PipelineModel(model, schedule, found.groups.group("pp"),
                                    found.groups.coord("pp"), found.stats)
+    if config.sequence_parallel and config.tp > 1:
+        _carry_sequence_slices(found.pipeline, config.tp)
     _swap_in_optimizer(optimizer, before, dict(found.pipeline.part.named_parameters()))
     return found.pipeline.part
+
+
+def _carry_sequence_slices(pipeline, tp: int) -> None:
+    """Under sequence parallelism each tp rank's activation between blocks is its slice of the
+    sequence, and so is what crosses a stage boundary (to the same tp rank of the next stage,
+    Megatron's way): the reference GPT's boundaries are 1/tp of the sequence."""
+    from .pipeline.stages import GPTStage
+
+    for stage in pipeline.runner.stages.values():
+        if not isinstance(stage, GPTStage):
+            raise PlanError("pp > 1 with sequence_parallel: stages of this model do not know "
+                            "their boundaries' sequence slices (the reference GPT's do)")
+        stage.sequence_parts = tp
 
 
 def _engine_over_dp(model, target, optimizer, config: ParallelConfig, found: MeshParallel,

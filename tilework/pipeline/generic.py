@@ -196,6 +196,11 @@ class ModelStage(nn.Module):
         shape, dtype = self.shapes.entering(self.index_range.start, call)
         return torch.empty(shape, dtype=dtype, device=_device_of(self.model))
 
+    def output_like(self, call: Call) -> torch.Tensor:
+        """An empty activation as it leaves this stage (its gradient comes back so shaped)."""
+        shape, dtype = self.shapes.entering(self.index_range.stop, call)
+        return torch.empty(shape, dtype=dtype, device=_device_of(self.model))
+
 
 def _device_of(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)

@@ -179,7 +179,12 @@ class _Step:
         if key in self.incoming or schedule.rank_of(key[1]) == self.r.rank:
             return
         kind, s, mb = key
-        buffer = self.r.stages[a.stage].boundary_like(self.inputs[mb])
+        stage = self.r.stages[a.stage]
+        # A gradient comes back shaped as the stage's output (a stage that knows it says so;
+        # the reference GPT's boundaries are all alike).
+        like = getattr(stage, "output_like", stage.boundary_like) if kind == "B" \
+            else stage.boundary_like
+        buffer = like(self.inputs[mb])
         t = comm.tag(kind, s, mb, schedule.stages, schedule.microbatches)
         self.incoming[key] = (comm.recv(buffer, schedule.rank_of(s), self.r.group, t,
                                         self.r.stats), buffer)

@@ -78,6 +78,8 @@ class GPTStage(nn.Module):
         if last:
             self.norm, self.head = model.norm, model.head
         self.register_buffer("causal", model.causal, persistent=False)
+        # Under sequence parallelism a boundary carries this rank's slice of the sequence.
+        self.sequence_parts = 1
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = x.shape[1]
@@ -96,7 +98,9 @@ class GPTStage(nn.Module):
     def boundary_like(self, tokens: torch.Tensor) -> torch.Tensor:
         """An empty activation as it crosses a stage boundary for these microbatch tokens: what
         a receiver allocates, so no shapes travel."""
-        return torch.empty(*tokens.shape, self.dim, dtype=self.causal.dtype, device=tokens.device)
+        batch, seq = tokens.shape
+        return torch.empty(batch, seq // self.sequence_parts, self.dim, dtype=self.causal.dtype,
+                           device=tokens.device)
 
 
 def split_stages(model: nn.Module, stages: int, costs: Sequence[float] | None = None
