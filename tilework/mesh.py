@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from .errors import PlanError
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -114,16 +116,16 @@ def parallel_mesh(world_size: int, ranks_per_host: int | None = None, tp: int = 
     """
     for name, size in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
         if not (isinstance(size, int) and size >= 1):
-            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+            raise PlanError(f"{name} must be an integer >= 1, got {size!r}")
     inner = tp * pp * cp
     if world_size % inner:
-        raise ValueError(f"tp x pp x cp = {tp} x {pp} x {cp} = {inner} does not divide the "
+        raise PlanError(f"tp x pp x cp = {tp} x {pp} x {cp} = {inner} does not divide the "
                          f"world of {world_size} ranks")
     if ranks_per_host is not None:
         if not (isinstance(ranks_per_host, int) and ranks_per_host >= 1):
-            raise ValueError(f"ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
+            raise PlanError(f"ranks_per_host must be an integer >= 1, got {ranks_per_host!r}")
         if ranks_per_host % tp and tp % ranks_per_host:
-            raise ValueError(f"tp={tp} and {ranks_per_host} ranks per host: a tensor-parallel "
+            raise PlanError(f"tp={tp} and {ranks_per_host} ranks per host: a tensor-parallel "
                              "group would straddle hosts; choose a tp that divides "
                              f"{ranks_per_host} (or a multiple of it, whole hosts per group)")
     return Mesh((("dp", world_size // inner), ("pp", pp), ("cp", cp), ("tp", tp)))
