@@ -1,0 +1,154 @@
+"""Run multi-rank work again and again under load, with core dumps on, and say how each run ended.
+
+A native crash is a bug until its cause is found (DEVELOPERS.md): this runs a target many
+times while other processes keep every core busy, keeps each run's output and any core file,
+and prints a backtrace of every thread of each core (gdb), so a rare abort can be read.
+
+    python bench/soak.py --runs 200                       # tests/test_early_push.py, 2 busy loops
+    python bench/soak.py --runs 50 --target "tests/test_early_push.py tests/test_prefetch.py"
+    python bench/soak.py --runs 20 --target hosts          # bench/sparse_step.py on 2 emulated
+                                                           # hosts (root, network namespaces)
+
+Outcomes: passed, failed (the target's own failure: an assertion, a refusal), crashed (a
+process ended by a signal, or glibc / the C++ runtime reported a corruption or a terminate),
+timeout. Everything lands in --out (default runs/soak): run-NNN.log, cores under run-NNN/,
+backtraces in run-NNN.bt, and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Two-rank runs of the paths that talk most: the servers' pull and the push leaving early
+# (an asynchronous all-to-all on its own group beside the dense buckets), with clipping and
+# accumulation. About 10 s a run on an idle 2-core machine.
+DEFAULT_TARGET = "tests/test_early_push.py"
+CRASH_MARKS = re.compile(r"Segmentation fault|core dumped|SIGABRT|SIGSEGV|SIGBUS|signal 6|"
+                         r"signal 11|terminate called|tcache|double free|corrupted|"
+                         r"free\(\): invalid|malloc\(\)|stack smashing")
+
+
+def _busy(stop) -> None:
+    x = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            x = (x * 31 + 7) % 1_000_003
+
+
+def _command(target: str) -> list[str]:
+    if target == "hosts":
+        # The intermittent abort was seen here: DDP's sparse all-reduce beside ours.
+        return [sys.executable, str(ROOT / "bench" / "sparse_step.py"), "recommender",
+                "--hosts", "2", "--rounds", "2", "--steps", "10",
+                "--systems", "ddp-sparse", "hybrid"]
+    # Test paths made absolute: the run's cwd is its own directory, where cores land.
+    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+            *(str(ROOT / a) if not a.startswith("-") else a for a in target.split())]
+
+
+def _cores_on() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def _backtraces(cores: list[Path]) -> str:
+    if not cores or shutil.which("gdb") is None:
+        return ""
+    out = []
+    for core in cores:
+        r = subprocess.run(["gdb", "-batch", "-ex", "thread apply all bt 30", sys.executable,
+                            str(core)], capture_output=True, text=True, timeout=300)
+        out.append(f"== {core}\n{r.stdout}{r.stderr}")
+    return "\n".join(out)
+
+
+def classify(rc: int | None, output: str) -> str:
+    if rc is None:
+        return "timeout"
+    if rc < 0 or CRASH_MARKS.search(output):
+        return "crashed"
+    return "passed" if rc == 0 else "failed"
+
+
+def run_once(i: int, target: str, out: Path, timeout: float) -> dict:
+    where = out / f"run-{i:03d}"
+    where.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    start = time.perf_counter()
+    # cwd: the run's directory, where a core_pattern of "core" puts every rank's core file.
+    try:
+        r = subprocess.run(_command(target), cwd=where,
+                           capture_output=True, text=True, timeout=timeout, env=env,
+                           preexec_fn=_cores_on)
+        rc, output = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = None
+        output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(
+            errors="replace")
+    seconds = time.perf_counter() - start
+    (out / f"run-{i:03d}.log").write_text(output)
+    cores = sorted(p for p in where.glob("core*") if p.is_file())
+    outcome = classify(rc, output) if not cores else "crashed"
+    if cores:
+        (out / f"run-{i:03d}.bt").write_text(_backtraces(cores))
+    if not any(where.iterdir()):
+        where.rmdir()
+    return {"run": i, "outcome": outcome, "rc": rc, "seconds": round(seconds, 1),
+            "cores": [str(c) for c in cores]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help="pytest arguments, or 'hosts' (bench/sparse_step.py --hosts 2)")
+    parser.add_argument("--load", type=int, default=2, help="busy loops beside the runs")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "soak"))
+    args = parser.parse_args()
+    if args.runs < 1 or args.load < 0:
+        parser.error("--runs must be >= 1 and --load >= 0")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pattern = Path("/proc/sys/kernel/core_pattern")
+    core_pattern = pattern.read_text().strip() if pattern.exists() else "?"
+    stop = mp.Event()
+    burners = [mp.Process(target=_busy, args=(stop,), daemon=True) for _ in range(args.load)]
+    for b in burners:
+        b.start()
+    results: list[dict] = []
+    counts: dict[str, int] = {}
+    try:
+        for i in range(args.runs):
+            results.append(run_once(i, args.target, out, args.timeout))
+            counts = {k: sum(r["outcome"] == k for r in results)
+                      for k in ("passed", "failed", "crashed", "timeout")}
+            print(f"run {i + 1}/{args.runs}: {results[-1]['outcome']} "
+                  f"({results[-1]['seconds']} s)  so far {counts}", flush=True)
+    finally:
+        stop.set()
+        for b in burners:
+            b.join(timeout=5)
+    summary = {"target": args.target, "runs": len(results), "load": args.load,
+               "core_pattern": core_pattern, "counts": counts, "results": results}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: summary[k] for k in ("target", "runs", "load", "counts")}))
+    bad = [r for r in results if r["outcome"] != "passed"]
+    for r in bad:
+        log = out / f"run-{r['run']:03d}.log"
+        print(f"run {r['run']}: {r['outcome']} (rc {r['rc']}): {log}")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
