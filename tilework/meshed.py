@@ -11,7 +11,7 @@ same plan as a data-parallel run of that part of the model. docs/architecture.md
 from __future__ import annotations
 
 import dataclasses
-import types
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -157,26 +157,43 @@ def _name_failures_of_split_parents(model: nn.Module, layout) -> None:
     for name, children in split.items():
         module = model.get_submodule(name)
         if "forward" not in vars(module):
-            module.forward = types.MethodType(_SplitParentForward(name, children), module)
+            module.forward = _SplitParentForward(module, name, children)
 
 
 class _SplitParentForward:
-    def __init__(self, name: str, children: list[str]):
-        self.name, self.children = name, children
+    """A module's own forward, its shape errors named as the split's doing. Only an error
+    raised in that forward's own code (a split, view or unpack of a child's output) is
+    renamed: one from deeper down (a lost peer in a collective, a child's own failure) or an
+    out-of-memory passes as it is. Holds its module (pickles and copies with it), and shows
+    the forward's own signature (code that inspects it: Hugging Face's, RingSDPA's)."""
 
-    def __call__(self, module, *args, **kwargs):
+    def __init__(self, module: nn.Module, name: str, children: list[str]):
+        self.module, self.name, self.children = module, name, children
+        self.__signature__ = inspect.signature(type(module).forward.__get__(module))
+
+    def __call__(self, *args, **kwargs):
+        forward = type(self.module).forward
         try:
-            return type(module).forward(module, *args, **kwargs)
+            return forward(self.module, *args, **kwargs)
         except (RuntimeError, ValueError, TypeError, IndexError) as e:
-            if isinstance(e, UserError):
+            if isinstance(e, (UserError, torch.OutOfMemoryError)) or \
+                    not _raised_in(e, forward.__code__):
                 raise
             raise PlanError(
-                f"tensor parallel: {self.name or 'the model'} ({type(module).__name__}) failed "
-                f"on its split modules ({', '.join(self.children)}): {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}. Its forward assumes whole "
-                "widths (a split by a width it keeps, a view to the input's width); write "
-                "those with -1 or the local width, as Hugging Face's models do, or leave "
-                "these modules out of the layout") from e
+                f"tensor parallel: {self.name or 'the model'} ({type(self.module).__name__}) "
+                f"failed on its split modules ({', '.join(self.children)}): "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Its forward "
+                "assumes whole widths (a split by a width it keeps, a view to the input's "
+                "width); write those with -1 or the local width, as Hugging Face's models "
+                "do, or leave these modules out of the layout") from e
+
+
+def _raised_in(error: BaseException, code) -> bool:
+    """The innermost Python frame of `error`'s traceback runs `code`."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code is code
 
 
 def _cut_stages(model, optimizer, config: ParallelConfig, found: MeshParallel) -> nn.Module:

@@ -165,10 +165,11 @@ class Job:
         check(self.workload == "gpt", f"parallel.{axis}",
               f"1 for the {self.workload!r} workload: tp, pp and cp split a transformer's "
               "blocks, which only workload = \"gpt\" has")
-        from ..tensor.layout import STYLES
+        from ..tensor.layout import STYLES, style_specs
 
         for pattern, style in (p.layout or {}).items():
-            check(style in STYLES, f"parallel.layout.{pattern}",
+            check(isinstance(style, str) and style_specs(style) is not None,
+                  f"parallel.layout.{pattern}",
                   f"one of {', '.join(STYLES)}, got {style!r}")
         g = self.gpt
         check(g.heads % p.tp == 0, "parallel.tp",
