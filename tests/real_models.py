@@ -146,22 +146,36 @@ class FusedAttention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class FusedLM(nn.Module):
-    """A small LM of fused-attention blocks (untied head), forward(idx, targets) -> loss."""
+class FusedBlock(nn.Module):
+    def __init__(self, dim: int, head_dim: int, named_apart: bool):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(dim), FusedAttention(dim, head_dim, named_apart)
 
-    def __init__(self, vocab_size=64, dim=16, head_dim=4, layers=2, named_apart=True):
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class FusedLM(nn.Module):
+    """A small LM of fused-attention blocks (untied head), forward(idx, targets) -> loss. With
+    `dict_blocks` each block is a ModuleDict the forward indexes (`layer["attn"](...)`), never
+    called itself; else a module called with the hidden states."""
+
+    def __init__(self, vocab_size=64, dim=16, head_dim=4, layers=2, named_apart=True,
+                 dict_blocks=True):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, dim)
-        self.layers = nn.ModuleList(nn.ModuleDict(dict(
-            norm=nn.LayerNorm(dim), attn=FusedAttention(dim, head_dim, named_apart)))
-            for _ in range(layers))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(dict(norm=nn.LayerNorm(dim),
+                               attn=FusedAttention(dim, head_dim, named_apart)))
+            if dict_blocks else FusedBlock(dim, head_dim, named_apart) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.out = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, idx, targets):
         x = self.tok(idx)
         for layer in self.layers:
-            x = x + layer["attn"](layer["norm"](x))
+            x = x + layer["attn"](layer["norm"](x)) if isinstance(layer, nn.ModuleDict) \
+                else layer(x)
         logits = self.out(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
 

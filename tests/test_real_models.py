@@ -30,8 +30,9 @@ def build(family: str):
     torch.manual_seed(0)
     if family == "nanogpt":
         return NanoGPT(vocab_size=VOCAB, block_size=SEQ)
-    if family in ("fused", "fused-one-name"):
-        return FusedLM(vocab_size=VOCAB, named_apart=family == "fused")
+    if family.startswith("fused"):   # fused: blocks indexed as dicts, q/k/v saved apart
+        return FusedLM(vocab_size=VOCAB, named_apart=family != "fused-one-name",
+                       dict_blocks=family == "fused")
     return hf_llama(tied=family == "llama-tied", vocab_size=VOCAB)
 
 
@@ -261,3 +262,51 @@ def test_tp_and_cp_together_on_hf_llama(tmp_path):
     from 0, and no error would say so)."""
     results = check_mesh_run("llama", {"tp": 2, "cp": 2}, 4, tmp_path)
     assert all(r["sent"].get("tp", 0) > 0 and r["sent"].get("cp", 0) > 0 for r in results)
+
+
+def _accumulating(rank, world_size, family):
+    """Two model.step calls (each half of the batch) per optimizer step, without no_sync."""
+    model = build(family)
+    opt = optimizer_for(model)
+    model, opt = tilework.parallelize(model, opt, log=False, pp=2, microbatches=2)
+    for step in range(STEPS):
+        for half in range(2):
+            args, kwargs = step_arguments(family, *lm_batch(step, VOCAB, SEQ, BATCH, half, 2))
+            model.step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad()
+    return tilework.state_dict(model, opt)["model"]
+
+
+def test_pp_accumulation_without_no_sync_counts_each_step_once():
+    """Gradients accumulated over two synchronised model.step calls before the optimizer's
+    step, as one process accumulates two backward passes: the tied embedding's parts are
+    summed over the pipeline once each (summing the whole accumulated gradient at the second
+    call would count the first call's sum twice)."""
+    model = build("nanogpt")
+    opt = optimizer_for(model)
+    for step in range(STEPS):
+        for half in range(2):   # each call's gradient is its half's mean loss's, as model.step's
+            loss_of("nanogpt", model, *lm_batch(step, VOCAB, SEQ, BATCH, half, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for got in spawn(_accumulating, 2, args=("nanogpt",), timeout=180):
+        assert_same_state(got, want, "pp=2, two steps accumulated")
+
+
+def test_own_state_dict_hooks_under_tp_and_pp(tmp_path):
+    """tp=2 x pp=2: every stage's hooks replay on the assembled state on every rank (a rank's
+    part holds its own stages' modules only)."""
+    results = check_mesh_run("fused-blocks", {"tp": 2, "pp": 2, "layout": FUSED_LAYOUT,
+                                              "microbatches": 2}, 4, tmp_path)
+    assert all("layers.1.attn.wk.weight" in r["state"] for r in results)
+
+
+def test_pp_refuses_blocks_the_model_indexes_instead_of_calling():
+    from tilework.errors import PlanError
+    from tilework.pipeline.generic import split_model
+
+    with pytest.raises(PlanError, match=r"pp: the blocks of layers are ModuleDicts, which the "
+                                        r"model indexes rather than calls"):
+        split_model(build("fused"), 2)

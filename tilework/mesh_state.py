@@ -48,9 +48,13 @@ def _own_hooks_aside(engine, kind: str):
     from .tensor import own_hooks
 
     tp = engine.mesh.tp
-    if tp is None or tp.size == 1 or not own_hooks.has_own_hooks(engine.model):
+    # The whole model's: under pp a rank's part holds its stages only, and the assembled
+    # state is every stage's, so every stage's hooks replay on it, the same on every rank.
+    pipeline = engine.mesh.pipeline
+    model = pipeline.whole if pipeline is not None else engine.model
+    if tp is None or tp.size == 1 or not own_hooks.has_own_hooks(model):
         return contextlib.nullcontext([])
-    return own_hooks.set_aside(engine.model, kind)
+    return own_hooks.set_aside(model, kind)
 
 
 def full_state(engine, dst: int | None = None) -> dict | None:

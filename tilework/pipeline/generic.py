@@ -51,6 +51,12 @@ def find_stack(model: nn.Module) -> str:
 
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and _is_stack(module):
+            kind = type(module[0])
+            if issubclass(kind, (nn.ModuleDict, nn.ModuleList)):
+                raise PlanError(f"pp: the blocks of {name} are {kind.__name__}s, which the model "
+                                "indexes rather than calls; a stage swaps blocks the model "
+                                "calls with its hidden states (make each block a module with "
+                                "a forward)")
             return name
     raise PlanError(f"pp: {type(model).__name__} has no stack of blocks to cut into stages "
                     "(a ModuleList or Sequential of two or more modules of one class, each "

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
-from ..comm import counted
 from .generic import ModelStage, microbatches, split_model
 from .runtime import PipelineRunner
 from .schedule import Schedule
+from .shared import SharedGradients
 from .stages import split_stages
 
 
@@ -79,12 +79,18 @@ class PipelineModel(nn.Module):
         self.runner = PipelineRunner(mine, schedule, group, stats)
         self.schedule = schedule
         self.generic = not _is_reference_gpt(model)
-        self.group, self.stats = group, stats
+        # The whole model, not a submodule: train() and eval() reach its modules that no
+        # stage holds (a dropout or rotary table outside the stack runs in every stage).
+        self.__dict__["whole"] = model
         # Parameters the stages of several ranks hold (a tied embedding and head; under
-        # generic.py every parameter outside the stack): their gradients are summed over the
-        # pipeline after each step, in the model's order, so every copy takes one update.
-        self.shared = _shared_across_ranks(model, stages, schedule, rank)
+        # generic.py every parameter outside the stack): summed over the pipeline.
+        self.shared = SharedGradients(model, stages, schedule, rank, group, stats)
         self.cut = None   # context parallelism's: (module, args, kwargs) -> this rank's part
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.whole.train(mode)
+        return self
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -122,24 +128,24 @@ class PipelineModel(nn.Module):
             engine.mesh.same_batch([*args, *kwargs.values()])
         if self.shared and engine is not None and engine.zero.owns_gradients:
             raise PlanError(f"pp={self.schedule.pp} with ZeRO stage 2 or 3: "
-                            f"{self.shared[0][0]} is held by the stages of several ranks, "
+                            f"{self.shared.first_name()} is held by the stages of several ranks, "
                             "whose gradients are summed over the pipeline, and ZeRO keeps "
                             "them in shards; use zero=1 or 0")
         if self.cut is not None:
             args, kwargs = self.cut(self, args, kwargs)
         inputs, context = self._microbatches(args, kwargs)
+        self.shared.start_step()
         with _local_backwards(part):
             loss = self.runner.run(inputs, context, on_last_backward=lambda: setattr(
                 part, "require_backward_grad_sync", sync))
+        self.shared.check_unheld()
         if sync:
-            self._sum_shared_gradients()
+            self.shared.sum()
         return loss
 
     def counted_elsewhere(self) -> set[int]:
-        """ids of the shared parameters whose (summed, equal) gradient another rank of the
-        pipeline counts in a norm: each is counted once, on the first rank holding it."""
-        return {id(p) for _, p, held, first in self.shared
-                if held and first != self.runner.rank}
+        """ids of the shared parameters another rank counts in a norm (shared.py)."""
+        return self.shared.counted_elsewhere()
 
     def _microbatches(self, args: tuple, kwargs: dict):
         m = self.schedule.microbatches
@@ -151,20 +157,6 @@ class PipelineModel(nn.Module):
             raise PlanError(f"a batch of {inputs.shape[0]} does not split into {m} equal "
                             "microbatches (the loss would not be the batch's mean)")
         return inputs.chunk(m), targets.chunk(m)
-
-    def _sum_shared_gradients(self) -> None:
-        """Megatron-LM's tied-embedding all-reduce: each shared parameter's gradient summed
-        over the pipeline's ranks (zeros from a rank whose stages do not hold it, or that
-        computed none), one flat all-reduce."""
-        if not self.shared or self.schedule.pp == 1:
-            return
-        grads = [p.grad if held and p.grad is not None else torch.zeros_like(p)
-                 for _, p, held, _ in self.shared]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        counted.all_reduce(flat, self.group, self.stats, "pipeline")
-        for (_, p, held, _), part in zip(self.shared, flat.split([g.numel() for g in grads])):
-            if held:
-                p.grad = part.view_as(p).clone()
 
     @torch.no_grad()
     def evaluate(self, *args, **kwargs) -> float | None:
@@ -214,18 +206,6 @@ def _reference_arguments(args: tuple, kwargs: dict):
         raise PlanError("model.step(inputs, targets): the reference GPT's pipeline takes its "
                         "token ids and their targets")
     return named["inputs"], named["targets"]
-
-
-def _shared_across_ranks(model: nn.Module, stages, schedule: Schedule, rank: int) -> list:
-    """(name, parameter, held by this rank's stages, the first rank that holds it) for each
-    parameter the stages of more than one rank hold, in the model's order (the same on every
-    rank)."""
-    ranks_of: dict[int, set[int]] = {}
-    for s, stage in enumerate(stages):
-        for p in stage.parameters():
-            ranks_of.setdefault(id(p), set()).add(schedule.rank_of(s))
-    return [(name, p, rank in ranks_of[id(p)], min(ranks_of[id(p)]))
-            for name, p in model.named_parameters() if len(ranks_of.get(id(p), ())) > 1]
 
 
 @contextlib.contextmanager
