@@ -102,7 +102,8 @@ def test_a_tensor_without_its_values_is_refused_before_the_last_good_checkpoint_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001.pt"]
     # Views, empty tensors and meta tensors are whole as they are.
     checkpoint.write(tmp_path / "views.pt", {"v": torch.arange(10.0)[2:5], "e": torch.empty(0),
-                                             "t": torch.arange(6.0).view(2, 3).t()})
+                                             "t": torch.arange(6.0).view(2, 3).t(),
+                                             "s": torch.eye(3).to_sparse()})
 
 
 def test_format_1_checkpoints_still_load(tmp_path):

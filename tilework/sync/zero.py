@@ -326,11 +326,17 @@ class ZeroSync:
             self.units.pinned = False
             self.units.free_all()
 
-    def _gather_for_save(self, *_) -> None:
+    def _gather_for_save(self, module, *_) -> None:
+        """A model with state-dict hooks of its own gets every value whole before any module
+        saves, so the hooks read values (storage to view, under "meta"); one without gets
+        each unit gathered in turn afterwards, so no more than one is whole beside the
+        copies."""
+        from ..tensor.own_hooks import has_own_hooks
+
         self.was_gathered = [unit.gathered for unit in self.units.units]
+        if not has_own_hooks(module):
+            return
         if self.gather_to == "meta":
-            # Shapes only, no collective, but storage to view: a model's hook may cut an
-            # entry, and a freed storage refuses even a view. Contents stay undefined.
             for unit, was in zip(self.units.units, self.was_gathered):
                 if not was:
                     unit.materialize()
@@ -340,25 +346,31 @@ class ZeroSync:
 
     def _full_values(self, module, state: dict, prefix: str, metadata) -> None:
         """model.state_dict(): every entry that is (a view of) a stage-3 value becomes a copy
-        of it, taken while gathered (a meta tensor of its shape under `gather_to="meta"`).
-        Entries are found by storage, not by name: a tied weight has two names (nanoGPT's
-        lm_head.weight is transformer.wte.weight), and a model's hook may rename or split an
-        entry; each keeps its view's geometry, and tied entries share one copy as they share
-        one tensor in torch's own state dict."""
-        storages = {s.param.untyped_storage()._cdata for s in self.shards if s.stage == 3}
+        of it, taken while its unit is gathered (a meta tensor of its shape under
+        `gather_to="meta"`). Entries are found by storage, not by name: a tied weight has two
+        names (nanoGPT's lm_head.weight is transformer.wte.weight), and a model's hook may
+        rename or cut an entry; each keeps its view's geometry, and tied entries share one
+        copy as they share one tensor in torch's own state dict."""
+        meta = self.gather_to == "meta"
         copies: dict = {}
-        for key, value in state.items():
-            if not torch.is_tensor(value) or value.untyped_storage()._cdata not in storages:
-                continue
-            geometry = (value.untyped_storage()._cdata, value.storage_offset(),
-                        tuple(value.shape), value.stride(), value.dtype)
-            if geometry not in copies:
-                copies[geometry] = (torch.empty(value.shape, dtype=value.dtype, device="meta")
-                                    if self.gather_to == "meta" else value.detach().clone())
-            state[key] = copies[geometry]
-        for unit, was in zip(self.units.units, self.was_gathered):
-            if not was:
-                unit.free()
+        with self.guard("model.state_dict(), which gathers ZeRO-3's values"):
+            for unit, was in zip(self.units.units, self.was_gathered):
+                storages = {s.param.untyped_storage()._cdata for s in unit.shards}
+                entries = [k for k, v in state.items()
+                           if torch.is_tensor(v) and v.untyped_storage()._cdata in storages]
+                if entries and not meta and not unit.gathered:
+                    unit.gather()
+                for key in entries:
+                    value = state[key]
+                    geometry = (value.untyped_storage()._cdata, value.storage_offset(),
+                                tuple(value.shape), value.stride(), value.dtype)
+                    if geometry not in copies:
+                        copies[geometry] = (
+                            torch.empty(value.shape, dtype=value.dtype, device="meta")
+                            if meta else value.detach().clone())
+                    state[key] = copies[geometry]
+                if not was:
+                    unit.free()
 
     def after_load(self) -> None:
         """The model's values were loaded into the parameters: the shards follow."""

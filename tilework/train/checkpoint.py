@@ -49,7 +49,9 @@ def _check_whole(state: Any, where: str = "state") -> None:
     """Refuse a tensor whose storage does not hold all of it (a sharded value freed between
     uses): torch.save would write a file its own reader refuses, after the last good one."""
     if torch.is_tensor(state):
-        if state.device.type == "meta" or state.numel() == 0:
+        # Sparse and nested tensors own no strided storage of their own: torch.save checks them.
+        if state.layout != torch.strided or state.is_nested or state.device.type == "meta" \
+                or state.numel() == 0:
             return
         extent = (state.storage_offset() + sum((n - 1) * s for n, s in
                                                zip(state.shape, state.stride())) + 1)
