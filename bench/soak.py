@@ -18,6 +18,7 @@ backtraces in run-NNN.bt, and summary.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -48,10 +49,13 @@ def _busy(stop) -> None:
 
 def _command(target: str) -> list[str]:
     if target == "hosts":
-        # The intermittent abort was seen here: DDP's sparse all-reduce beside ours.
+        # Where the intermittent abort was seen (docs/benchmarks-analysis.md): every system
+        # side by side on emulated hosts, TorchRec's too where it is installed.
+        systems = ["hybrid-ahead", "hybrid", "ddp-sparse"]
+        if importlib.util.find_spec("torchrec") is not None:
+            systems.append("torchrec")
         return [sys.executable, str(ROOT / "bench" / "sparse_step.py"), "recommender",
-                "--hosts", "2", "--rounds", "2", "--steps", "10",
-                "--systems", "ddp-sparse", "hybrid"]
+                "--hosts", "2", "--rounds", "2", "--steps", "10", "--systems", *systems]
     # Test paths made absolute: the run's cwd is its own directory, where cores land.
     return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
             *(str(ROOT / a) if not a.startswith("-") else a for a in target.split())]
