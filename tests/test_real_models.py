@@ -162,10 +162,39 @@ def _on_mesh(rank, world_size, family, options, path):
             "ties_kept": tied_names(plain) == tied_names(build(family))}
 
 
+def _on_mesh_batch(rank, world_size, runs, directory):
+    return [_on_mesh(rank, world_size, family, options, f"{directory}/{i}.pt")
+            for i, (family, options) in enumerate(runs)]
+
+
+NANOGPT_MLP = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+FUSED_LAYOUT = {"layers.*.attn.wqkv": "colwise_fused:3", "layers.*.attn.wo": "rowwise"}
+HF = ["llama-tied", "llama"] if have_transformers() else []
+# The 2-rank runs share one world (starting one costs seconds on 2 cores): the first test
+# that needs one runs them all; each test reads its own.
+BATCHED = [(f, {"tp": 2}) for f in HF] + [
+    ("nanogpt", {"tp": 2, "layout": NANOGPT_MLP}),
+    ("fused-one-name", {"tp": 2, "layout": FUSED_LAYOUT}),
+    ("fused", {"tp": 2, "layout": FUSED_LAYOUT})] + [
+    (f, {"pp": 2, "schedule": schedule, "microbatches": 2})
+    for f in ["nanogpt", *HF] for schedule in ("gpipe", "1f1b")]
+_batched: dict = {}
+
+
+def _run(family, options, world_size, tmp_path) -> list[dict]:
+    if world_size == 2 and (family, options) in BATCHED:
+        if not _batched:
+            results = spawn(_on_mesh_batch, 2, args=(BATCHED, str(tmp_path)), timeout=600)
+            for i, key in enumerate(BATCHED):
+                _batched[repr(key)] = [r[i] for r in results]
+        return _batched[repr((family, options))]
+    return spawn(_on_mesh, world_size, args=(family, options, str(tmp_path / "ckpt.pt")),
+                 timeout=240)
+
+
 def check_mesh_run(family, options, world_size, tmp_path) -> list[dict]:
     want_losses, want = reference(family)
-    results = spawn(_on_mesh, world_size, args=(family, options, str(tmp_path / "ckpt.pt")),
-                    timeout=240)
+    results = _run(family, options, world_size, tmp_path)
     dp = results[0]["dp"]
     # Each replica's ranks report the replica's loss (under pp only its last stage's rank: NaN
     # elsewhere); the replicas' mean is the global loss.
@@ -187,9 +216,6 @@ def test_tp_with_the_models_own_plan(family, tmp_path):
     gathered for HF's own loss), the tied head and embedding split alike."""
     results = check_mesh_run(family, {"tp": 2}, 2, tmp_path)
     assert all(r["sent"].get("tp", 0) > 0 for r in results)
-
-
-NANOGPT_MLP = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
 
 
 def test_tp_on_nanogpt_mlp(tmp_path):
@@ -221,8 +247,6 @@ def test_tp_refuses_in_one_line_a_forward_that_assumes_whole_widths():
                                   "c_proj: rowwise): "), message
         assert "write those with -1 or the local width" in message
 
-
-FUSED_LAYOUT = {"layers.*.attn.wqkv": "colwise_fused:3", "layers.*.attn.wo": "rowwise"}
 
 
 def test_tp_splits_a_fused_qkv_by_its_parts(tmp_path):
