@@ -107,7 +107,11 @@ def split_stages(model: nn.Module, stages: int, costs: Sequence[float] | None = 
                  ) -> list[GPTStage]:
     """`model` (TinyGPT-shaped: tokens, positions, blocks.layers, norm, head, causal) cut into
     `stages` GPTStages, balanced by `costs` per block (default: each block's matmul weights; the
-    head's count towards the last stage)."""
+    head's count towards the last stage). Training cuts any other model by generic.py; the
+    estimates that cut stages here (memory, the mesh search) refuse one by name."""
+    if not all(hasattr(model, a) for a in ("tokens", "positions", "blocks", "norm", "head")):
+        raise PlanError(f"pp: the estimate of pipeline stages is built for the reference GPT "
+                        f"only, not {type(model).__name__} yet (training with pp cuts it)")
     layers = model.blocks.layers
     if costs is None:
         costs = [_matmul_params(layer) for layer in layers]
