@@ -77,3 +77,28 @@ def _peer_left_on_the_guards_verdict(rank, world_size):
 def test_a_peer_lost_to_the_guards_verdict_reports_the_verdicts_exit_not_the_lost_peer():
     with pytest.raises(RankFailed, match="exited with code 2"):
         spawn(_peer_left_on_the_guards_verdict, 2, timeout=30)
+
+
+def test_guard_watchers_end_before_the_interpreter_finalizes():
+    """A watcher thread still inside a store call when CPython finalizes is ended with
+    pthread_exit as it takes the GIL back, which aborts the process through pybind11's frames
+    ("terminate called without an active exception"; bench/soak.py found it at exit of 8 of
+    43 emulated-host runs). At exit every watcher is ended and joined first."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import datetime, atexit
+        import torch.distributed as dist
+        from tilework.comm import guard
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
+                              timeout=datetime.timedelta(seconds=30))
+        guards = [guard.CallGuard(store, 0, 2) for _ in range(3)]
+        assert all(t.is_alive() for t in guard._watchers)
+        guard._end_watchers()
+        print("alive after exit handler:", any(t.is_alive() for t in guard._watchers))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "alive after exit handler: False" in r.stdout, r.stdout + r.stderr

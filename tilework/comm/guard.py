@@ -17,6 +17,7 @@ compiling) is no verdict: the asker waits and asks again later.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
@@ -34,6 +35,24 @@ STOPPING = threading.Event()  # set once this process is being ended with a verd
 # Guards are numbered in the order they are made, the same on every rank (each rank runs the same
 # program), so that each engine's questions and answers have keys of their own.
 _numbers = itertools.count()
+# The watcher threads, ended at interpreter exit before finalization (_end_watchers).
+_EXITING = threading.Event()
+_watchers: list[threading.Thread] = []
+
+
+def _end_watchers() -> None:
+    """Each watcher thread ended and joined before the interpreter finalizes. A daemon thread
+    still inside a store call then (the store releases the GIL) is ended by CPython with
+    pthread_exit when it takes the GIL back, and that forced unwind through pybind11's frames
+    aborts the process: "terminate called without an active exception", SIGABRT at exit
+    (found by bench/soak.py: 8 of 43 emulated-host runs, where store calls cross shaped
+    links and take long; gdb showed the thread in Store.check under Py_FinalizeEx)."""
+    _EXITING.set()
+    for thread in _watchers:
+        thread.join(timeout=ANSWER_S)
+
+
+atexit.register(_end_watchers)
 
 
 class CallGuard:
@@ -49,8 +68,10 @@ class CallGuard:
         if store is not None and world_size > 1:
             self.prefix = f"tilework/guard/{next(_numbers)}/"
             # The thread holds the guard weakly: it ends when the engine (and its model) is gone.
-            threading.Thread(target=_watch, args=(weakref.ref(self),), name="tilework-guard",
-                             daemon=True).start()
+            watcher = threading.Thread(target=_watch, args=(weakref.ref(self),),
+                                       name="tilework-guard", daemon=True)
+            _watchers[:] = [t for t in _watchers if t.is_alive()] + [watcher]
+            watcher.start()
 
     @contextlib.contextmanager
     def call(self, name: str):
@@ -134,7 +155,7 @@ class CallGuard:
 def _watch(ref) -> None:
     """The watcher thread: a look every POLL_S seconds (more often while a question is open)."""
     state = {"answered": 0, "next_ask": 0.0, "question": None}
-    while True:
+    while not _EXITING.is_set():
         guard = ref()
         if guard is None or guard.stopped.is_set():
             return
@@ -143,7 +164,7 @@ def _watch(ref) -> None:
         except Exception:  # noqa: BLE001 - the store went away: the run is ending anyway
             return
         del guard
-        time.sleep(POLL_S if state["question"] is None else POLL_S / 5)
+        _EXITING.wait(POLL_S if state["question"] is None else POLL_S / 5)
 
 
 FIX = ("every rank must call the model, backward(), optimizer.step() and model.state_dict() "
