@@ -7,8 +7,8 @@
 - `hf_llama(tied=...)`: Hugging Face transformers' `LlamaForCausalLM` on a tiny config (tied as
   Llama 3.2 1B ships, or not), from the pinned `models` extra; None where it is not installed.
 
-`lm_batch(step, vocab, seq, batch, part, parts)` is step `step`'s global batch, or one rank's
-contiguous slice of it.
+`lm_batch` is tests/tiny_gpt.gpt_batch: step `step`'s global batch, or one rank's contiguous
+slice of it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from .tiny_gpt import gpt_batch as lm_batch  # noqa: F401 - the batches the tests share
 
 
 class LayerNorm(nn.Module):
@@ -196,11 +198,3 @@ def hf_llama(tied: bool, vocab_size: int = 64, layers: int = 2):
                          max_position_embeddings=16, tie_word_embeddings=tied,
                          attn_implementation="sdpa")
     return LlamaForCausalLM(config)
-
-
-def lm_batch(step: int, vocab: int, seq: int, batch: int, part: int = 0, parts: int = 1):
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-    per = batch // parts
-    tokens = tokens[part * per:(part + 1) * per]
-    return tokens[:, :-1], tokens[:, 1:]
