@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import tilework
 from tilework.bench.workloads import WORKLOADS
+from tilework.comm import exit_worker
 
 SYSTEMS = ("ddp", "tilework", "tilework-nocheck")
 
@@ -78,7 +79,7 @@ def main() -> None:
             median = statistics.median(values)
             print(f"{a.workload:>8} {system:>17}: " + " ".join(f"{v * 1e3:6.2f}" for v in values)
                   + f"  median {median * 1e3:6.2f} ms/step  ({median / ddp:.3f}x DDP)")
-    dist.destroy_process_group()
+    exit_worker(0)  # not a normal exit: see tilework.comm.exit_worker
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tilework.comm import exit_worker
 from tilework.bench.worker import TORCHREC_SYSTEMS, _setup, batches
 from tilework.bench.workloads import WORKLOADS
 
@@ -140,7 +141,7 @@ def main() -> None:
                 print(text.getvalue())
     if rank == 0:
         report(a.workload, rounds, calls, a.base)
-    dist.destroy_process_group()
+    exit_worker(0)  # not a normal exit: see tilework.comm.exit_worker
 
 
 def report(workload: str, rounds: dict[str, list[float]], calls: dict, base_system: str) -> None:

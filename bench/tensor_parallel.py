@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tilework.comm import exit_worker
 from tilework.comm.counted import Stats
 from tilework.models.gpt import TinyGPT
 from tilework.tensor import TensorParallel, apply_layout, layout_for
@@ -134,7 +135,7 @@ def main() -> None:
             results[system].append(run_round(system, a))
     if dist.get_rank() == 0:
         report(results, a)
-    dist.destroy_process_group()
+    exit_worker(0)  # not a normal exit: see tilework.comm.exit_worker
 
 
 if __name__ == "__main__":

@@ -124,6 +124,7 @@ def worker(system: str, dim: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from tilework.comm import exit_worker
     from tilework.bench.zero_peers import Shape, batch, build, train_step
 
     torch.set_num_threads(1)
@@ -136,7 +137,7 @@ def worker(system: str, dim: int, port: int) -> None:
     for step in range(STEPS):
         train_step(model, opt, batch(shape, step, rank, world_size))
     dist.barrier()
-    dist.destroy_process_group()
+    exit_worker(0)  # not a normal exit: see tilework.comm.exit_worker
 
 
 def trial(cap: MemoryCap, system: str, dim: int, ranks: int, timeout: float,

@@ -182,9 +182,14 @@ def _timeout_of(world: dist.ProcessGroup, backend: str, env: WorkerEnv) -> datet
 def exit_worker(code: int = 0) -> None:
     """Leave a worker process: destroy the process group, flush, and exit at once.
 
-    Seen here (torch 2.13, gloo, 2 workers under the elastic launcher): about one normal exit in
-    ten aborts in a C++ static destructor ("terminate called without an active exception"),
-    which the launcher reports as a failed rank. Skipping interpreter teardown avoids it.
+    A normal exit can abort ("terminate called without an active exception", SIGABRT), which
+    the launcher reports as a failed rank. Read from the cores (torch 2.13, gloo; docs/faults.md):
+    a gloo worker thread still holds the last collective's work after `wait()` returned, and
+    when it lets go of it the tensor inside (freed by Python meanwhile) needs the GIL; if the
+    interpreter is finalizing by then, CPython ends the thread with pthread_exit, and the
+    forced unwind through C++ frames aborts. `destroy_process_group` does not join those
+    threads while anything (a model, an engine) still holds the group. Skipping interpreter
+    teardown avoids the race; it cannot be closed from Python otherwise.
     """
     import sys
 
