@@ -37,12 +37,12 @@ def batch(step: int, part: int = 0, parts: int = 1):
     return tiny_gpt.gpt_batch(step, VOCAB, SEQ, GLOBAL_BATCH, part, parts)
 
 
-def reference(clip: float | None = None, tied: bool = False):
+def reference(clip: float | None = None, tied: bool = False, steps: int = STEPS):
     """One process's losses and state; with `clip`, torch's clip_grad_norm_ every step."""
     model = new_gpt(tied=tied)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         loss = model(*batch(step))
         loss.backward()
         if clip is not None:
@@ -59,6 +59,7 @@ def _train(rank, world_size, configs):
     for options in configs:
         options = dict(options)
         clip = options.pop("clip", None)
+        plain_after = options.pop("unparallelize", False)
         model = new_gpt(tied=options.pop("tied", False))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = tilework.parallelize(model, opt, log=False, **options)
@@ -80,8 +81,42 @@ def _train(rank, world_size, configs):
         out.append((losses, tilework.state_dict(model, opt)["model"],
                     {k: v["sent"] for k, v in stats.items()}, norms,
                     model._tilework_engine.plan.recompute,
-                    {k: v["calls"] for k, v in stats.items()}))
+                    {k: v["calls"] for k, v in stats.items()}, _what_ran(model),
+                    _trained_on_plain(model, opt) if plain_after else None))
     return out
+
+
+def _trained_on_plain(model, opt):
+    """`unparallelize`, then UNPAR_STEPS more steps on the plain model and optimizer, on the
+    whole batch as one process trains: its losses and state."""
+    model, opt = tilework.unparallelize(model, opt)
+    assert not hasattr(model, "_tilework_engine") and all(
+        type(m).__module__.startswith("torch.") for m in model.modules() if m is not model)
+    losses = []
+    for step in range(STEPS, STEPS + UNPAR_STEPS):
+        loss = model(*batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _what_ran(model) -> dict:
+    """The plan this rank's runtime was given, and what it did: the engine's plan, the layout
+    it applied, the stages it cut, the shapes its part holds."""
+    engine = model._tilework_engine
+    found = engine.mesh
+    stages = None if found.pipeline is None else [
+        (s.index_range.start, s.index_range.stop) for s in found.pipeline.runner.stages.values()]
+    with tilework.full_parameters(model):   # ZeRO-3's values are whole only here
+        shapes = {n: tuple(p.shape) for n, p in engine.model.named_parameters()}
+    return {"plan": found.plan, "engine_plan": engine.plan,
+            "pp_rank": found.groups.coord("pp"),
+            "layout": None if found.layout is None else tuple(
+                (p.module, p.style) for p in found.layout.placements),
+            "stages": stages,
+            "shapes": shapes, "served": sorted([*engine.tables, *engine.served])}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -136,6 +171,12 @@ EIGHT = [{"tp": 2, "pp": 2, "microbatches": 2}]
 CP_MIXED = [{"cp": 2, "tp": 2}, {"cp": 2, "pp": 2, "microbatches": 2}]
 
 
+# Trained on the mesh, then unparallelized and trained on as one process.
+UNPAR_STEPS = 2
+UNPAR_TWO = [{"tp": 2, "unparallelize": True},
+             {"pp": 2, "microbatches": 4, "unparallelize": True}]
+UNPAR_FOUR = [{"tp": 2, "unparallelize": True}]   # dp2 x tp2
+
 CLIP = 0.5   # below the GPT's gradient norms (0.66-0.71): every step clips
 CLIPPED_TWO = [{"tp": 2, "clip": CLIP}, {"pp": 2, "clip": CLIP},
                {"tp": 2, "sequence_parallel": True, "clip": CLIP}]
@@ -154,14 +195,14 @@ def ref():
 # cores); each test reads its configurations' results.
 @pytest.fixture(scope="module")
 def two_ranks():
-    configs = TWO + CLIPPED_TWO + TIED
+    configs = TWO + CLIPPED_TWO + TIED + UNPAR_TWO
     results = spawn(_train, 2, (configs,), timeout=400)
     return {i: [r[i] for r in results] for i in range(len(configs))}
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    configs = FOUR + CP_MIXED + CLIPPED_FOUR
+    configs = FOUR + CP_MIXED + CLIPPED_FOUR + UNPAR_FOUR
     results = spawn(_train, 4, (configs,), timeout=500)
     return {i: [r[i] for r in results] for i in range(len(configs))}
 
@@ -407,3 +448,57 @@ def test_accumulation_with_no_sync_on_a_mesh_is_one_process_accumulation(options
     ref = _accumulated(0, 1, {})
     for state in mine:
         assert all(_close(state[k], v) for k, v in ref.items())
+
+
+def _runs_its_plan(results, options, world: int) -> None:
+    """What ran on every rank is `tilework.plan` of a meta model under the same config, field
+    by field: the plan, each rank's part of it (its engine's plan: placements over dp, ZeRO,
+    the servers' partitions, recompute), the layout applied, the stages cut, the shapes held."""
+    options = {k: v for k, v in options.items() if k not in ("clip", "tied")}
+    with torch.device("meta"):
+        meta = new_gpt()
+    planned = tilework.plan(meta, tilework.ParallelConfig(**options),
+                            topology=tilework.Topology.from_sizes([world]))
+    for rank, r in enumerate(results):
+        ran = r[6]
+        assert ran["plan"] == planned, (options, rank, planned.diff(ran["plan"]))
+        part = planned.part(ran["pp_rank"])
+        assert ran["engine_plan"] == part, (options, rank, part.diff(ran["engine_plan"]))
+        assert ran["layout"] == (planned.parallel.layout or None), (options, rank)
+        if planned.parallel.stages:
+            mine = [planned.parallel.stages[s] for s in range(len(planned.parallel.stages))
+                    if s % planned.mesh.size_of("pp") == ran["pp_rank"]]
+            assert ran["stages"] == mine, (options, rank)
+        # A table on the servers is no parameter of the model any more: its rows are served.
+        assert ran["shapes"] == {p.name: p.shape for p in part.params if p.method != "ps"}, \
+            (options, rank)
+        assert ran["served"] == sorted(p.name for p in part.params if p.method == "ps"), \
+            (options, rank)
+
+
+def test_the_plan_tilework_plan_returns_is_what_runs_on_every_axis(two_ranks, four_ranks):
+    """tp, pp (three schedules), cp, ZeRO 1 and 3, recompute, and a table on the servers over
+    dp beside tp: each run's plan equals the one made on the meta device beforehand."""
+    for k, options in enumerate(TWO):
+        _runs_its_plan(two_ranks[k], options, 2)
+    for k, options in enumerate(FOUR + CP_MIXED):
+        _runs_its_plan(four_ranks[k], options, 4)
+    served = four_ranks[FOUR.index(SERVED_TOKENS)][0][6]["plan"].by_name()["tokens.weight"]
+    assert (served.method, served.tp_split) == ("ps", "")
+
+
+def test_unparallelize_on_a_mesh_leaves_the_plain_model_training_on_as_one_process(
+        two_ranks, four_ranks):
+    """tp2, pp2 and dp2 x tp2: after unparallelize every rank holds the plain model (torch's
+    own modules, no tilework attribute) and optimizer, and trains on exactly as one process
+    does after the same steps."""
+    losses, state, _ = reference(steps=STEPS + UNPAR_STEPS)
+    runs = [two_ranks[len(TWO + CLIPPED_TWO + TIED) + k] for k in range(len(UNPAR_TWO))] + \
+        [four_ranks[len(FOUR + CP_MIXED + CLIPPED_FOUR)]]
+    for options, results in zip(UNPAR_TWO + UNPAR_FOUR, runs):
+        for rank, r in enumerate(results):
+            plain_losses, plain_state = r[7]
+            assert all(abs(a - b) <= TOL * abs(b)
+                       for a, b in zip(plain_losses, losses[STEPS:])), (options, rank)
+            bad = [k for k in state if not _close(plain_state[k], state[k])]
+            assert not bad, (options, rank, bad)

@@ -118,7 +118,7 @@ def test_planning_a_thousand_hosts_with_a_hundred_tables_costs_few_candidates(mo
     """At 8,000 ranks, no process group: the search costs each table's partition candidates
     and splits, a number that does not grow with the ranks (a count, not a time: timed
     assertions fail on a loaded machine; about 0.5 s on an idle one here)."""
-    from tilework import planner as planner_module
+    from tilework.planner import tables as planner_module
     from tilework.cluster import Links, Topology
     from tilework.cost import TableTraffic
     from tilework.planner import partition_candidates

@@ -45,11 +45,22 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         groups = build_groups(init_from_env(env=env) if env.world_size > 1 else None, env=env)
     if getattr(model, "_tilework_engine", None) is not None:
         raise PlanError("this model is already parallelized")
+    if plan is not None and plan.parallel is not None:
+        config = _config_of_mesh_plan(config, plan)
     if config.model_parallel:
         from .meshed import parallelize_on_mesh
 
-        return parallelize_on_mesh(model, optimizer, config, groups, cluster, density, traffic,
-                                   plan, log)
+        if plan is None:
+            plan = planner.plan(model, config, cluster, density, traffic,
+                                topology=groups.topology)
+        elif plan.parallel is None:
+            raise PlanError(f"plan=: a data-parallel plan, but the config asks for tp={config.tp}"
+                            f", pp={config.pp}, cp={config.cp}: pass a plan made with them "
+                            "(tilework.plan(model, config, cluster)), or leave plan out")
+        if plan.world_size != groups.world_size:
+            raise PlanError(f"plan is for {plan.world_size} ranks, the world has "
+                            f"{groups.world_size}")
+        return parallelize_on_mesh(model, optimizer, config, groups, plan, log)
     if optimizer is None and config.zero:
         raise PlanError(f"zero={config.zero} runs the optimizer on each rank's shard: pass the "
                         "optimizer (parallelize(model, opt, zero=...)), or zero=0 for a "
@@ -92,6 +103,21 @@ def _config(config: ParallelConfig | None, options: dict) -> ParallelConfig:
     return ParallelConfig(**options)
 
 
+def _config_of_mesh_plan(config: ParallelConfig, plan: Plan) -> ParallelConfig:
+    """The config a plan with tp, pp or cp runs under: the plan's sizes, which a config that
+    names others contradicts."""
+    sizes = {axis: plan.mesh.size_of(axis) for axis in ("tp", "pp", "cp")}
+    asked = {axis: getattr(config, axis) for axis in sizes}
+    if config.model_parallel and asked != sizes:
+        raise PlanError(f"plan=: the plan is for {sizes}, the config asks for {asked}")
+    parallel = plan.parallel
+    return dataclasses.replace(
+        config, **sizes, sequence_parallel=parallel.sequence_parallel,
+        schedule=parallel.schedule or config.schedule,
+        microbatches=parallel.microbatches or config.microbatches,
+        stages_per_rank=parallel.stages_per_rank)
+
+
 def print_plan(plan: Plan, console=None) -> None:
     from rich.table import Table
 
@@ -102,7 +128,7 @@ def print_plan(plan: Plan, console=None) -> None:
                         f"local_aggregation={plan.local_aggregation}",
                   caption=plan.recompute_line())
     add_name_column(table)
-    for col in ("shape", "dtype", "placement", "sends/step", "ms/step", "why"):
+    for col in plan.columns()[1:]:
         table.add_column(col, overflow="fold")   # wrap long words too, never cut them
     for name, *rest in plan.table():
         table.add_row(name_cell(name), *rest)
@@ -119,14 +145,16 @@ def _engine(model):
 def unparallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
     """Undo `parallelize`: the model and optimizer as one process would hold them after the
     same steps (server tables gathered back into their own modules, their row-wise state into
-    the optimizer, every hook and attribute tilework added removed). A collective: every rank
-    calls it, between steps. Returns (model, optimizer)."""
+    the optimizer, every hook and attribute tilework added removed; on a mesh the split
+    modules whole again). A collective: every rank calls it, between steps. Returns (model,
+    optimizer): under pp the whole model, not the pipeline `parallelize` returned."""
     engine = _engine(model)
-    if getattr(engine, "mesh", None) is not None:
-        raise PlanError("unparallelize: not on a tp/pp/cp mesh yet; tilework.save(path, model, "
-                        "opt) writes one process's state, which loads into the plain model")
     if optimizer is not None and optimizer is not engine.optimizer:
         raise PlanError("unparallelize: this optimizer is not the one parallelize was given")
+    if getattr(engine, "mesh", None) is not None:
+        from .mesh_state import unparallelize_mesh
+
+        return unparallelize_mesh(engine, engine.optimizer)
     engine.undo()
     return model, engine.optimizer
 

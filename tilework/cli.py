@@ -170,8 +170,11 @@ def _cmd_plan(a, argv, env) -> int:
     from rich.console import Console
 
     if out["mode"] == "mesh":
+        from .api import print_plan
         from .mesh_report import format_mesh_report
+        from .plan import Plan
 
+        print_plan(Plan.from_dict(out["plan"]), Console(soft_wrap=True))
         print(format_mesh_report(out, f"{a.job} on {where}"))
         return 0
     _print_report(out, f"{a.job} on {where}", Console(soft_wrap=True))

@@ -30,7 +30,7 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
     """`batch` sequences of `seq` tokens per dp replica; dense all-reduced parameters only
     (ZeRO and server placements are costed by cost.py as in data parallelism)."""
     from .pipeline import build, p2p_bytes, split_stages
-    from .pipeline.model import _stage_modules, local_part
+    from .pipeline.model import stage_modules, local_part
     from .tensor import layout_for, plan_layout
     from .tensor.cost import _placement_bytes
 
@@ -43,7 +43,7 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
         m = config.microbatches or 2 * config.pp
         schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
         stages = split_stages(model, schedule.stages)
-        mine = [mod for s in schedule.stages_of(at["pp"]) for mod in _stage_modules(stages[s])]
+        mine = [mod for s in schedule.stages_of(at["pp"]) for mod in stage_modules(stages[s])]
         part = local_part(model, mine)
         # A boundary carries this rank's part of the sequence: cp's, and tp's slice under
         # sequence parallelism.

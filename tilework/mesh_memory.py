@@ -3,8 +3,8 @@ pure, on the meta device, without a process group.
 
 The model is transformed on a meta copy as `parallelize` transforms it on the rank
 (meshed.py), with stand-ins for the collectives that only make tensors of the right shapes:
-the layout applied for this rank's tp coordinate (`_ShapeOnlyTP`), ring attention for its cp
-coordinate (`_ShapeOnlyRing`), the blocks cut into the schedule's stages and this rank's kept
+the layout applied for this rank's tp coordinate (`tensor.regions.ShapeOnlyTP`), ring attention for its cp
+coordinate (`context.comm.ShapeOnlyRing`), the blocks cut into the schedule's stages and this rank's kept
 (pipeline/model.local_part). Then:
 
 - parameters, gradients, optimizer state, buckets, the step's temporaries: memory.py's rules
@@ -30,14 +30,14 @@ backward's temporaries), counted beside the gradients in the peak.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .memory import MemoryEstimate, estimate_per_rank
-from .meta_forward import ForwardFacts, _on_meta, meta_forward
-from .tensor.regions import SEQ_DIM, TensorParallel
+from .meta_forward import ForwardFacts, on_meta, meta_forward
+from .context.comm import ShapeOnlyRing
+from .tensor.regions import ShapeOnlyTP
 
 
 def estimate_mesh_memory(model: nn.Module, config, example_inputs: tuple, world_size: int,
@@ -69,27 +69,6 @@ def estimate_mesh_memory(model: nn.Module, config, example_inputs: tuple, world_
                       dp_ranks.index(rank), rank)
 
 
-@dataclass(frozen=True, eq=False)
-class _ShapeOnlyTP(TensorParallel):
-    """A tp rank whose collectives return new tensors of the results' shapes: the layers'
-    arithmetic and what autograd saves are the real rank's, nothing is sent."""
-
-    def all_reduce(self, x: torch.Tensor, op=None) -> torch.Tensor:
-        return x.contiguous().clone()   # as the real one: a reduced copy
-
-    def gather_seq(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
-        if self.size == 1:
-            return x
-        shape = list(x.shape)
-        shape[dim] *= self.size
-        return x.new_empty(shape)
-
-    def reduce_scatter_seq(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
-        if self.size == 1:
-            return x
-        return x.chunk(self.size, dim=dim)[self.rank].contiguous().clone()
-
-
 def estimate_every_rank(model: nn.Module, config, example_inputs: tuple, world_size: int,
                         optimizer="adam", cluster=None) -> list[MemoryEstimate]:
     """`estimate_mesh_memory` of every rank, computed once per (pp, cp, tp) coordinate: a
@@ -110,37 +89,21 @@ def estimate_every_rank(model: nn.Module, config, example_inputs: tuple, world_s
     return out
 
 
-def _shape_only_ring(rank: int, size: int):
-    """A cp rank's ring whose shift receives a new tensor of the sent one's shape."""
-    from .comm.counted import Stats
-    from .context.comm import Ring, _Shifted
-
-    class ShapeOnlyRing(Ring):
-        def __init__(self):
-            self.group, self.stats, self.method = None, Stats(), "cp"
-            self.rank, self.size = rank, size
-
-        def shift(self, tensor, tag):
-            return _Shifted([], tensor, torch.empty_like(tensor))
-
-    return ShapeOnlyRing()
-
-
 def _transformed(model: nn.Module, config, at: dict[str, int]) -> nn.Module:
     """A meta copy of `model` as parallelize leaves it on the rank at `at` (pp aside)."""
     from .comm.counted import Stats
 
-    meta = _on_meta(model)
+    meta = on_meta(model)
     if config.tp > 1:   # tp first, then cp: parallelize's order (meshed.py)
         from .tensor import apply_layout, layout_for
 
-        tp = _ShapeOnlyTP(None, at["tp"], config.tp, config.sequence_parallel)
+        tp = ShapeOnlyTP(None, at["tp"], config.tp, config.sequence_parallel)
         apply_layout(meta, config.layout or layout_for(model), tp)
     if config.cp > 1:
         from .context import apply_context_parallel
 
         apply_context_parallel(meta, None, Stats())
-        ring = _shape_only_ring(at["cp"], config.cp)
+        ring = ShapeOnlyRing(at["cp"], config.cp)
         for m in meta.modules():
             if hasattr(m, "ring"):
                 m.ring = ring
@@ -150,7 +113,7 @@ def _transformed(model: nn.Module, config, at: dict[str, int]) -> nn.Module:
 def _pipeline_part(meta: nn.Module, config, pp_rank: int):
     """This rank's stages of the schedule parallelize builds, and the module tree of them."""
     from .pipeline import build, split_stages
-    from .pipeline.model import _stage_modules, local_part
+    from .pipeline.model import stage_modules, local_part
 
     m = config.microbatches or 2 * config.pp
     schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
@@ -159,21 +122,21 @@ def _pipeline_part(meta: nn.Module, config, pp_rank: int):
         for stage in stages:
             stage.sequence_parts = config.tp
     mine = {s: stages[s] for s in schedule.stages_of(pp_rank)}
-    part = local_part(meta, [mod for s in mine.values() for mod in _stage_modules(s)])
+    part = local_part(meta, [mod for s in mine.values() for mod in stage_modules(s)])
     return part, mine, schedule
 
 
 def _dp_plan(model: nn.Module, part: nn.Module, config, cluster, dp_ranks: tuple[int, ...]):
     """The data-parallel plan parallelize makes for the part over the rank's dp group."""
     from .cluster import Topology
-    from .meshed import plan_for_part
+    from .planner.mesh import plan_part
 
     if cluster is not None:
         hosts = cluster.topology()
         topology = Topology.from_host_ids([hosts.host_of(r) for r in dp_ranks])
     else:
         topology = Topology.from_sizes([len(dp_ranks)])
-    return plan_for_part(model, part, config, topology, cluster)
+    return plan_part(model, part, config, topology, cluster)
 
 
 def _ranks_per_host(cluster) -> int | None:

@@ -59,7 +59,11 @@ def mesh_report(job, cluster: Cluster, flops: float, flops_source: str = "given"
     for s, forward, count in zip(stages, parts["stage_forward_s"], parts["stage_forward_flops"]):
         s["forward_s"], s["forward_flops"] = forward, count
     link = parts["pp_link"]
+    from .report import job_plan
+
     return {"world_size": n, "hosts": cluster.topology().num_hosts, "mode": "mesh",
+            # The one Plan the job runs (its table: every parameter on every axis).
+            "plan": job_plan(job, cluster).as_dict(),
             "mesh": {"axes": dict(mesh.axes),
                      "groups": {a: mesh.groups(a) for a in ("tp", "cp", "pp", "dp")}},
             "batch_per_replica": batch, "seq_len": seq,

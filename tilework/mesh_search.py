@@ -143,7 +143,7 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     measures it on busy CPU ranks; about 0 where collectives run on their own engines)."""
     from .mesh_cost import mesh_step_bytes
     from .pipeline import build, simulate, split_stages
-    from .pipeline.model import _stage_modules
+    from .pipeline.model import stage_modules
 
     world, sizes = cluster.world_size, {h.procs for h in cluster.hosts}
     m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
@@ -171,7 +171,7 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
                              {"dp_size": world // (config.tp * config.pp * config.cp)})
     dp = mesh.size_of("dp")
     tokens = replica_batch * seq // config.cp
-    modules = [[*model.children()]] if stages is None else [_stage_modules(s) for s in stages]
+    modules = [[*model.children()]] if stages is None else [stage_modules(s) for s in stages]
     links = {"tp": _link(cluster, mesh.groups("tp"))[0], "cp": _link(cluster, mesh.groups("cp"))[0]}
     ends = _message_ends(model, config, stages, schedule)
     fwd, bwd, comm, compute, flops = [], [], {"tp": 0.0, "cp": 0.0}, 0.0, []

@@ -152,3 +152,46 @@ def _load_parts(engine, state: dict, model: dict) -> None:
                          "rows": {n: v for n, v in (opt.get("rows") or {}).items()
                                   if n in names}}}
     engine.load_state_dict(sub)
+
+
+def unparallelize_mesh(engine, optimizer):
+    """`tilework.unparallelize` on a mesh: the one-process state gathered to every rank (as
+    `tilework.state_dict` does), every change undone (the engine's, then the mesh's: the
+    layout's and cp's modules, the optimizer's parameters), and that state loaded into the
+    plain model and optimizer. Returns the whole model (under pp, not the pipeline)."""
+    mesh = engine.mesh
+    state = full_state(engine)
+    engine.discard_server_gradients()
+    engine.changes.undo()
+    engine.guard.stop()
+    mesh.changes.undo()
+    model = mesh.pipeline.whole if mesh.pipeline is not None else engine.model
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(_plain_optimizer_state(model, optimizer, state["optimizer"]))
+    return model, optimizer
+
+
+def _plain_optimizer_state(model, optimizer, gathered: dict) -> dict:
+    """torch's state_dict of the plain `optimizer` from the gathered one (keyed by parameter
+    name; server tables' row-wise state as sync/state.py gathers it)."""
+    from .sync.state import plain_row_state
+
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    state, groups, index = {}, [], 0
+    for saved, group in zip(gathered["groups"], optimizer.param_groups):
+        ids = []
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name in gathered["dense"]:
+                state[index] = gathered["dense"][name]
+            elif name in gathered["rows"]:
+                rows = plain_row_state(optimizer, gathered["rows"][name])
+                if rows is not None:
+                    state[index] = rows
+            ids.append(index)
+            index += 1
+        groups.append({**saved, "params": ids})
+    return {"state": state, "param_groups": groups}

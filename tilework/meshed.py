@@ -1,30 +1,30 @@
-"""`parallelize` on a dp x pp x cp x tp mesh: tensor-parallel layers, pipeline stages, and the
-data-parallel engine over each dp group.
+"""`parallelize` on a dp x pp x cp x tp mesh: the Plan's tensor-parallel layout, pipeline
+stages and data-parallel parts applied, in that order.
 
-In order, on every rank: the world starts from rank 0's values (as DDP does), the mesh's groups
-are built, the layout splits the layers over tp (the optimizer then holds the shards), the
-blocks are cut into pipeline stages (the optimizer keeps this rank's), and the engine
-synchronises what is left over the dp group: all-reduce, ZeRO or the parameter server, by the
-same plan as a data-parallel run of that part of the model. docs/architecture.md, "The mesh".
+The Plan (planner/mesh.py) is made before anything changes. Then, on every rank: the world
+starts from rank 0's values (as DDP does), the mesh's groups are built, the plan's layout
+splits the layers over tp (the optimizer then holds the shards), the blocks are cut into the
+plan's stages (the optimizer keeps this rank's), and the engine synchronises what is left over
+the dp group by `plan.part(pp_rank)`: all-reduce, ZeRO or the parameter server.
+docs/architecture.md, "The mesh".
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from . import planner
 from .comm import counted
 from .comm.counted import Stats
 from .comm.groups import Groups
 from .errors import PlanError, UserError
-from .mesh import Mesh, parallel_mesh
+from .mesh import Mesh
 from .mesh_checks import SameBatchCheck, mark_local
 from .parallel_config import ParallelConfig
+from .sync.changes import Changes
 from .sync.hooks import PicklesAsNoop
 
 
@@ -37,6 +37,10 @@ class MeshParallel:
     world: Groups             # the whole world's (the engine's are one dp group's)
     groups: object            # tensor.groups.MeshGroups
     stats: Stats
+    plan: object = None       # plan.Plan: the whole run's, this rank's part being plan.part(pp)
+    # What was done to the user's model and optimizer before the engine's own changes (the
+    # layout's and cp's module swaps, the optimizer's parameters), each with its undo.
+    changes: Changes = field(default_factory=Changes)
     tp: object | None = None  # tensor.regions.TensorParallel
     layout: object | None = None  # tensor.layout.LayoutPlan
     pipeline: nn.Module | None = None  # pipeline.model.PipelineModel
@@ -44,18 +48,18 @@ class MeshParallel:
 
 
 def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, world: Groups,
-                        cluster, density, traffic, plan, log: bool):
-    _refuse(config, plan)
+                        plan, log: bool):
+    """Apply `plan` (a Plan with tp, pp or cp; `config` says the same sizes, and what the
+    plan does not hold: input checks)."""
     from .tensor import build_mesh_groups
 
-    mesh = parallel_mesh(world.world_size, _ranks_per_host(world), tp=config.tp, pp=config.pp,
-                         cp=config.cp)
+    mesh = plan.mesh
     _start_alike(model, world)
     groups = build_mesh_groups(mesh, world.world, world.env)
-    found = MeshParallel(mesh, world, groups, Stats())
+    found = MeshParallel(mesh, world, groups, Stats(), plan)
     if config.tp > 1:
         _same_random_numbers_in_tp(found)
-        _split_layers(model, optimizer, config, found)
+        _split_layers(model, optimizer, plan.parallel, found)
     ring_modules = []
     if config.cp > 1:   # after tp: attention split by heads runs the ring on its own heads
         from .context import apply_context_parallel
@@ -65,9 +69,9 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
         staged = config.pp > 1
         ring_modules = apply_context_parallel(
             model, groups.group("cp"), found.stats, positions="positions" if staged else None,
-            require_modules=staged)
+            require_modules=staged, changes=found.changes)
     target = model if config.pp == 1 else _cut_stages(model, optimizer, config, found)
-    engine = _engine_over_dp(model, target, optimizer, config, found, cluster, density, traffic)
+    engine = _engine_over_dp(target, optimizer, config, found)
     if config.cp > 1 and found.pipeline is not None:
         found.pipeline.cut = _SequenceCut(groups.coord("cp"), config.cp)
     elif config.cp > 1:
@@ -91,18 +95,8 @@ def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, wor
         from .api import print_plan
 
         print(f"tilework mesh: {mesh} ({', '.join(_axis_line(groups, a) for a in mesh.names)})")
-        print_plan(engine.plan)
+        print_plan(plan)
     return (found.pipeline or model), optimizer
-
-
-def _refuse(config: ParallelConfig, plan) -> None:
-    """What cannot be combined yet, before anything is changed."""
-    if config.cp > 1 and config.sequence_parallel:
-        raise PlanError(f"cp={config.cp} with sequence_parallel: both would cut the sequence "
-                        "(ring attention's chunks, and slices between tp's layers); choose one")
-    if plan is not None:
-        raise PlanError("plan=: with tp, pp or cp > 1 the data-parallel plan is made per dp "
-                        "group by parallelize itself")
 
 
 def _same_random_numbers_in_tp(found: MeshParallel) -> None:
@@ -128,21 +122,22 @@ def _same_random_numbers_in_tp(found: MeshParallel) -> None:
     found.stats.discard_step()
 
 
-def _split_layers(model, optimizer, config: ParallelConfig, found: MeshParallel) -> None:
-    """The layout's modules replaced by tensor-parallel ones; the optimizer takes the shards."""
-    from .tensor import TensorParallel, apply_layout, layout_for
+def _split_layers(model, optimizer, parallel, found: MeshParallel) -> None:
+    """The plan's layout: its modules replaced by tensor-parallel ones; the optimizer takes the
+    shards."""
+    from .tensor import TensorParallel, apply_layout
 
-    found.tp = TensorParallel.from_mesh(found.groups, found.stats, config.sequence_parallel)
+    found.tp = TensorParallel.from_mesh(found.groups, found.stats, parallel.sequence_parallel)
     before = dict(model.named_parameters(remove_duplicate=False))
-    found.layout = apply_layout(model, config.layout or layout_for(model), found.tp)
-    _swap_in_optimizer(optimizer, before, dict(model.named_parameters()))
-    _name_failures_of_split_parents(model, found.layout)
+    found.layout = apply_layout(model, dict(parallel.layout), found.tp, found.changes)
+    _swap_in_optimizer(optimizer, before, dict(model.named_parameters()), found.changes)
+    _name_failures_of_split_parents(model, found.layout, found.changes)
 
 
 _SPLIT_STYLES = ("colwise", "colwise_fused", "colwise_gather", "rowwise", "heads")
 
 
-def _name_failures_of_split_parents(model: nn.Module, layout) -> None:
+def _name_failures_of_split_parents(model: nn.Module, layout, changes: Changes) -> None:
     """A module whose children were split runs the user's code on their local widths; code
     that assumes the whole width (nanoGPT's `c_attn(x).split(self.n_embd, dim=2)`, a view to
     the input's width) fails there with a message about shapes. Its forward is given a wrapper
@@ -157,7 +152,8 @@ def _name_failures_of_split_parents(model: nn.Module, layout) -> None:
     for name, children in split.items():
         module = model.get_submodule(name)
         if "forward" not in vars(module):
-            module.forward = _SplitParentForward(module, name, children)
+            changes.set_attribute(module, "forward", _SplitParentForward(module, name, children),
+                                  f"{name or 'the model'}: forward names a split's shape errors")
 
 
 class _SplitParentForward:
@@ -197,18 +193,22 @@ def _raised_in(error: BaseException, code) -> bool:
 
 
 def _cut_stages(model, optimizer, config: ParallelConfig, found: MeshParallel) -> nn.Module:
-    """This rank's pipeline stages; the optimizer keeps their parameters. Returns the part."""
+    """This rank's stages of the plan's cut; the optimizer keeps their parameters. Returns the
+    part."""
     from .pipeline import build
     from .pipeline.model import PipelineModel
 
-    m = config.microbatches or 2 * config.pp
-    schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
+    parallel = found.plan.parallel
+    schedule = build(parallel.schedule, config.pp, parallel.microbatches,
+                     parallel.stages_per_rank)
     before = dict(model.named_parameters(remove_duplicate=False))
     found.pipeline = PipelineModel(model, schedule, found.groups.group("pp"),
-                                   found.groups.coord("pp"), found.stats)
+                                   found.groups.coord("pp"), found.stats,
+                                   blocks=[range(a, b) for a, b in parallel.stages])
     if config.sequence_parallel and config.tp > 1:
         _carry_sequence_slices(found.pipeline, config.tp)
-    _swap_in_optimizer(optimizer, before, dict(found.pipeline.part.named_parameters()))
+    _swap_in_optimizer(optimizer, before, dict(found.pipeline.part.named_parameters()),
+                       found.changes)
     return found.pipeline.part
 
 
@@ -225,10 +225,9 @@ def _carry_sequence_slices(pipeline, tp: int) -> None:
         stage.sequence_parts = tp
 
 
-def _engine_over_dp(model, target, optimizer, config: ParallelConfig, found: MeshParallel,
-                    cluster, density, traffic):
+def _engine_over_dp(target, optimizer, config: ParallelConfig, found: MeshParallel):
     """The data-parallel engine over `target` (the model, or this rank's pipeline part) and
-    this rank's dp group, planned as data parallelism."""
+    this rank's dp group, running the plan's part for this rank."""
     from .sync.engine import Engine
     from .sync.recompute import apply_recompute
     from .tensor.groups import data_parallel_groups
@@ -237,7 +236,7 @@ def _engine_over_dp(model, target, optimizer, config: ParallelConfig, found: Mes
     # its tokens' mean loss, and every rank holds as many tokens.
     dp = data_parallel_groups(found.groups, found.world,
                               ("dp", "cp") if config.cp > 1 else ("dp",))
-    dp_plan = plan_for_part(model, target, config, dp.topology, cluster, density, traffic)
+    dp_plan = found.plan.part(found.groups.coord("pp"))
     # The pipeline's stages never run the part's own forward, where the input checks and the
     # zeroed-without-a-step check look.
     engine = Engine(target, optimizer, dp, dp_plan, config.check_inputs and config.pp == 1)
@@ -254,25 +253,6 @@ def _engine_over_dp(model, target, optimizer, config: ParallelConfig, found: Mes
     else:   # a hand-written update: the step ends with the synchronised backward
         engine.step_ended.append(found.stats.end_step)
     return engine
-
-
-def plan_for_part(model: nn.Module, part: nn.Module, config: ParallelConfig, topology,
-                  cluster=None, density=None, traffic=None):
-    """The data-parallel plan of `part` (the model, or a rank's pipeline part) over a dp
-    group of `topology`: pure, what parallelize runs and the memory estimate replays."""
-    flat = dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None,
-                               sequence_parallel=False)
-    dp_plan = planner.plan(part, flat, cluster, density, traffic, topology=topology)
-    if part is model:
-        return dp_plan
-    # The repeated blocks are found in the whole model (in the part they are no longer a
-    # ModuleList); this rank recomputes those its stages hold.
-    from .analysis import recompute_choices
-
-    mine = dict(part.named_modules())
-    return dataclasses.replace(dp_plan, recompute=tuple(
-        (name, policy) for name, policy in recompute_choices(model, config.recompute)
-        if name in mine))
 
 
 def _ring_sdpa(model: nn.Module, engine, found: MeshParallel, modules_ring: bool) -> None:
@@ -317,11 +297,6 @@ def _axis_line(groups, axis: str) -> str:
     return f"{axis} groups {groups.mesh.groups(axis)}"
 
 
-def _ranks_per_host(world: Groups) -> int | None:
-    sizes = {len(h) for h in world.topology.hosts}
-    return sizes.pop() if len(sizes) == 1 else None
-
-
 @torch.no_grad()
 def _start_alike(model: nn.Module, world: Groups) -> None:
     """Rank 0's values everywhere before the layout cuts them: every tp rank must take its
@@ -333,7 +308,7 @@ def _start_alike(model: nn.Module, world: Groups) -> None:
         counted.broadcast(t.data, 0, world.world, stats, "setup")
 
 
-def _swap_in_optimizer(optimizer, before: dict, after: dict) -> None:
+def _swap_in_optimizer(optimizer, before: dict, after: dict, changes: Changes) -> None:
     """The optimizer's parameters replaced by what took their names (tensor-parallel shards),
     and dropped where nothing did (another pipeline stage's)."""
     if optimizer is None:
@@ -342,6 +317,13 @@ def _swap_in_optimizer(optimizer, before: dict, after: dict) -> None:
         raise PlanError("parallelize with tp or pp > 1 before the optimizer's first step: its "
                         "state would have to be split too")
     # Every name a tied parameter has: the last stage knows the embedding as head.weight.
+    kept = [list(group["params"]) for group in optimizer.param_groups]
+
+    def undo():
+        for group, params in zip(optimizer.param_groups, kept):
+            group["params"] = params
+
+    changes.record("optimizer: parameters replaced by this rank's shards and stages", undo)
     names_of: dict[int, list[str]] = {}
     for n, p in before.items():
         names_of.setdefault(id(p), []).append(n)

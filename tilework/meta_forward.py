@@ -27,7 +27,7 @@ def meta_forward(model: nn.Module, example_inputs: tuple, recompute=()) -> Forwa
     checkpoint keeps, and how many ids each table looks up."""
     from .analysis import embedding_modules
 
-    meta_model = _on_meta(model)
+    meta_model = on_meta(model)
     seen = _Kept({_storage(p) for p in [*meta_model.parameters(), *meta_model.buffers()]})
     lookups: dict[str, int] = {}
     units = [_Accounted(meta_model.get_submodule(name), policy, seen)
@@ -165,7 +165,7 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata   # the storage itself: views of one count once
 
 
-def _on_meta(model: nn.Module) -> nn.Module:
+def on_meta(model: nn.Module) -> nn.Module:
     """The model with every parameter and buffer on the meta device; the user's is untouched
     and never copied (a deep copy whose memo maps each tensor to an empty meta one)."""
     import copy

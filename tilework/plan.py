@@ -1,20 +1,24 @@
 """The plan: plain data saying where every parameter lives and how it is synchronised, on a
 named device mesh. Printable, serialisable (`as_dict` / `from_dict`), diffable (`diff`).
 
-Produced by the planner, executed by `sync.engine`, costed by the cost model. Each entry is
+Produced by the planner, executed by the runtime, costed by the cost model. Each entry is
 self-contained: its shape, dtype and kind give its bytes, its placement says where its values
 and gradients go, and `predicted` what the cost model expects one step of it to send.
 
-Placements today: "allreduce" (replicated on every rank, gradients all-reduced over the whole
-mesh; or, with `zero` 1-3, its optimizer state, gradients and values split over the ranks) and "ps" (rows on the parameter servers: the table is split into `partitions` row ranges
-or hash classes, partition p is served by rank p % world_size, and row r belongs to partition
+Along the data-parallel axis: "allreduce" (replicated, gradients all-reduced over the dp
+group; or, with `zero` 1-3, its optimizer state, gradients and values split over the group)
+and "ps" (rows on the parameter servers: the table is split into `partitions` row ranges or
+hash classes, partition p is served by rank p % world_size, and row r belongs to partition
 `partition_of(r)`; a table's first `hot_rows` rows, the head of a frequency-sorted id
-distribution, may instead stay replicated with their gradient rows all-reduced). docs/architecture.md says where ZeRO's sharded state, tensor-parallel
-styles and pipeline stages will go: more placements over more mesh axes.
-"""
+distribution, may instead stay replicated with their gradient rows all-reduced).
 
+On a dp x pp x cp x tp mesh (`Plan.parallel`), each entry also says how tp splits it
+(`tp_split`) and which pp ranks hold it (`pp_ranks`); `ParallelPlan` holds the layout, the
+stages and the schedule, and `Plan.part(pp_rank)` is the data-parallel plan of one rank's part.
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -96,6 +100,11 @@ class ParamPlan(TensorFacts):
     #                 gradients, 3: and values; sync/zero.py)
     unit: str | None = None   # stage 3: the module whose forward gathers it ("": the model's)
     zero_scope: Literal["world", "host"] = "world"   # shards over all ranks, or each host's
+    # On a mesh (Plan.parallel): how the tp axis splits it (tensor/shards.py's spec as text:
+    # "0", "1", "fused:3", "qkv"; "" replicated; `shape` is then one tp rank's), and the pp
+    # ranks whose stages hold it (() without pipeline stages: every rank).
+    tp_split: str = ""
+    pp_ranks: tuple[int, ...] = ()
 
     def __post_init__(self):
         dtype_bytes(self.dtype)
@@ -116,6 +125,8 @@ class ParamPlan(TensorFacts):
 
     @property
     def placement(self) -> str:
+        """Where it lives along the data-parallel axis (the tp and pp axes: `tp_split`,
+        `pp_ranks`)."""
         if self.method == "allreduce":
             where = " in each host" if self.zero_scope == "host" else ""
             if self.zero == 3:
@@ -123,6 +134,41 @@ class ParamPlan(TensorFacts):
             return "allreduce (replicated)" if not self.zero else ZERO_PLACEMENTS[self.zero] + where
         hot = f"; rows 0..{self.hot_rows - 1} replicated, all-reduced" if self.hot_rows else ""
         return f"ps (rows in {self.partitions} {self.row_map} partitions{hot})"
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The model-parallel axes of a plan on a dp x pp x cp x tp mesh (`Plan.mesh`): what the
+    runtime applies before the data-parallel part, in that order (tp, cp, pp, dp)."""
+
+    # tp: each split module's style, by its full name (tensor/layout.py's styles)
+    layout: tuple[tuple[str, str], ...] = ()
+    sequence_parallel: bool = False
+    # pp: the stack of blocks cut, each stage's blocks [start, stop), and the schedule
+    stack: str = ""
+    stages: tuple[tuple[int, int], ...] = ()
+    schedule: str = ""
+    microbatches: int = 0
+    stages_per_rank: int = 1
+    # dp: one data-parallel group's ranks as hosts see them (dp x cp under context parallelism)
+    dp_mesh: Mesh | None = None
+
+    def __post_init__(self):
+        # As tuples whatever came in (JSON gives lists), so equal plans compare equal.
+        object.__setattr__(self, "layout", tuple((str(m), str(s)) for m, s in self.layout))
+        object.__setattr__(self, "stages", tuple((int(a), int(b)) for a, b in self.stages))
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dp_mesh"}
+        out["layout"] = [list(pair) for pair in self.layout]
+        out["stages"] = [list(pair) for pair in self.stages]
+        out["dp_mesh"] = None if self.dp_mesh is None else self.dp_mesh.as_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParallelPlan":
+        mesh = d.get("dp_mesh")
+        return cls(**(d | {"dp_mesh": None if mesh is None else Mesh.from_dict(mesh)}))
 
 
 @dataclass(frozen=True)
@@ -138,6 +184,9 @@ class Plan:
     recompute: tuple[tuple[str, str], ...] = ()
     offload: Literal["none", "optimizer", "all"] = "none"   # ZeRO's shards (sync/offload.py)
     offload_dir: str | None = None
+    # tp, pp and cp: None for a data-parallel run (mesh: host x local); on a mesh (dp, pp, cp,
+    # tp) the model-parallel axes, and `params` every parameter as one rank holds it.
+    parallel: ParallelPlan | None = None
 
     def __post_init__(self):
         if self.mesh is None:
@@ -151,6 +200,21 @@ class Plan:
             raise ValueError(f"mesh {self.mesh} has {self.mesh.size} ranks, the plan "
                              f"{self.world_size}")
 
+    def part(self, pp_rank: int = 0) -> "Plan":
+        """The data-parallel plan of the part a rank at pipeline coordinate `pp_rank` holds,
+        over its dp group: what its engine runs. A data-parallel plan is its own part."""
+        if self.parallel is None:
+            return self
+        if not 0 <= pp_rank < self.mesh.size_of("pp"):
+            raise ValueError(f"pp_rank: expected 0..{self.mesh.size_of('pp') - 1}, got {pp_rank}")
+        params = tuple(p for p in self.params if not p.pp_ranks or pp_rank in p.pp_ranks)
+        held = [p.name for p in params]
+        recompute = tuple((m, policy) for m, policy in self.recompute
+                          if any(n.startswith(m + ".") for n in held))
+        dp_mesh = self.parallel.dp_mesh
+        return dataclasses.replace(self, params=params, world_size=dp_mesh.size, mesh=dp_mesh,
+                                   recompute=recompute, parallel=None)
+
     def by_name(self) -> dict[str, ParamPlan]:
         return {p.name: p for p in self.params}
 
@@ -160,8 +224,9 @@ class Plan:
     def as_dict(self) -> dict:
         """Plain JSON-able data; `from_dict` reads it back to an equal plan."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in
-               ("params", "mesh")}
+               ("params", "mesh", "parallel")}
         out["mesh"] = self.mesh.as_dict()
+        out["parallel"] = None if self.parallel is None else self.parallel.as_dict()
         out["recompute"] = [list(pair) for pair in self.recompute]
         out["params"] = [_entry_dict(p) for p in self.params]
         return out
@@ -169,13 +234,21 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         params = tuple(_entry_from_dict(p) for p in d["params"])
-        rest = {k: v for k, v in d.items() if k not in ("params", "mesh")}
-        return cls(params=params, mesh=Mesh.from_dict(d["mesh"]), **rest)
+        rest = {k: v for k, v in d.items() if k not in ("params", "mesh", "parallel")}
+        parallel = d.get("parallel")
+        return cls(params=params, mesh=Mesh.from_dict(d["mesh"]), **rest,
+                   parallel=None if parallel is None else ParallelPlan.from_dict(parallel))
 
     def diff(self, other: "Plan") -> list[str]:
         """One line per difference, this plan's value first: settings, then entries by name."""
         lines = [f"{k}: {a!r} -> {b!r}" for k, a, b in _pairs(self, other,
-                                                             ("params", "recompute"))]
+                                                             ("params", "recompute", "parallel"))]
+        if (self.parallel is None) != (other.parallel is None):
+            lines.append(f"parallel: {'tp/pp/cp' if self.parallel else 'none'} -> "
+                         f"{'tp/pp/cp' if other.parallel else 'none'}")
+        elif self.parallel is not None:
+            lines += [f"parallel.{k}: {a!r} -> {b!r}"
+                      for k, a, b in _pairs(self.parallel, other.parallel, ())]
         ours, others = dict(self.recompute), dict(other.recompute)
         lines += [f"recompute.{m}: {ours.get(m, 'none')!r} -> {others.get(m, 'none')!r}"
                   for m in sorted(ours.keys() | others.keys()) if ours.get(m) != others.get(m)]
@@ -206,8 +279,23 @@ class Plan:
             return (f"{p.predicted.bytes_sent / 2**20:.3g} MiB",
                     f"{p.predicted.seconds * 1e3:.3g}")
 
-        return [(p.name, "x".join(map(str, p.shape)), p.dtype, p.placement, *cost(p), p.reason)
+        if self.parallel is None:
+            return [(p.name, "x".join(map(str, p.shape)), p.dtype, p.placement, *cost(p),
+                     p.reason) for p in self.params]
+        return [(p.name, "x".join(map(str, p.shape)), p.dtype, _tp_cell(p.tp_split),
+                 ",".join(map(str, p.pp_ranks)) or "all", p.placement, *cost(p), p.reason)
                 for p in self.params]
+
+    def columns(self) -> tuple[str, ...]:
+        """The headers of `table()`'s rows, the name first."""
+        mesh = ("tp", "pp ranks") if self.parallel is not None else ()
+        return ("name", "shape", "dtype", *mesh, "placement", "sends/step", "ms/step", "why")
+
+
+def _tp_cell(split: str) -> str:
+    if not split:
+        return "replicated"
+    return f"dim {split} split" if split.isdigit() else split
 
 
 def _pairs(a, b, skip):
@@ -218,6 +306,7 @@ def _pairs(a, b, skip):
 def _entry_dict(p: ParamPlan) -> dict:
     d = {f.name: getattr(p, f.name) for f in fields(p)}
     d["shape"] = list(p.shape)
+    d["pp_ranks"] = list(p.pp_ranks)
     d["predicted"] = None if p.predicted is None else vars(p.predicted).copy()
     d["placement"] = p.placement   # for readers; derived, so from_dict drops it
     return d
@@ -226,7 +315,8 @@ def _entry_dict(p: ParamPlan) -> dict:
 def _entry_from_dict(d: dict) -> ParamPlan:
     d = {k: v for k, v in d.items() if k != "placement"}
     predicted = None if d.get("predicted") is None else Cost(**d["predicted"])
-    return ParamPlan(**(d | {"shape": tuple(d["shape"]), "predicted": predicted}))
+    return ParamPlan(**(d | {"shape": tuple(d["shape"]), "predicted": predicted,
+                             "pp_ranks": tuple(d.get("pp_ranks", ()))}))
 
 
 # -- the row map: pure functions shared by the runtime and the cost model ---------------------

@@ -26,8 +26,13 @@ def name_cell(name: str) -> Text:
 
 
 def print_table(table: Table, console: Console | None = None) -> None:
+    """On a terminal, the table fits its width where it can; elsewhere (a log file, CI, a
+    `tilework run` rank's output) every row is one line at the table's natural width: a cell
+    wrapped mid-word in a log ("allreduce (replicate" / "d)") cannot be searched for."""
     console = console or Console()
-    narrowest = console.measure(table, options=console.options.update_width(_UNBOUNDED)).minimum
-    if narrowest > console.width:
-        table.width = narrowest
+    widths = console.measure(table, options=console.options.update_width(_UNBOUNDED))
+    if not console.is_terminal:
+        table.width = widths.maximum
+    elif widths.minimum > console.width:
+        table.width = widths.minimum
     console.print(table, crop=False)

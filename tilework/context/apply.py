@@ -134,10 +134,14 @@ class ShardedPositions(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, cp rank {self.ring.rank}"
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+def _replace(model: nn.Module, name: str, new: nn.Module, changes=None) -> None:
     parent_name, _, attr = name.rpartition(".")
-    new.train(model.get_submodule(name).training)
-    setattr(model.get_submodule(parent_name), attr, new)   # keeps its place among siblings
+    old, parent = model.get_submodule(name), model.get_submodule(parent_name)
+    new.train(old.training)
+    setattr(parent, attr, new)   # keeps its place among siblings
+    if changes is not None:
+        changes.record(f"{name}: replaced by {type(new).__name__} (cp)",
+                       lambda: setattr(parent, attr, old))
 
 
 def _position_table(model: nn.Module, positions: str) -> nn.Embedding:
@@ -158,14 +162,15 @@ def _position_table(model: nn.Module, positions: str) -> nn.Embedding:
 @torch.no_grad()
 def apply_context_parallel(model: nn.Module, group, stats: Stats,
                            positions: str | None = "positions", method: str = "cp",
-                           require_modules: bool = True) -> list[str]:
+                           require_modules: bool = True, changes=None) -> list[str]:
     """Make `model` context parallel over `group` (None: one rank), in place; returns the
     names of the attentions replaced. Refuses by name any nn.MultiheadAttention ring attention
     cannot run. `positions`: the model's position nn.Embedding, looked up with local slots.
     Bytes are counted in `stats` under `method`. Make the optimizer afterwards (same
     Parameters, but new modules). `require_modules=False`: a model without attention modules
     is not refused here (its forward runs under sdpa.RingForward, which refuses one that
-    calls no SDPA either)."""
+    calls no SDPA either). `changes` (sync.changes.Changes): each replacement recorded with
+    its undo."""
     from ..tensor.attention import HeadParallelAttention
 
     ring = Ring(group, stats, method)
@@ -186,7 +191,7 @@ def apply_context_parallel(model: nn.Module, group, stats: Stats,
             raise PlanError(f"cannot make {name!r} ring attention: {why}")
     table = _position_table(model, positions) if positions is not None else None
     for name, mha in found:
-        _replace(model, name, RingSelfAttention(mha, ring, name))
+        _replace(model, name, RingSelfAttention(mha, ring, name), changes)
     if table is not None:
-        _replace(model, positions, ShardedPositions(table, ring))
+        _replace(model, positions, ShardedPositions(table, ring), changes)
     return [name for name, _ in [*split, *found]]

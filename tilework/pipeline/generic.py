@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import PlanError
-from .stages import _matmul_params, balance
+from .stages import _matmul_params, balance, checked_cut
 
 
 def find_stack(model: nn.Module) -> str:
@@ -278,9 +278,11 @@ class _BoundaryShapes:
 
 
 def split_model(model: nn.Module, stages: int, stack: str | None = None,
-                costs: Sequence[float] | None = None) -> list[ModelStage]:
+                costs: Sequence[float] | None = None,
+                blocks: Sequence[range] | None = None) -> list[ModelStage]:
     """`model` cut into `stages` ModelStages over its stack of blocks (found, or named),
-    balanced by each block's matmul weights; the head's count towards the last stage."""
+    balanced by each block's matmul weights; the head's count towards the last stage.
+    `blocks`: the cut a plan made, taken as it is."""
     stack = stack or find_stack(model)
     container = model.get_submodule(stack)
     if costs is None:
@@ -289,5 +291,6 @@ def split_model(model: nn.Module, stages: int, stack: str | None = None,
         raise PlanError(f"{len(costs)} costs for {len(container)} blocks")
     last = sum(_matmul_params(m) for m in outside_stack(model, stack))
     shapes = _BoundaryShapes(model, stack)
-    return [ModelStage(model, stack, blocks, k, stages, shapes)
-            for k, blocks in enumerate(balance(costs, stages, last=last))]
+    cut = balance(costs, stages, last=last) if blocks is None \
+        else checked_cut(blocks, stages, len(container))
+    return [ModelStage(model, stack, part, k, stages, shapes) for k, part in enumerate(cut)]

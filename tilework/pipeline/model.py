@@ -47,38 +47,42 @@ def local_part(model: nn.Module, modules: list[nn.Module]) -> nn.Module:
     return root
 
 
-def _stage_modules(stage: nn.Module) -> list[nn.Module]:
+def stage_modules(stage: nn.Module) -> list[nn.Module]:
     """The model's own modules a stage holds (its layers, and the ends it owns)."""
     if isinstance(stage, ModelStage):
         return [*stage.layers, *getattr(stage, "ends", ())]
     return [*stage.layers, *(m for name, m in stage.named_children() if name != "layers")]
 
 
-def _is_reference_gpt(model: nn.Module) -> bool:
+def is_reference_gpt(model: nn.Module) -> bool:
     from ..models.gpt import TinyGPT
 
     return isinstance(model, TinyGPT)
 
 
-def cut_stages(model: nn.Module, stages: int) -> list[nn.Module]:
-    """The reference GPT's stages (stages.py), or any model's over its stack (generic.py)."""
-    return split_stages(model, stages) if _is_reference_gpt(model) else split_model(model, stages)
+def cut_stages(model: nn.Module, stages: int, blocks=None) -> list[nn.Module]:
+    """The reference GPT's stages (stages.py), or any model's over its stack (generic.py);
+    `blocks`: a plan's cut (each stage's block range), else balanced here."""
+    if is_reference_gpt(model):
+        return split_stages(model, stages, blocks=blocks)
+    return split_model(model, stages, blocks=blocks)
 
 
 class PipelineModel(nn.Module):
-    def __init__(self, model: nn.Module, schedule: Schedule, group, rank: int, stats):
+    def __init__(self, model: nn.Module, schedule: Schedule, group, rank: int, stats,
+                 blocks=None):
         super().__init__()
-        stages = cut_stages(model, schedule.stages)
+        stages = cut_stages(model, schedule.stages, blocks)
         owned = {id(p) for s in stages for p in s.parameters()}
         stray = [n for n, p in model.named_parameters() if id(p) not in owned]
         if stray:
             raise PlanError(f"pp={schedule.pp}: {stray[0]} is in no pipeline stage (a stage "
                             "holds the embeddings, its blocks, or the final norm and head)")
         mine = {s: stages[s] for s in schedule.stages_of(rank)}
-        self.part = local_part(model, [m for s in mine.values() for m in _stage_modules(s)])
+        self.part = local_part(model, [m for s in mine.values() for m in stage_modules(s)])
         self.runner = PipelineRunner(mine, schedule, group, stats)
         self.schedule = schedule
-        self.generic = not _is_reference_gpt(model)
+        self.generic = not is_reference_gpt(model)
         # The whole model, not a submodule: train() and eval() reach its modules that no
         # stage holds (a dropout or rotary table outside the stack runs in every stage).
         self.__dict__["whole"] = model

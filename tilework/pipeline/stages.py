@@ -62,6 +62,16 @@ def balance(costs: Sequence[float], parts: int, first: float = 0.0, last: float 
     return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
 
 
+def checked_cut(blocks: Sequence[range], stages: int, count: int) -> list[range]:
+    """A plan's cut: `stages` contiguous, non-empty ranges covering blocks 0..count-1."""
+    blocks = [range(b.start, b.stop) for b in blocks]
+    if len(blocks) != stages or blocks[0].start != 0 or blocks[-1].stop != count or any(
+            not b or b.stop != c.start for b, c in zip(blocks, blocks[1:])) or not blocks[-1]:
+        raise PlanError(f"the plan's stages {[(b.start, b.stop) for b in blocks]} are not "
+                         f"{stages} contiguous parts of this model's {count} blocks")
+    return blocks
+
+
 class GPTStage(nn.Module):
     """One stage of TinyGPT (tilework/models/gpt.py): forward(x, targets) takes token ids (first
     stage) or the previous stage's activation and returns its activation; the last stage returns
@@ -103,12 +113,13 @@ class GPTStage(nn.Module):
                            device=tokens.device)
 
 
-def split_stages(model: nn.Module, stages: int, costs: Sequence[float] | None = None
-                 ) -> list[GPTStage]:
+def split_stages(model: nn.Module, stages: int, costs: Sequence[float] | None = None,
+                 blocks: Sequence[range] | None = None) -> list[GPTStage]:
     """`model` (TinyGPT-shaped: tokens, positions, blocks.layers, norm, head, causal) cut into
     `stages` GPTStages, balanced by `costs` per block (default: each block's matmul weights; the
     head's count towards the last stage). Training cuts any other model by generic.py; the
-    estimates that cut stages here (memory, the mesh search) refuse one by name."""
+    estimates that cut stages here (memory, the mesh search) refuse one by name. `blocks`: the
+    cut a plan made (its stages' block ranges), taken as it is."""
     if not all(hasattr(model, a) for a in ("tokens", "positions", "blocks", "norm", "head")):
         raise PlanError(f"pp: the estimate of pipeline stages is built for the reference GPT "
                         f"only, not {type(model).__name__} yet (training with pp cuts it)")
@@ -118,5 +129,6 @@ def split_stages(model: nn.Module, stages: int, costs: Sequence[float] | None = 
     if len(costs) != len(layers):
         raise PlanError(f"{len(costs)} costs for {len(layers)} blocks")
     last = _matmul_params(model.head) + _matmul_params(model.norm)
-    parts = balance(costs, stages, first=0.0, last=last)
+    parts = balance(costs, stages, first=0.0, last=last) if blocks is None \
+        else checked_cut(blocks, stages, len(layers))
     return [GPTStage(model, part, k == 0, k == stages - 1) for k, part in enumerate(parts)]

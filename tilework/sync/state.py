@@ -136,6 +136,19 @@ def plain_optimizer_state(engine, state: dict) -> dict:
     return {"state": plain, "param_groups": groups}
 
 
+def plain_row_state(optimizer, entry: dict) -> dict | None:
+    """A server table's gathered row-wise state (`gathered_state`'s "rows" entry) as the plain
+    `optimizer` keeps it for the whole table."""
+    if "state" in entry and len(entry) == 2:   # a user's own optimizer: its plain entry
+        return entry["state"] or None
+    tensors = {k: v for k, v in entry.items() if k != "step"}
+    if not tensors:
+        return None
+    step = entry["step"]
+    return {**tensors, "step": step if isinstance(optimizer, torch.optim.SparseAdam)
+            else torch.tensor(float(step), device="cpu")}
+
+
 def _torch_row_state(optimizer, part) -> dict | None:
     """A server parameter's state as its torch optimizer keeps it (SGD without momentum: none)."""
     if _own(part):

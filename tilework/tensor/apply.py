@@ -39,12 +39,15 @@ def _replacement(module: nn.Module, p: Placement, tp: TensorParallel) -> nn.Modu
 
 
 @torch.no_grad()
-def apply_layout(model: nn.Module, layout: dict[str, str], tp: TensorParallel) -> LayoutPlan:
+def apply_layout(model: nn.Module, layout: dict[str, str], tp: TensorParallel,
+                 changes=None) -> LayoutPlan:
     """Replace the modules `layout` names by tensor-parallel ones holding this rank's shards of
     their current values; returns the plan. Every tp rank must start from the same values
     (seed alike, or load one checkpoint). Make the optimizer afterwards: the parameters it
-    would hold are replaced."""
+    would hold are replaced. `changes` (sync.changes.Changes): each replacement recorded with
+    its undo (the original module back, holding its values from before)."""
     plan = plan_layout(model, layout, tp.size, tp.sequence_parallel)
+    record = changes.record if changes is not None else (lambda what, undo: None)
     for p in plan.placements:
         parent_name, _, attr = p.module.rpartition(".")
         if not attr:
@@ -60,11 +63,17 @@ def apply_layout(model: nn.Module, layout: dict[str, str], tp: TensorParallel) -
             param.copy_(shard(full, specs[name], tp.rank, tp.size))
             param.requires_grad_(full.requires_grad)
         setattr(parent, attr, new)
+        record(f"{p.module}: replaced by {type(new).__name__} (tp {p.style})",
+               lambda parent=parent, attr=attr, module=module: setattr(parent, attr, module))
     for keys in plan.ties:   # each owner was given a shard of its own: one again, as before
         shared = model.get_parameter(keys[0])
         for key in keys[1:]:
             owner, _, name = key.rpartition(".")
-            setattr(model.get_submodule(owner), name, shared)
+            owner = model.get_submodule(owner)
+            before = owner._parameters.get(name)
+            setattr(owner, name, shared)
+            record(f"{key}: tied to {keys[0]}'s shard",
+                   lambda owner=owner, name=name, before=before: setattr(owner, name, before))
     return plan
 
 

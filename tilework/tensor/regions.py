@@ -187,3 +187,25 @@ def scatter_sequence(x: torch.Tensor, tp: TensorParallel, dim: int = SEQ_DIM) ->
 def gather_sequence(x: torch.Tensor, tp: TensorParallel, dim: int = SEQ_DIM) -> torch.Tensor:
     """The whole sequence forward, the gradient reduce-scattered backward."""
     return x if tp.size == 1 else _GatherSequence.apply(x, tp, dim)
+
+
+@dataclass(frozen=True, eq=False)
+class ShapeOnlyTP(TensorParallel):
+    """A tp rank whose collectives return new tensors of the results' shapes: the layers'
+    arithmetic and what autograd saves are the real rank's, nothing is sent. What the planner
+    and the memory estimate transform a meta copy with (no process group)."""
+
+    def all_reduce(self, x: torch.Tensor, op=None) -> torch.Tensor:
+        return x.contiguous().clone()   # as the real one: a reduced copy
+
+    def gather_seq(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        shape = list(x.shape)
+        shape[dim] *= self.size
+        return x.new_empty(shape)
+
+    def reduce_scatter_seq(self, x: torch.Tensor, dim: int = SEQ_DIM) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        return x.chunk(self.size, dim=dim)[self.rank].contiguous().clone()

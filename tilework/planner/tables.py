@@ -17,15 +17,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from .analysis import ParamInfo, analyze, owning_units, recompute_choices
-from .cluster import Cluster, Links, Topology
-from .cost import TableTraffic, predict, ps_expected, ps_split, ring_allreduce
-from .errors import PlanError
-from .parallel_config import ParallelConfig
-from .mesh import Mesh
-from .plan import Method, ParamPlan, Plan, RowMap, RowMapChoice, bucket_bytes
+from ..analysis import ParamInfo, analyze, owning_units, recompute_choices
+from ..cluster import Cluster, Links, Topology
+from ..cost import TableTraffic, predict, ps_expected, ps_split, ring_allreduce
+from ..errors import PlanError
+from ..parallel_config import ParallelConfig
+from ..mesh import Mesh
+from ..plan import Method, ParamPlan, Plan, RowMap, RowMapChoice, bucket_bytes
 
 Mode = Literal["hybrid", "allreduce", "ps"]
+
+
+def recompute_choices_in(model, part, recompute) -> tuple[tuple[str, str], ...]:
+    """`recompute` resolved on the whole model (where its repeated blocks are a ModuleList),
+    kept for the modules `part` holds."""
+    mine = dict(part.named_modules())
+    return tuple((name, policy) for name, policy in recompute_choices(model, recompute)
+                 if name in mine)
 
 
 def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = None,
