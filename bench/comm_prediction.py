@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from tilework.analysis import analyze
 from tilework.bench import comm_prediction as cp
 from tilework.bench.netns import LinkShape, available, emulated_cluster
 from tilework.bench.suite import launch_ranks
 from tilework.bench.torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
 from tilework.bench.torchrec_peer import WORKLOADS as TORCHREC_WORKLOADS
-from tilework.worker_env import WorkerEnv
+from tilework.cluster.worker_env import WorkerEnv
+from tilework.plans.analysis import analyze
 
 ROOT = Path(__file__).resolve().parent.parent
 KB = 1 << 10

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/mesh_search.py [--world 2] [--steps 6] [--out FILE]
 
-Every runnable candidate of tilework/mesh_search.py for the GPT below on `--world` real gloo
+Every runnable candidate of tilework/planner/search.py for the GPT below on `--world` real gloo
 ranks (one thread each) is run through `tilework.parallelize` for a few steps, and its median
 step (barrier to the slowest rank's optimizer step) is printed beside the prediction. The
 prediction's inputs are measured in the same world first, never fitted to the steps:
@@ -30,9 +30,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import tilework  # noqa: E402
-from tilework.cluster import Cluster, Host, Links  # noqa: E402
-from tilework.mesh_search import forward_flops, search_mesh  # noqa: E402
+from tilework.cluster.topology import Cluster, Host, Links  # noqa: E402
 from tilework.models.gpt import TinyGPT  # noqa: E402
+from tilework.planner.search import forward_flops, search_mesh  # noqa: E402
 from tilework.testing import spawn  # noqa: E402
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 1024, 256, 8, 8, 64, 16
@@ -93,7 +93,7 @@ def _allreduce_link(world_size: int, nbytes: int):
     """The all-reduce fit around `nbytes`, as `tilework calibrate` writes a cluster file's link
     (tp's and dp's exchanges are all-reduces; the pipeline's hops use it too, as a plan from
     that cluster file would)."""
-    from tilework.calibrate import fit_points, time_points
+    from tilework.cluster.calibrate import fit_points, time_points
 
     sizes = [nbytes // 4, nbytes, 4 * nbytes]
     points = time_points(dist.group.WORLD, world_size, sizes, repeats=9,
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     runnable = [c for c in search_mesh(meta, here, BATCH, SEQ, 1e11) if c.step_s is not None]
     options = [_as_options(c.config) for c in runnable]
     got = spawn(_world, a.world, args=(options, a.steps), timeout=3600)[0]
-    link = tilework.cluster.Link(*got["link"])
+    link = tilework.cluster.topology.Link(*got["link"])
     measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))
     plain = {c.label: c for c in search_mesh(meta, measured_here, BATCH, SEQ, got["flops"])}
     with_o = {c.label: c for c in search_mesh(meta, measured_here, BATCH, SEQ, got["flops"],

@@ -40,11 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from tilework.bench.pipeline_runs import (Shape, link_fit, message_overhead,  # noqa: E402
-                                          run_rank)
-from tilework.pipeline.schedule import build  # noqa: E402
-from tilework.pipeline.simulate import simulate  # noqa: E402
-from tilework.pipeline.timeline import draw  # noqa: E402
+from tilework.bench.pipeline_runs import Shape, link_fit, message_overhead, run_rank
+from tilework.parallel.pipeline.schedule import build  # noqa: E402
+from tilework.parallel.pipeline.simulate import simulate  # noqa: E402
+from tilework.parallel.pipeline.timeline import draw  # noqa: E402
 from tilework.testing import spawn  # noqa: E402
 
 NAMES = ("gpipe", "1f1b", "interleaved")
@@ -89,7 +88,7 @@ def measure(shape: Shape, pp: int, rounds: int, torch_peer: bool, pictures: Path
             quiet: tuple[float, float]):
     """Per schedule, medians over the quiet rounds (others used under quiet[0] cores; every
     round if none was): measured step and bubble, and the simulator on the stages' medians."""
-    from tilework.cluster import Link
+    from tilework.cluster.topology import Link
 
     got = spawn(_world, pp, args=(shape, rounds, torch_peer, quiet), timeout=3600)[0]
     link, rows, background = Link(*got["link"]), [], got["runs"]["background"]
@@ -165,7 +164,7 @@ def overheads(rows: list[dict]) -> str:
 
 def paper_table() -> str:
     """The simulator's throughput for Megatron-LM's Table 1 beside the published figures."""
-    from tilework.pipeline.megatron import table as megatron_table
+    from tilework.parallel.pipeline.megatron import table as megatron_table
 
     rows = megatron_table()
     rate = rows[0]["hw_tflops"]

@@ -32,9 +32,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from tilework.comm import exit_worker
 from tilework.bench.worker import TORCHREC_SYSTEMS, _setup, batches
 from tilework.bench.workloads import WORKLOADS
+from tilework.comm import exit_worker
 
 WARMUP = 5
 
@@ -67,10 +67,11 @@ def round_median(workload, system, steps, rank, world_size, profile=None) -> tup
 
 def on_emulated_hosts(hosts: int, rate: str) -> int:
     """This script again, one rank on each of `hosts` emulated hosts; rank 0's output shown."""
-    from tilework.bench.netns import LinkShape, available as emulation, emulated_cluster
+    from tilework.bench.netns import LinkShape, emulated_cluster
+    from tilework.bench.netns import available as emulation
     from tilework.bench.suite import PARALLAX_FLOP_PER_BYTE, _free_port
-    from tilework.calibrate import matmul_flops
-    from tilework.worker_env import WorkerEnv
+    from tilework.cluster.calibrate import matmul_flops
+    from tilework.cluster.worker_env import WorkerEnv
 
     ok, why = emulation(LinkShape(rate_mbit=100))
     if not ok:

@@ -4,7 +4,7 @@
         --seq 128 --vocab 8192 --batch 16 --rounds 3 --steps 10]
 
 Three systems train the same global batch (strong scaling) with Adam: `ddp` (torch's
-DistributedDataParallel, every rank the whole model and half the batch), `tp` (tilework.tensor
+DistributedDataParallel, every rank the whole model and half the batch), `tp` (tilework.parallel.tensor
 with the GPT's built-in layout, tp = world size, every rank a 1/tp shard of each split layer and
 the whole batch) and `tp-sp` (the same with sequence parallelism). Each round builds every
 system afresh and times `steps` steps after 3 warm-up steps; a step's time is its slowest
@@ -12,7 +12,7 @@ rank's, a round's the median step; rounds interleave the systems so that drifts 
 machine's speed hit all alike. Memory per rank, exact, from the tensors themselves: parameters,
 gradients, Adam's state, and the activations autograd saves for backward (distinct storages,
 seen through saved_tensors_hooks). Bytes per step: counted for tp, the ring all-reduce of every
-gradient for DDP (wire.py).
+gradient for DDP (comm/wire.py).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from tilework.comm import exit_worker
 from tilework.comm.counted import Stats
+from tilework.comm.wire import ring_allreduce_bytes
 from tilework.models.gpt import TinyGPT
-from tilework.tensor import TensorParallel, apply_layout, layout_for
-from tilework.wire import ring_allreduce_bytes
+from tilework.parallel.tensor import TensorParallel, apply_layout, layout_for
 
 SYSTEMS = ("ddp", "tp", "tp-sp")
 

@@ -16,7 +16,7 @@ ranks and trains 3 AdamW steps (2 sequences of 64 tokens per rank); it fits if b
 and is over the cap if the cgroup's OOM-kill count rose. Per system, the width doubles from 256
 until a trial fails, then bisection finds the largest width that fits, up to --max-dim.
 ZeRO-3 + offload is ParallelConfig(offload="all"): the shards and AdamW's state live in
-memory-mapped files (sync/offload.py), whose pages the kernel may write out under the cap.
+memory-mapped files (parallel/data/offload.py), whose pages the kernel may write out under the cap.
 Every system is searched twice: with glibc's allocator as it comes, and with its mmap threshold
 fixed (ALLOCATORS below), since on a CPU host what a sharded system frees between uses only
 leaves the resident set, and so the cap, if the allocator hands it back.
@@ -124,8 +124,8 @@ def worker(system: str, dim: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from tilework.comm import exit_worker
     from tilework.bench.zero_peers import Shape, batch, build, train_step
+    from tilework.comm import exit_worker
 
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

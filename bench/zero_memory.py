@@ -38,7 +38,7 @@ MB = 1e6
 def estimates(shape: Shape, world_size: int) -> dict[str, int | None]:
     """tilework.estimate_memory's peak per system, None where it does not model it."""
     from tilework import ParallelConfig, estimate_memory
-    from tilework.cluster import Cluster, Host
+    from tilework.cluster.topology import Cluster, Host
 
     model = shape.model("meta")
     cluster = Cluster(hosts=[Host("local", world_size)])

@@ -168,7 +168,7 @@ class Run:
     def visible_grads(self, model):
         """Every parameter the model still has, with its gradient as the user sees it."""
         out = {}
-        from tilework.sync.shards import ShardedGradient
+        from tilework.parallel.data.shards import ShardedGradient
 
         for name, p in self.inner(model).named_parameters():
             if p.grad is not None and not isinstance(p.grad, ShardedGradient):

@@ -8,7 +8,7 @@ from torch import nn
 
 import tilework
 from tilework import optim
-from tilework.cluster import Topology
+from tilework.cluster.topology import Topology
 from tilework.comm import build_groups
 from tilework.data import ShardedBatches
 from tilework.train.job import CNNJob, DataJob, Job, LMJob, RecommenderJob, TrainJob

@@ -5,17 +5,22 @@ import math
 import os
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import torch.distributed as dist
 
-from tilework import cost
-from tilework.calibrate import (Measurement, calibration_path, fit_alpha_beta, time_points,
-                                write_calibration)
-from tilework.toml_writer import dump_toml
-from tilework.wire import ring_allreduce_bytes
-from tilework.cluster import Cluster, Link, Links, Topology
+from tilework.cluster.calibrate import (
+    Measurement,
+    calibration_path,
+    fit_alpha_beta,
+    time_points,
+    write_calibration,
+)
+from tilework.cluster.topology import Cluster, Link, Links, Topology
+from tilework.comm.wire import ring_allreduce_bytes
+from tilework.config.toml_writer import dump_toml
+from tilework.estimate import cost
 from tilework.testing import spawn
 
 
@@ -133,7 +138,7 @@ def test_time_points_on_two_real_ranks_gives_every_rank_the_same_counted_points(
 
 
 def test_the_compute_rate_written_beside_the_cluster_file_is_what_plan_reads(tmp_path):
-    from tilework.calibrate import calibrated_flops
+    from tilework.cluster.calibrate import calibrated_flops
 
     path = tmp_path / "cluster.toml"
     path.write_text("[[hosts]]\nname = \"a\"\nprocs = 2\n")

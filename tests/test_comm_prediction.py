@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from tilework import cost
 from tilework.bench import comm_prediction as cp
-from tilework.cluster import Link, Links, Topology
-from tilework.wire import ID_BYTES
+from tilework.cluster.topology import Link, Links, Topology
+from tilework.comm.wire import ID_BYTES
+from tilework.estimate import cost
 
 
 def test_table_ids_lm_and_recommender():
@@ -60,7 +60,7 @@ class _Plan:
 
 
 def test_predict_hybrid_is_the_cost_model_on_its_links():
-    from tilework.plan import ParamPlan
+    from tilework.plans.plan import ParamPlan
 
     table = ParamPlan(name="emb", shape=(1000, 16), dtype="float32", method="ps", partitions=2,
                       kind="sparse")
@@ -115,7 +115,7 @@ def test_markdown_rows():
 
 
 def test_hybrid_exact_uses_the_busiest_ranks_replayed_bytes():
-    from tilework.plan import ParamPlan
+    from tilework.plans.plan import ParamPlan
 
     table = ParamPlan(name="emb", shape=(100, 4), dtype="float32", method="ps", partitions=2,
                       kind="sparse")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tilework.cluster import Cluster, Topology
+from tilework.cluster.topology import Cluster, Topology
 from tilework.errors import ConfigError
 from tilework.train.job import Job
 

@@ -1,4 +1,4 @@
-"""Context parallelism (tilework/context/) against one process: ring attention forward and
+"""Context parallelism (tilework/parallel/context/) against one process: ring attention forward and
 backward vs F.scaled_dot_product_attention, the reference GPT trained at cp=2 and dp2 x cp2,
 counted bytes vs the cost functions, and what is refused by name.
 
@@ -12,18 +12,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tilework.comm.counted import Stats
-from tilework.context import (Ring, apply_context_parallel, chunks_of, cp_attention_bytes,
-                              cp_step_bytes, local_positions, ring_attention, shard,
-                              shard_sequence, unshard)
-from tilework.context.ring import _block
-from tilework.mesh import parallel_mesh
-from tilework.models.gpt import TinyGPT
-from tilework.tensor import average_gradients, build_mesh_groups
-from tilework.testing import spawn
-from tilework.wire import ring_allreduce_bytes
-
 from tests import tiny_gpt
+from tilework.cluster.mesh import parallel_mesh
+from tilework.comm.counted import Stats
+from tilework.comm.wire import ring_allreduce_bytes
+from tilework.models.gpt import TinyGPT
+from tilework.parallel.context import (
+    Ring,
+    apply_context_parallel,
+    chunks_of,
+    cp_attention_bytes,
+    cp_step_bytes,
+    local_positions,
+    ring_attention,
+    shard,
+    shard_sequence,
+    unshard,
+)
+from tilework.parallel.context.ring import _block
+from tilework.parallel.tensor import average_gradients, build_mesh_groups
+from tilework.testing import spawn
 
 # Relative to each tensor's largest magnitude. The blocks' softmax sums run in another order
 # than SDPA's (seen: <= 4.4e-7 on the primitive at cp=2 and 4; after 3 GPT steps <= 5.4e-7 on

@@ -1,4 +1,4 @@
-"""Context parallelism on F.scaled_dot_product_attention (tilework/context/sdpa.py), through
+"""Context parallelism on F.scaled_dot_product_attention (tilework/parallel/context/sdpa.py), through
 `tilework.parallelize(model, opt, cp=2)`: nanoGPT's model.py (SDPA called in its own forward,
 positions from `wpe(torch.arange(0, t))`) and Hugging Face's LlamaForCausalLM (SDPA through its
 attention registry, rotary positions from `position_ids`), tied and untied, train with AdamW as

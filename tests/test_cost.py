@@ -8,15 +8,23 @@ import torch.distributed as dist
 from torch import nn
 
 import tilework
-from tilework.analysis import analyze
-from tilework.cluster import Links, Topology
+from tilework.cluster.topology import Links, Topology
 from tilework.comm import build_groups
-from tilework.cost import (TableTraffic, dense_served_bytes, dense_sync_bytes, expected_unique,
-                           push_over_world,
-                           hot_head_bytes, hot_sync_bytes, ps_expected, ps_step_bytes,
-                           zero_sync_bytes)
-from tilework.wire import CHECK_WORDS, input_check_bytes, ring_allreduce_bytes
+from tilework.comm.wire import CHECK_WORDS, input_check_bytes, ring_allreduce_bytes
+from tilework.estimate.cost import (
+    TableTraffic,
+    dense_served_bytes,
+    dense_sync_bytes,
+    expected_unique,
+    hot_head_bytes,
+    hot_sync_bytes,
+    ps_expected,
+    ps_step_bytes,
+    push_over_world,
+    zero_sync_bytes,
+)
 from tilework.planner import make_plan
+from tilework.plans.analysis import analyze
 from tilework.testing import spawn
 
 BUCKET = 64  # bytes: several buckets even for this tiny model
@@ -42,7 +50,7 @@ def ids_for(step, rank):
 
 
 def _plan(model, mode, world_size, hosts, local_aggregation, hot, zero=0, scope="world"):
-    """The plan both sides use: the words table's first `hot` rows replicated (sync/hot.py),
+    """The plan both sides use: the words table's first `hot` rows replicated (parallel/rows/hot.py),
     the dense parameters at ZeRO stage `zero`."""
     topo = Topology.uniform(hosts, world_size // hosts)
     plan = make_plan(analyze(model), world_size, mode, bucket_bytes=BUCKET,
@@ -184,7 +192,7 @@ def test_costing_a_thousand_hosts_stays_small():
     """What keeps planning fast, counted rather than timed (a timing fails on a loaded
     machine): an 800,000-row table is costed on about 11,000 Zipf points, not 800,000, and
     the points are computed once per (rows, alpha)."""
-    from tilework.cost import _EXACT_ROWS, _zipf_probs
+    from tilework.estimate.cost import _EXACT_ROWS, _zipf_probs
 
     _zipf_probs.cache_clear()
     topo = Topology.uniform(1000, 8)

@@ -53,7 +53,7 @@ ALLOWED = {
     ("tilework/bench/worker.py", "*"):
         "the benchmark worker joins a gloo world on the CPU: its timing and memory figures "
         "are host numbers reduced over gloo",
-    ("tilework/calibrate.py", "*"):
+    ("tilework/cluster/calibrate.py", "*"):
         "calibration measures gloo over TCP on the CPU (its own gloo world); its buffers are "
         "what it times",
 }
@@ -146,8 +146,8 @@ def test_the_walk_sees_what_it_must(tmp_path):
 # -- device propagation, on what the CPU has ---------------------------------------------------
 
 def test_layout_tensors_live_on_the_tables_device():
-    from tilework.layout import TableLayout
-    from tilework.plan import ParamPlan
+    from tilework.plans.plan import ParamPlan
+    from tilework.plans.rows import TableLayout
 
     plan = ParamPlan("t", (10, 2), "ps", 3, "contiguous")
     layout = TableLayout(plan, 2, device="meta")
@@ -159,8 +159,8 @@ def test_layout_tensors_live_on_the_tables_device():
 
 
 def test_input_check_words_and_empty_norms_go_where_asked():
-    from tilework.sync.checks import InputChecks
-    from tilework.sync.clip import total_norm
+    from tilework.parallel.data.checks import InputChecks
+    from tilework.runtime.clip import total_norm
 
     groups = type("G", (), {"world_size": 2, "device": torch.device("meta")})()
     assert InputChecks(groups, None, False).words(torch.device("meta")).device.type == "meta"
@@ -178,7 +178,7 @@ def test_models_buffers_follow_their_parameters():
 
 def test_a_model_split_over_devices_is_refused_before_any_collective():
     from tilework.errors import PlanError
-    from tilework.sync.preflight import check_device, model_device
+    from tilework.runtime.preflight import check_device, model_device
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     with pytest.raises(PlanError, match="several devices"):

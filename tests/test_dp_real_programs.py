@@ -17,9 +17,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 import tilework
+from tilework.config.parallel import ParallelConfig
 from tilework.errors import PlanError
 from tilework.optim.own import OwnRowOptimizer
-from tilework.parallel_config import ParallelConfig
 from tilework.testing import spawn
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -1,5 +1,5 @@
 """A pull's tables are pushed while backward still runs once their rows are complete and another
-table's are still to come (sync/push.py's EarlyPush): an LM's softmax tables before its
+table's are still to come (parallel/rows/push.py's EarlyPush): an LM's softmax tables before its
 LSTM's backward, as DDP overlaps their sparse all-reduce. The model trained is one process's,
 with clipping and accumulation too, and the bytes are the cost model's replay."""
 
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import tilework
-from tilework.cluster import Topology
-from tilework.cost import ps_step_bytes
+from tilework.cluster.topology import Topology
+from tilework.estimate.cost import ps_step_bytes
 from tilework.testing import spawn
 
 BATCH, STEPS = 8, 3

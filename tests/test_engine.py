@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import tilework
-from tilework.wire import CHECK_WORDS
+from tilework.checkpoint import file as checkpoint
+from tilework.comm.wire import CHECK_WORDS
 from tilework.errors import CheckpointError, PlanError
-from tilework.train import checkpoint
 from tilework.testing import RankFailed, spawn
 
 

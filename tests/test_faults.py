@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tilework.faults import LOST_PEER_EXIT, summarize
-from tilework.train import checkpoint
+from tilework.checkpoint import file as checkpoint
+from tilework.launch.faults import LOST_PEER_EXIT, summarize
 
 JOB = """
 workload = "lm"

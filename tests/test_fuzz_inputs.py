@@ -24,14 +24,14 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import tilework.bench.suite
-import tilework.calibrate
-import tilework.launch
+import tilework.cluster.calibrate
+import tilework.launch.launcher
 import tilework.train.trainer
 from tilework.cli import main
-from tilework.cluster import Cluster, Host
+from tilework.cluster.topology import Cluster, Host
+from tilework.config.parallel import ParallelConfig
 from tilework.errors import ConfigError, PlanError
-from tilework.report import report
-from tilework.parallel_config import ParallelConfig
+from tilework.report.job import report
 from tilework.train.job import Job, LMJob
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,8 +266,8 @@ def files(tmp_path_factory):
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    for module, name in ((tilework.launch, "run"), (tilework.train.trainer, "train"),
-                         (tilework.bench.suite, "run_suite"), (tilework.calibrate, "measure")):
+    for module, name in ((tilework.launch.launcher, "run"), (tilework.train.trainer, "train"),
+                         (tilework.bench.suite, "run_suite"), (tilework.cluster.calibrate, "measure")):
         monkeypatch.setattr(module, name, _would_run)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tilework.cluster import Topology
+from tilework.cluster.topology import Topology
 from tilework.comm import build_groups
 from tilework.testing import spawn
 

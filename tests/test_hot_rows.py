@@ -1,5 +1,5 @@
 """A server table split by row: its hot head replicated and all-reduced, its tail on the servers
-(sync/hot.py). Trains as one process does; checkpoints, clipping and unparallelize see one table;
+(parallel/rows/hot.py). Trains as one process does; checkpoints, clipping and unparallelize see one table;
 the planner splits a Zipf table where the head's all-reduce costs less than serving it."""
 
 import dataclasses
@@ -10,10 +10,10 @@ from torch import nn
 
 import tilework
 from tilework import optim
-from tilework.analysis import analyze
-from tilework.cluster import Links, Topology
-from tilework.cost import TableTraffic, ps_split
+from tilework.cluster.topology import Links, Topology
+from tilework.estimate.cost import TableTraffic, ps_split
 from tilework.planner import make_plan
+from tilework.plans.analysis import analyze
 from tilework.testing import spawn
 
 ROWS, HOT, BATCH, STEPS = 60, 6, 8, 4
@@ -212,7 +212,7 @@ def test_no_head_where_ranks_share_few_rows():
 
 
 def test_the_plan_keeps_hot_rows_through_json_and_diff():
-    from tilework.plan import Plan
+    from tilework.plans.plan import Plan
 
     plan = hot_plan(Model(), 2)
     assert Plan.from_dict(plan.as_dict()) == plan

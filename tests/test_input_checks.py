@@ -10,7 +10,7 @@ from torch import nn
 
 import tilework
 from tilework.errors import IdOutOfRange, InputError
-from tilework.faults import PEER_FAULT_EXIT, worker_failure
+from tilework.launch.faults import PEER_FAULT_EXIT, worker_failure
 from tilework.testing import RankFailed, spawn
 
 

@@ -7,9 +7,9 @@ import textwrap
 
 import pytest
 
-from tilework.cluster import Cluster, Host
+from tilework.cluster.topology import Cluster, Host
 from tilework.errors import ConfigError, UserError
-from tilework.launch import cluster_spec, local_spec
+from tilework.launch.launcher import cluster_spec, local_spec
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -117,7 +117,7 @@ def test_cluster_spec_for_each_host():
         local_spec(2, max_restarts=-1)
 
 
-# -- scripts under `tilework run` fail as `tilework train`'s workers do (tilework/script.py) ------
+# -- scripts under `tilework run` fail as `tilework train`'s workers do (tilework/launch/script.py) ------
 
 def _run_script(tmp_path, text, *args):
     script = tmp_path / "job.py"

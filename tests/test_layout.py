@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tilework.plan import ParamPlan
-from tilework.layout import TableLayout
+from tilework.plans.plan import ParamPlan
+from tilework.plans.rows import TableLayout
 
 
 @pytest.mark.parametrize("rows, partitions, world_size", [(10, 4, 4), (10, 3, 2), (7, 8, 4), (100, 5, 8)])

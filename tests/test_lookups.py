@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import tilework
-from tilework.cluster import Topology
-from tilework.cost import ps_step_bytes
+from tilework.cluster.topology import Topology
+from tilework.estimate.cost import ps_step_bytes
 from tilework.testing import spawn
 
 TABLES, BATCH = 3, 8

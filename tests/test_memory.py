@@ -17,7 +17,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from tilework import ParallelConfig, estimate_memory
 from tilework.bench.workloads import WORKLOADS
-from tilework.cluster import Cluster, Host
+from tilework.cluster.topology import Cluster, Host
 
 
 def _current(tracker) -> dict:
@@ -98,7 +98,7 @@ def test_the_adam_step_rule_against_a_measured_step(cls, options):
     """`AdamStep` (the bytes torch's Adam/AdamW step allocates beside parameters, gradients
     and state) equals MemTracker's count of a real step, for each path torch takes on CPU
     (single-tensor: its default here; foreach and fused when asked), in every order."""
-    from tilework.memory import AdamStep, optimizer_kind
+    from tilework.estimate.memory import AdamStep, optimizer_kind
 
     if cls is torch.optim.AdamW and "decoupled_weight_decay" in options:
         pytest.skip("AdamW is Adam(decoupled_weight_decay=True)")
@@ -145,7 +145,7 @@ def test_amsgrad_state_is_counted():
 def test_the_servers_row_step_rule_against_a_measured_step(family, lazy):
     """ROW_STEP_COPIES: the servers' row-wise step on R rows allocates R rows this many times
     over (one more for a dense parameter on the servers, which Adam steps unlazily)."""
-    from tilework.memory import ROW_STEP_COPIES
+    from tilework.estimate.memory import ROW_STEP_COPIES
     from tilework.optim.rowwise import RowOptimizer
 
     torch.manual_seed(0)
@@ -228,7 +228,7 @@ def _without_stand_ins(tracker: MemTracker) -> MemTracker:
     """The tracker, blind to ZeRO's `.grad` stand-ins (shards.ShardedGradient): a wrapper
     subclass has a storage of the gradient's nominal size and no data, which MemTracker would
     count as a gradient when its post-accumulate hook runs after ZeRO's has put one there."""
-    from tilework.sync.shards import ShardedGradient
+    from tilework.parallel.data.shards import ShardedGradient
 
     track = tracker._update_and_maybe_create_winfos
 
@@ -276,8 +276,8 @@ def test_zero_estimate_against_memtracker_on_two_ranks(zero, recompute, workload
     within 10%, on each rank of a real 2-rank run: the GPT of 5 MB with AdamW (measured
     0.99-1.01), the recommender and the 100k-word LM with Adam (1.00; stage 0's single-tensor
     Adam step sets the recommender's peak)."""
-    from tilework.cluster import Topology
-    from tilework.memory import estimate_per_rank
+    from tilework.cluster.topology import Topology
+    from tilework.estimate.memory import estimate_per_rank
     from tilework.planner import plan as make_plan
     from tilework.testing import spawn
 

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tilework
-from tilework.cluster import Cluster, Host, Topology
-from tilework.mesh import Mesh
-from tilework.plan import Plan
+from tilework.cluster.mesh import Mesh
+from tilework.cluster.topology import Cluster, Host, Topology
+from tilework.plans.plan import Plan
 
 
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=4))
@@ -54,7 +54,7 @@ class Hybrid(nn.Module):
 
 def _plan(**config):
     cluster = Cluster(hosts=[Host("a", 2), Host("b", 2)])
-    from tilework.cost import TableTraffic
+    from tilework.estimate.cost import TableTraffic
 
     traffic = {"emb.weight": TableTraffic.zipf(1000, 64, cluster.topology())}
     return tilework.plan(Hybrid(), tilework.ParallelConfig(**config), cluster, traffic=traffic)
@@ -82,8 +82,8 @@ def test_a_plan_round_trips_through_json_and_diffs_by_entry():
 
 
 def test_an_lm1b_job_plans_by_cost_at_8000_ranks_without_a_process_group():
-    from tilework.report import job_plan
     from tilework.train.job import Job
+    from tilework.train.planning import job_plan
 
     cluster = Cluster(hosts=[Host(f"h{i}", 8) for i in range(1000)])
     plan = job_plan(Job.load("docs/examples/lm1b.toml"), cluster)

@@ -7,15 +7,14 @@ from __future__ import annotations
 import torch
 
 import tilework
-from tilework.testing import spawn
-
 from tests.test_mesh_parallelize import _steps, new_gpt, new_optimizer
+from tilework.testing import spawn
 
 
 def _gathered_to_rank_0(rank, world_size):
     """full_state(dst=0), what tilework.save writes, against every rank's full_state: whole on
     rank 0 alone; the other ranks receive no checkpoint bytes."""
-    from tilework.mesh_state import full_state
+    from tilework.checkpoint.mesh_state import full_state
 
     out = []
     for options in ({"tp": 2, "pp": 2, "microbatches": 2}, {"tp": 2}):   # dp 1, and dp 2

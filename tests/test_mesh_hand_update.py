@@ -7,11 +7,10 @@ from __future__ import annotations
 import torch
 
 import tilework
-from tilework.mesh_cost import mesh_step_bytes
+from tests import tiny_gpt
+from tilework.estimate.mesh_bytes import mesh_step_bytes
 from tilework.models.gpt import TinyGPT
 from tilework.testing import spawn
-
-from tests import tiny_gpt
 
 VOCAB, SEQ, BATCH, LR, STEPS = 52, 8, 8, 0.1, 2
 

@@ -41,7 +41,7 @@ def _measure_rank(rank, world_size, options):
     ModTracker alone. So the received inputs whose backward has run are taken off the sampled
     activations, and what the first step left over is taken off the second step's peak (which
     may still hold up to microbatches - 1 such inputs of its own: 1% here)."""
-    from tilework.pipeline import runtime
+    from tilework.parallel.pipeline import runtime
 
     model = new_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -125,7 +125,7 @@ def test_dp_comes_from_the_world_size_and_pipeline_ranks_differ():
     """Pure, no process group: at 4 ranks tp=2 leaves dp=2 (the dense all-reduce's buckets
     appear, the shards are tp=2's); the pipeline's first rank holds in_flight(schedule)
     microbatches of its stage, the last one."""
-    from tilework.pipeline import build, in_flight
+    from tilework.parallel.pipeline import build, in_flight
 
     model = new_model()
     tp = ParallelConfig(tp=2, check_inputs=False)

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 import tilework
-from tilework.errors import ConfigError, PlanError
-from tilework.mesh_cost import mesh_step_bytes
-from tilework.models.gpt import TinyGPT
-from tilework.tensor import GPT_LAYOUT, plan_layout
-from tilework.tensor.cost import tp_step_calls
-from tilework.testing import spawn
-from tilework.train import checkpoint
-
 from tests import tiny_gpt
+from tilework.checkpoint import file as checkpoint
+from tilework.errors import ConfigError, PlanError
+from tilework.estimate.mesh_bytes import mesh_step_bytes
+from tilework.models.gpt import TinyGPT
+from tilework.parallel.tensor import GPT_LAYOUT, plan_layout
+from tilework.parallel.tensor.cost import tp_step_calls
+from tilework.testing import spawn
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 8, 8, 52
 TOL = 1e-5   # SGD, relative to each tensor's largest magnitude: tp sums and the dp all-reduce
@@ -130,7 +129,7 @@ def _check(results, options, ref):
     for rank, r in enumerate(results):
         assert len(r[3]) == len(ref_norms) and all(
             abs(a - b) <= TOL * b for a, b in zip(r[3], ref_norms)), (options, rank, r[3])
-    # Bytes: the plain configurations (ZeRO's and the servers' are cost.py's, checked in
+    # Bytes: the plain configurations (ZeRO's and the servers' are estimate/cost.py's, checked in
     # test_cost; recompute's second forward repeats its tp collectives, not modelled here).
     if not options.get("zero") and not options.get("overrides") and "clip" not in options \
             and "tied" not in options and "recompute" not in options:

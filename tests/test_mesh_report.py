@@ -1,4 +1,4 @@
-"""`tilework plan` for a tp/pp/cp job (tilework/mesh_report.py): the mesh and its groups, the
+"""`tilework plan` for a tp/pp/cp job (tilework/report/mesh.py): the mesh and its groups, the
 stages as split_stages cuts them, the schedule's own printout, the simulator's step and bubble,
 and every rank's bytes per axis equal to mesh_step_bytes. Pure: no process group."""
 
@@ -9,14 +9,15 @@ import json
 import pytest
 
 from tilework.cli import main
-from tilework.cluster import Cluster, Host, Link, Links
+from tilework.cluster.topology import Cluster, Host, Link, Links
+from tilework.config.parallel import ParallelConfig
 from tilework.errors import PlanError
-from tilework.mesh_cost import mesh_step_bytes
-from tilework.mesh_report import format_mesh_report, mesh_report
-from tilework.parallel_config import ParallelConfig
-from tilework.pipeline import build, simulate, split_stages
-from tilework.report import meta_model, report
+from tilework.estimate.mesh_bytes import mesh_step_bytes
+from tilework.parallel.pipeline import build, simulate, split_stages
+from tilework.report.job import report
+from tilework.report.mesh import format_mesh_report, mesh_report
 from tilework.train.job import DataJob, GPTJob, Job
+from tilework.train.planning import meta_model
 
 FLOPS = 10e9
 JOB_TOML = """workload = "gpt"
@@ -135,8 +136,8 @@ def test_cli_prints_the_mesh_plan_and_its_json(tmp_path, capsys):
 def test_memory_per_rank_is_the_estimate_with_its_budget():
     import torch
 
-    from tilework.mesh_memory import estimate_mesh_memory
-    from tilework.report import meta_model
+    from tilework.estimate.mesh_memory import estimate_mesh_memory
+    from tilework.train.planning import meta_model
 
     job = gpt_job(tp=2, pp=2, microbatches=4)
     cluster = Cluster([Host("a", 2, memory_gb=1e-5), Host("b", 2, memory_gb=1.0)])

@@ -1,4 +1,4 @@
-"""The mesh search (tilework/mesh_search.py): candidates, refusals with their reason, and how the
+"""The mesh search (tilework/planner/search.py): candidates, refusals with their reason, and how the
 predicted step answers the links; pure, on meta-device models."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tilework.cluster import Cluster, Host, Link, Links
-from tilework.cost import seconds
-from tilework.mesh_cost import mesh_step_bytes
-from tilework.mesh_search import candidates, predict, search_mesh
+from tilework.cluster.topology import Cluster, Host, Link, Links
+from tilework.config.parallel import ParallelConfig
+from tilework.estimate.cost import seconds
+from tilework.estimate.mesh_bytes import mesh_step_bytes
 from tilework.models.gpt import TinyGPT
-from tilework.parallel_config import ParallelConfig
-from tilework.pipeline import build, simulate
+from tilework.parallel.pipeline import build, simulate
+from tilework.planner.search import candidates, predict, search_mesh
 
 BATCH, SEQ = 16, 64
 
@@ -86,7 +86,7 @@ def test_a_slow_network_between_hosts_moves_the_choice_to_pipeline_across_them()
 def test_candidates_that_would_not_fit_are_refused_with_their_peak():
     """Paper 4's pruning: with 80% of memory_gb below what data parallelism holds (every rank
     the whole model, its gradients and Adam's two moments), only the splits fit."""
-    from tilework.mesh_memory import estimate_mesh_memory
+    from tilework.estimate.mesh_memory import estimate_mesh_memory
 
     model = gpt()
     ids = torch.zeros(BATCH // 4, SEQ, dtype=torch.long)
@@ -104,8 +104,8 @@ def test_the_per_message_overhead_is_charged_on_every_exchange():
     """LogP's o (measured on busy CPU ranks by the pipeline bench): each tp all-reduce costs
     4 (tp - 1) message ends, each ring-attention shift 2, the pipeline's hops through the
     simulator."""
-    from tilework.tensor import layout_for, plan_layout
-    from tilework.tensor.cost import tp_step_calls
+    from tilework.parallel.tensor import layout_for, plan_layout
+    from tilework.parallel.tensor.cost import tp_step_calls
 
     model, o = gpt(), 1e-3
     for config in (ParallelConfig(tp=2), ParallelConfig(cp=2), ParallelConfig(pp=2)):

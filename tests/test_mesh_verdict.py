@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import tilework
+from tests import tiny_gpt
 from tilework.errors import InputError
 from tilework.models.gpt import TinyGPT
 from tilework.testing import spawn
-
-from tests import tiny_gpt
 
 VOCAB, SEQ, BATCH = 52, 8, 8
 

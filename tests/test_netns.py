@@ -14,9 +14,20 @@ import warnings
 import pytest
 
 from tilework.bench import netns
-from tilework.bench.netns import (EmulatedCluster, EmulationError, LinkShape, available,
-                                  egress_qdisc, emulated_cluster, host_layout, list_namespaces,
-                                  new_prefix, setup_commands, switch_namespace, teardown_commands)
+from tilework.bench.netns import (
+    EmulatedCluster,
+    EmulationError,
+    LinkShape,
+    available,
+    egress_qdisc,
+    emulated_cluster,
+    host_layout,
+    list_namespaces,
+    new_prefix,
+    setup_commands,
+    switch_namespace,
+    teardown_commands,
+)
 
 AVAILABLE, WHY = available()
 needs_netns = pytest.mark.skipif(not AVAILABLE, reason=f"no emulated cluster here: {WHY}")

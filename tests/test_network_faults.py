@@ -20,11 +20,16 @@ import pytest
 
 from tests.test_faults import JOB
 from tests.test_netns import needs_netns, no_leftovers  # noqa: F401 - a fixture, used by name
-from tilework import launch
-from tilework.bench.netns import EmulatedCluster, LinkShape, emulated_cluster, host_layout, \
-    link_commands
-from tilework.faults import LOST_PEER_EXIT, worker_failure
-from tilework.train import checkpoint
+from tilework.bench.netns import (
+    EmulatedCluster,
+    LinkShape,
+    emulated_cluster,
+    host_layout,
+    link_commands,
+)
+from tilework.checkpoint import file as checkpoint
+from tilework.launch import launcher as launch
+from tilework.launch.faults import LOST_PEER_EXIT, worker_failure
 
 ROOT = Path(__file__).resolve().parents[1]
 RDZV_PORT = 29500  # free: nothing else runs in the namespaces a test has just made

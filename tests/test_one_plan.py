@@ -10,10 +10,10 @@ import textwrap
 import torch
 
 import tilework
-from tilework.cluster import Cluster
-from tilework.parallel_config import ParallelConfig
-from tilework.report import meta_model
+from tilework.cluster.topology import Cluster
+from tilework.config.parallel import ParallelConfig
 from tilework.train.job import Job
+from tilework.train.planning import meta_model
 
 
 def _free_port() -> int:

@@ -10,20 +10,28 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tilework.cluster import Link
+from tests import tiny_gpt
+from tilework.cluster.topology import Link
 from tilework.comm.counted import Traffic
 from tilework.models.gpt import TinyGPT
-from tilework.pipeline.schedule import (Action, Schedule, build, gpipe, in_flight,
-                                        interleaved_1f1b, one_f_one_b, split_backward, validate)
-from tilework.pipeline import megatron
-from tilework.pipeline.megatron import TABLE1
-from tilework.pipeline.runtime import PipelineRunner
-from tilework.pipeline.simulate import messages, p2p_bytes, simulate
-from tilework.pipeline.stages import balance, split_stages
-from tilework.pipeline.timeline import draw
+from tilework.parallel.pipeline import megatron
+from tilework.parallel.pipeline.megatron import TABLE1
+from tilework.parallel.pipeline.runtime import PipelineRunner
+from tilework.parallel.pipeline.schedule import (
+    Action,
+    Schedule,
+    build,
+    gpipe,
+    in_flight,
+    interleaved_1f1b,
+    one_f_one_b,
+    split_backward,
+    validate,
+)
+from tilework.parallel.pipeline.simulate import messages, p2p_bytes, simulate
+from tilework.parallel.pipeline.stages import balance, split_stages
+from tilework.parallel.pipeline.timeline import draw
 from tilework.testing import spawn
-
-from tests import tiny_gpt
 
 pp_m = st.integers(1, 6).flatmap(lambda p: st.tuples(st.just(p), st.integers(1, 12)))
 

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from tilework.analysis import analyze, measure_density
 from tilework.errors import PlanError
 from tilework.models import DLRM, WordLM
 from tilework.planner import make_plan
+from tilework.plans.analysis import analyze, measure_density
 
 
 def test_hybrid_sends_sparse_tables_to_servers_and_the_rest_to_allreduce():
@@ -60,8 +60,8 @@ def test_planning_a_huge_model_on_the_meta_device_is_instant():
 
 
 def test_cost_search_sends_a_fully_touched_table_to_allreduce():
-    from tilework.cluster import Links, Topology
-    from tilework.cost import TableTraffic
+    from tilework.cluster.topology import Links, Topology
+    from tilework.estimate.cost import TableTraffic
 
     topo = Topology.uniform(1, 4)
     infos = analyze(DLRM([1000, 100_000]))
@@ -77,8 +77,8 @@ def test_auto_row_map_spreads_a_frequency_sorted_table_by_cost():
     """Contiguous ranges of a Zipf table put most requested rows on partition 0's server; the
     planner costs both maps and hashes them. Without a traffic model it hashes too; an explicit
     row_map is kept; ids that hashing would crowd keep contiguous ranges."""
-    from tilework.cluster import Link, Links, Topology
-    from tilework.cost import TableTraffic, ps_expected
+    from tilework.cluster.topology import Link, Links, Topology
+    from tilework.estimate.cost import TableTraffic, ps_expected
 
     topo = Topology.uniform(4, 1)
     slow = Links(inter=Link(bandwidth_gbps=0.025, latency_us=100.0))   # bytes, not latency
@@ -103,9 +103,9 @@ def test_auto_row_map_spreads_a_frequency_sorted_table_by_cost():
 
 
 def test_too_few_partitions_cost_more():
-    from tilework.cluster import Links, Topology
-    from tilework.cost import TableTraffic, ps_expected
-    from tilework.plan import ParamPlan
+    from tilework.cluster.topology import Links, Topology
+    from tilework.estimate.cost import TableTraffic, ps_expected
+    from tilework.plans.plan import ParamPlan
 
     topo = Topology.uniform(8, 6)
     traffic = TableTraffic.zipf(800_000, 2560, topo)
@@ -118,10 +118,10 @@ def test_planning_a_thousand_hosts_with_a_hundred_tables_costs_few_candidates(mo
     """At 8,000 ranks, no process group: the search costs each table's partition candidates
     and splits, a number that does not grow with the ranks (a count, not a time: timed
     assertions fail on a loaded machine; about 0.5 s on an idle one here)."""
-    from tilework.planner import tables as planner_module
-    from tilework.cluster import Links, Topology
-    from tilework.cost import TableTraffic
+    from tilework.cluster.topology import Links, Topology
+    from tilework.estimate.cost import TableTraffic
     from tilework.planner import partition_candidates
+    from tilework.planner import tables as planner_module
 
     topo = Topology.uniform(1000, 8)
     with torch.device("meta"):
@@ -167,8 +167,8 @@ def _narrow_console():
 
 
 def test_the_plan_printed_by_parallelize_never_cuts_a_name():
-    from tilework.api import print_plan
-    from tilework.plan import ParamPlan, Plan
+    from tilework.plans.plan import ParamPlan, Plan
+    from tilework.report.tables import print_plan
 
     plan = Plan((ParamPlan(LONG_NAME, (3072, 1024), "allreduce", reason="dense parameter"),
                  ParamPlan("tables.[b]x", (50000, 16), "ps", 2, reason="sparse table")), 2)
@@ -183,8 +183,8 @@ def test_the_plan_printed_by_tilework_plan_never_cuts_a_name():
     from pathlib import Path
 
     from tilework.cli import _print_report
-    from tilework.cluster import Cluster
-    from tilework.report import report
+    from tilework.cluster.topology import Cluster
+    from tilework.report.job import report
     from tilework.train.job import Job
 
     examples = Path(__file__).parent.parent / "docs" / "examples"

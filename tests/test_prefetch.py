@@ -1,4 +1,4 @@
-"""tilework.prefetch: the next batch's ids are routed with this step's rows (sync/ahead.py).
+"""tilework.prefetch: the next batch's ids are routed with this step's rows (parallel/rows/ahead.py).
 A pull then meets the other ranks once instead of twice; the bytes over a run are those of the
 same run without it (the same id blocks, each sent one exchange earlier) and one padded block
 at the end that says there is no next batch; the model trains as one process does. Where a
@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 import tilework
-from tilework.cluster import Topology
-from tilework.cost import ps_step_bytes
-from tilework.errors import PlanError
-from tilework.testing import RankFailed, spawn
-from tests.test_hot_rows import Model as HotModel, batch as hot_batch, hot_plan
+from tests.test_hot_rows import Model as HotModel
+from tests.test_hot_rows import batch as hot_batch
+from tests.test_hot_rows import hot_plan
 from tests.test_lookups import TABLES, Recommender, _one_process_losses, batch
+from tilework.cluster.topology import Topology
+from tilework.errors import PlanError
+from tilework.estimate.cost import ps_step_bytes
+from tilework.testing import RankFailed, spawn
 
 STEPS = 4
 
@@ -170,7 +172,7 @@ def test_prefetch_reads_one_batch_ahead_and_yields_every_batch():
 
     class Engine:
         lookups = dataclasses.make_dataclass("L", ["ahead"])(
-            tilework.sync.ahead.Ahead())
+            tilework.parallel.rows.ahead.Ahead())
 
     model = nn.Linear(1, 1)
     model._tilework_engine = Engine()
@@ -250,7 +252,7 @@ def test_loaders_of_different_lengths_stop_with_the_guards_verdict_not_a_crash_o
 
 
 def test_keys_find_whole_tensors_by_identity_and_views_by_storage():
-    from tilework.sync.ahead import Ahead
+    from tilework.parallel.rows.ahead import Ahead
 
     ahead = Ahead()
     now = {"b": torch.empty(0, dtype=torch.long), "c": torch.empty(0, dtype=torch.long),
@@ -271,7 +273,7 @@ def test_keys_find_whole_tensors_by_identity_and_views_by_storage():
 
 
 def test_a_prefetch_inside_another_for_the_same_model_is_refused():
-    from tilework.sync.ahead import Ahead
+    from tilework.parallel.rows.ahead import Ahead
 
     class Engine:
         lookups = dataclasses.make_dataclass("L", ["ahead"])(Ahead())

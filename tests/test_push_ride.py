@@ -1,4 +1,4 @@
-"""The last dense bucket rides the servers' push (sync/dense.py, wire.bucket_rides_push): where
+"""The last dense bucket rides the servers' push (parallel/data/dense.py, wire.bucket_rides_push): where
 the push is one all-to-all over the world, a small last bucket goes whole to every peer at the
 end of it and each rank sums the copies in rank order. No all-reduce of its own is issued (one
 meeting of all ranks fewer per step); its bytes are counted as the all-reduce's, (n - 1) times
@@ -11,12 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 import tilework
-from tilework.cluster import Topology
-from tilework.comm import build_groups
-from tilework.cost import dense_sync_bytes, push_over_world
-from tilework.testing import spawn
-from tilework.wire import CHECK_WORDS, RIDE_BYTES, bucket_rides_push, ring_allreduce_bytes
 from tests.test_lookups import TABLES, Recommender, _one_process_losses, batch
+from tilework.cluster.topology import Topology
+from tilework.comm import build_groups
+from tilework.comm.wire import CHECK_WORDS, RIDE_BYTES, bucket_rides_push, ring_allreduce_bytes
+from tilework.estimate.cost import dense_sync_bytes, push_over_world
+from tilework.testing import spawn
 
 STEPS = 3
 DENSE_BYTES = (4 * TABLES + 1) * 4   # the head Linear(12, 1), float32

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import tilework
+from tilework.checkpoint import file as checkpoint
 from tilework.testing import spawn
-from tilework.train import checkpoint
 
 from .real_models import FusedLM, NanoGPT, have_transformers, hf_llama, lm_batch
 
@@ -195,7 +195,6 @@ def _run(family, options, world_size, tmp_path) -> list[dict]:
 def check_mesh_run(family, options, world_size, tmp_path) -> list[dict]:
     want_losses, want = reference(family)
     results = _run(family, options, world_size, tmp_path)
-    dp = results[0]["dp"]
     # Each replica's ranks report the replica's loss (under pp only its last stage's rank: NaN
     # elsewhere); the replicas' mean is the global loss.
     got_losses = [torch.tensor([r["losses"][i] for r in results]) for i in range(STEPS)]
@@ -329,7 +328,7 @@ def test_own_state_dict_hooks_under_tp_and_pp(tmp_path):
 
 def test_pp_refuses_blocks_the_model_indexes_instead_of_calling():
     from tilework.errors import PlanError
-    from tilework.pipeline.generic import split_model
+    from tilework.parallel.pipeline.generic import split_model
 
     with pytest.raises(PlanError, match=r"pp: the blocks of layers are ModuleDicts, which the "
                                         r"model indexes rather than calls"):

@@ -1,5 +1,5 @@
 """Activation recompute (ParallelConfig(recompute=...)): chosen in the plan, applied by
-sync/recompute.py, verified by counting (FLOPs, ops, bytes), never by timing.
+runtime/recompute.py, verified by counting (FLOPs, ops, bytes), never by timing.
 
 Measured on the benchmark GPT (2 layers, width 64, batch 16 x 32 tokens; docs/memory.md):
 forward+backward FLOPs none 498.6 M, full 565.7 M (+ the blocks' forward, 100.7 M, less their
@@ -17,21 +17,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tilework
 from tests.test_equivalence import assert_same
 from tests.test_memory import _measure
 from tilework import ParallelConfig
-from tilework.analysis import recompute_units
 from tilework.bench.workloads import WORKLOADS
 from tilework.errors import ConfigError, PlanError
 from tilework.models import DLRM, SmallResNet, TinyGPT
-from tilework.plan import Plan
-from tilework.sync.changes import Changes
-from tilework.sync.recompute import SAVED_OPS, apply_recompute
+from tilework.plans.analysis import recompute_units
+from tilework.plans.plan import Plan
+from tilework.runtime.changes import Changes
+from tilework.runtime.recompute import SAVED_OPS, apply_recompute
 from tilework.testing import spawn
 
 VOCAB, SEQ, BATCH, STEPS = 50, 8, 8, 3
@@ -50,7 +50,7 @@ class Block(nn.Module):
 
 class TableLM(nn.Module):
     """A sparse table (on the servers in hybrid mode) feeding two recomputed blocks: the
-    blocks' input is the lookup's stand-in (sync/lookups.py)."""
+    blocks' input is the lookup's stand-in (parallel/rows/lookups.py)."""
 
     def __init__(self, dim=8, dropout=0.0):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism (tilework/tensor/) against one process."""
+"""Tensor and sequence parallelism (tilework/parallel/tensor/) against one process."""
 
 from __future__ import annotations
 
@@ -8,18 +8,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tilework.comm.counted import Stats
-from tilework.mesh import parallel_mesh
-from tilework.models.gpt import TinyGPT
-from tilework.tensor import (GPT_LAYOUT, TensorParallel, apply_layout, average_gradients,
-                             full_state_dict, layout_for, load_full_state_dict, plan_layout,
-                             step_bytes, vocab_parallel_cross_entropy)
-from tilework.tensor.groups import build_mesh_groups
-from tilework.tensor.loss import ShardedLogits
-from tilework.tensor.shards import unshard
-from tilework.testing import spawn
-
 from tests import tiny_gpt
+from tilework.cluster.mesh import parallel_mesh
+from tilework.comm.counted import Stats
+from tilework.comm.mesh_groups import build_mesh_groups
+from tilework.models.gpt import TinyGPT
+from tilework.parallel.tensor import (
+    GPT_LAYOUT,
+    TensorParallel,
+    apply_layout,
+    average_gradients,
+    full_state_dict,
+    layout_for,
+    load_full_state_dict,
+    plan_layout,
+    step_bytes,
+    vocab_parallel_cross_entropy,
+)
+from tilework.parallel.tensor.loss import ShardedLogits
+from tilework.parallel.tensor.shards import unshard
+from tilework.testing import spawn
 
 
 def test_parallel_mesh_puts_tp_inside_a_host():

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from tilework.checkpoint import file as checkpoint
 from tilework.errors import CheckpointError
-from tilework.train import checkpoint
 from tilework.train.job import CNNJob, DataJob, Job, LMJob, RecommenderJob, TrainJob
 from tilework.train.trainer import train
 
@@ -143,7 +143,7 @@ MESH_TOL = 1e-5   # relative: tp's partial sums and the pipeline's microbatch me
 
 
 def gpt_job(out_dir, steps=4, **parallel):
-    from tilework.parallel_config import ParallelConfig
+    from tilework.config.parallel import ParallelConfig
     from tilework.train.job import GPTJob
 
     return Job(workload="gpt",
@@ -198,9 +198,9 @@ def test_gpt_at_dp2_x_pp2_each_replica_reads_its_slice(tmp_path):
     """4 ranks: each dp replica trains on its half of the global batch (the sampler shards by
     the dp coordinate, a pipeline's two ranks reading the same half), so the losses are one
     process's on the whole batch; the bytes rank 0 logs are the cost model's."""
-    from tilework.mesh_cost import mesh_step_bytes
-    from tilework.report import meta_model
+    from tilework.estimate.mesh_bytes import mesh_step_bytes
     from tilework.testing import spawn
+    from tilework.train.planning import meta_model
 
     one = train(gpt_job(tmp_path / "one", steps=2))
     job = gpt_job(tmp_path / "mesh", steps=2, pp=2, microbatches=2)

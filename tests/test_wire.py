@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from tilework import wire
+from tilework.comm import wire
 from tilework.comm.counted import Stats, all_gather, all_reduce, all_to_all_v
 from tilework.testing import spawn
 

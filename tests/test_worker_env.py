@@ -1,5 +1,5 @@
 """WorkerEnv: the environment read once, checked, and passed down; workers start through
-tilework.worker with a serialized spec, not by re-running the CLI."""
+tilework.launch.worker with a serialized spec, not by re-running the CLI."""
 
 import ast
 import json
@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tilework import cli, launch, worker
+from tilework import cli
+from tilework.cluster.worker_env import DEFAULT_TIMEOUT_S, EnvError, WorkerEnv
 from tilework.errors import UserError
+from tilework.launch import launcher as launch
+from tilework.launch import worker
 from tilework.train.job import Job
-from tilework.worker_env import DEFAULT_TIMEOUT_S, EnvError, WorkerEnv
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
@@ -85,7 +87,7 @@ def test_the_cli_reports_a_bad_environment_in_one_line(tmp_path):
                                 "integer >= 1, got 'zero'")
 
 
-# -- workers start through tilework.worker ---------------------------------------------------------
+# -- workers start through tilework.launch.worker ---------------------------------------------------------
 
 def test_train_launches_tilework_worker_with_the_checked_job(tmp_path, monkeypatch):
     job_file = Path(__file__).parent.parent / "docs" / "examples" / "demo-job.toml"
@@ -93,7 +95,7 @@ def test_train_launches_tilework_worker_with_the_checked_job(tmp_path, monkeypat
     monkeypatch.setattr(launch, "run", lambda spec, args, verbose=False: started.append(args) or 0)
     assert cli.main(["train", str(job_file), "-n", "2", "--resume"]) == 0
     (args,) = started
-    assert args[:3] == ["-m", "tilework.worker", "train"] and len(args) == 4
+    assert args[:3] == ["-m", "tilework.launch.worker", "train"] and len(args) == 4
     spec = json.loads(args[3])
     assert spec["resume"] is True and spec["cluster"] is None
     job, want = worker._job(spec, WorkerEnv(cache_home=str(tmp_path))), Job.load(job_file)
@@ -107,7 +109,7 @@ def test_demo_launches_its_changed_job(monkeypatch):
     monkeypatch.setattr(launch, "run", lambda spec, args, verbose=False: started.append(args) or 0)
     assert cli.main(["demo", "-n", "2", "--steps", "3", "--out-dir", "elsewhere"]) == 0
     (args,) = started
-    assert args[:3] == ["-m", "tilework.worker", "demo"]
+    assert args[:3] == ["-m", "tilework.launch.worker", "demo"]
     job = worker._job(json.loads(args[3]), WorkerEnv())
     assert (job.train.steps, job.train.out_dir) == (3, "elsewhere")
 
@@ -118,14 +120,14 @@ ROOT = Path(__file__).parent.parent / "tilework"
 # Modules that touch os.environ, and why: what the environment is read into, or what a child
 # inherits from it.
 ENVIRON_TOUCHED = {
-    "worker_env.py": "WorkerEnv.from_environ: the one reader",
-    "launch.py": "the launcher sets what its workers inherit (OMP_NUM_THREADS, the timeout)",
+    "cluster/worker_env.py": "WorkerEnv.from_environ: the one reader",
+    "launch/launcher.py": "the launcher sets what its workers inherit (OMP_NUM_THREADS, the timeout)",
     "bench/suite.py": "the benchmark composes its workers' environments",
     "testing.py": "a test child sets its own RANK, as a launcher would",
 }
 # Where WorkerEnv.from_environ() is called: the entry points, each once.
 READERS = {
-    ("cli.py", "main"), ("worker.py", "main"), ("script.py", "main"), ("calibrate.py", "main"),
+    ("cli.py", "main"), ("launch/worker.py", "main"), ("launch/script.py", "main"), ("cluster/calibrate.py", "main"),
     ("bench/worker.py", "main"), ("bench/comm_prediction.py", "main"),
     # A user's script calls these bare: they are its entry points into tilework. tilework's
     # own callers pass the WorkerEnv they read.

@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (sync/zero.py, sync/zero3.py) train the model one process trains.
+"""ZeRO stages 1-3 (parallel/data/zero.py, parallel/data/zero3.py) train the model one process trains.
 
 The reference GPT (two transformer blocks, so stage 3 has two block units and the model's own)
 trains 3 steps on 2 or 4 real gloo ranks, each on its share of a global batch of 8 sequences,
@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 import tilework
 from tilework import ParallelConfig
+from tilework.checkpoint import file as checkpoint
 from tilework.errors import ConfigError, PlanError
 from tilework.models.gpt import TinyGPT
 from tilework.testing import spawn
-from tilework.train import checkpoint
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 8, 8, 50
 TOLERANCE = {"sgd": 1e-5, "adamw": 1e-4, "adam": 1e-4}
@@ -70,7 +70,7 @@ def reference(optimizer: str, steps=range(STEPS)):
 
 
 def _rank(rank, world_size, zero, optimizer, options):
-    from tilework.cluster import Topology
+    from tilework.cluster.topology import Topology
     from tilework.comm import build_groups
 
     model = new_model()
@@ -361,7 +361,7 @@ def test_tilework_train_job_at_stage_3_with_offload_trains_as_stage_0(tmp_path):
 
 
 def _clip_norm(rank, world_size, zero, options):
-    from tilework.cluster import Topology
+    from tilework.cluster.topology import Topology
     from tilework.comm import build_groups
 
     model = new_model()

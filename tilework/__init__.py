@@ -13,16 +13,25 @@ if tuple(int(x) for x in _torch.__version__.split("+")[0].split(".")[:2]) < MIN_
     raise ImportError(f"tilework needs torch >= {_floor}, this is torch {_torch.__version__}: "
                       f"pip install 'torch>={_floor}' (or your CUDA build)")
 
-from .api import (clip_grad_norm_, clip_grad_value_, data_parallel_rank, full_parameters, load,
-                  load_state_dict, parallelize, save, state_dict, stats, unparallelize)
-from .cluster import Cluster, Host, Link, Topology
+from .api import (
+    clip_grad_norm_,
+    clip_grad_value_,
+    data_parallel_rank,
+    full_parameters,
+    load,
+    load_state_dict,
+    parallelize,
+    save,
+    state_dict,
+    stats,
+    unparallelize,
+)
+from .cluster.topology import Cluster, Host, Link, Topology
+from .config.parallel import ParallelConfig
 from .errors import UserError
-from .memory import estimate_memory
-from .parallel_config import ParallelConfig
-from .sync.ahead import prefetch
-# Last: the function `plan` takes the name that importing the submodule `tilework.plan` (the
-# plan's data types, `from tilework.plan import Plan`) gave the package.
-from .planner import plan  # noqa: E402
+from .estimate import estimate_memory
+from .parallel.rows.ahead import prefetch
+from .planner import plan
 
 __version__ = "0.1.0"
 __all__ = ["parallelize", "unparallelize", "plan", "ParallelConfig", "clip_grad_norm_", "clip_grad_value_",

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from . import planner
-from .cluster import Cluster
+from .cluster.topology import Cluster
+from .cluster.worker_env import WorkerEnv
 from .comm.groups import Groups, build_groups, init_from_env
+from .config.parallel import ParallelConfig
 from .errors import CheckpointError, PlanError
-from .parallel_config import ParallelConfig
-from .plan import Plan
-from .worker_env import WorkerEnv
+from .plans.plan import Plan
 
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -48,7 +48,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if plan is not None and plan.parallel is not None:
         config = _config_of_mesh_plan(config, plan)
     if config.model_parallel:
-        from .meshed import parallelize_on_mesh
+        from .runtime.mesh import parallelize_on_mesh
 
         if plan is None:
             plan = planner.plan(model, config, cluster, density, traffic,
@@ -78,12 +78,14 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         plan = planner.plan(model, config, cluster, density, traffic, topology=groups.topology)
     if plan.world_size != groups.world_size:
         raise PlanError(f"plan is for {plan.world_size} ranks, the world has {groups.world_size}")
-    from .sync.engine import Engine
-    from .sync.recompute import apply_recompute
+    from .runtime.engine import Engine
+    from .runtime.recompute import apply_recompute
 
     engine = Engine(model, optimizer, groups, plan, config.check_inputs)
     apply_recompute(model, plan.recompute, engine.changes)
     if log and groups.rank == 0:
+        from .report.tables import print_plan
+
         print_plan(plan)
     return model, optimizer
 
@@ -118,23 +120,6 @@ def _config_of_mesh_plan(config: ParallelConfig, plan: Plan) -> ParallelConfig:
         stages_per_rank=parallel.stages_per_rank)
 
 
-def print_plan(plan: Plan, console=None) -> None:
-    from rich.table import Table
-
-    from .tables import add_name_column, name_cell, print_table
-
-    table = Table(title=f"tilework plan: mode={plan.mode}, mesh {plan.mesh}, "
-                        f"sparse_reduce={plan.sparse_reduce}, "
-                        f"local_aggregation={plan.local_aggregation}",
-                  caption=plan.recompute_line())
-    add_name_column(table)
-    for col in plan.columns()[1:]:
-        table.add_column(col, overflow="fold")   # wrap long words too, never cut them
-    for name, *rest in plan.table():
-        table.add_row(name_cell(name), *rest)
-    print_table(table, console)
-
-
 def _engine(model):
     engine = getattr(model, "_tilework_engine", None)
     if engine is None:
@@ -152,7 +137,7 @@ def unparallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     if optimizer is not None and optimizer is not engine.optimizer:
         raise PlanError("unparallelize: this optimizer is not the one parallelize was given")
     if getattr(engine, "mesh", None) is not None:
-        from .mesh_state import unparallelize_mesh
+        from .checkpoint.mesh_state import unparallelize_mesh
 
         return unparallelize_mesh(engine, engine.optimizer)
     engine.undo()
@@ -199,7 +184,7 @@ def state_dict(model, optimizer) -> dict[str, Any]:
     """World-size-independent state in single-device layout (tables complete on rank 0 only)."""
     engine = getattr(model, "_tilework_engine", None)
     if getattr(engine, "mesh", None) is not None:
-        from .mesh_state import full_state
+        from .checkpoint.mesh_state import full_state
 
         return full_state(engine)
     if engine is not None:
@@ -210,12 +195,12 @@ def state_dict(model, optimizer) -> dict[str, Any]:
 def load_state_dict(model, optimizer, state: dict[str, Any]) -> None:
     engine = getattr(model, "_tilework_engine", None)
     if getattr(engine, "mesh", None) is not None:
-        from .mesh_state import load_full_state
+        from .checkpoint.mesh_state import load_full_state
 
         return load_full_state(engine, state)
     if engine is not None:
         return engine.load_state_dict(state)
-    from .sync.state import state_mismatch
+    from .checkpoint.state import state_mismatch
 
     problem = state_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
                              state.get("model") if isinstance(state, dict) else None)
@@ -242,7 +227,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
     of parameters, goes to torch's own. Every rank calls it."""
     engine = getattr(model, "_tilework_engine", None)
     if getattr(engine, "mesh", None) is not None:
-        from .mesh_clip import clip_norm_on_mesh
+        from .runtime.mesh_clip import clip_norm_on_mesh
 
         with engine.guard.call("tilework.clip_grad_norm_()"):
             return clip_norm_on_mesh(engine, float(max_norm), float(norm_type),
@@ -256,7 +241,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
                                               foreach)
     # torch's own refuses sparse gradients (nn.Embedding(sparse=True), under DDP too): the same
     # formula, a sparse gradient's norm being that of its coalesced rows.
-    from .sync.clip import clip_by_total_norm, coalesced_grads, total_norm
+    from .runtime.clip import clip_by_total_norm, coalesced_grads, total_norm
 
     grads = coalesced_grads(params)
 
@@ -272,7 +257,7 @@ def clip_grad_value_(model, clip_value: float, foreach: bool | None = None) -> N
     params = list(model.parameters() if isinstance(model, nn.Module) else model)
     if not _sparse_grads(params):
         return torch.nn.utils.clip_grad_value_(params, clip_value, foreach=foreach)
-    from .sync.clip import coalesced_grads
+    from .runtime.clip import coalesced_grads
 
     for g in coalesced_grads(params):
         g.clamp_(-clip_value, clip_value)
@@ -287,7 +272,7 @@ def state_to_write(model, optimizer) -> dict[str, Any] | None:
     alone (None elsewhere), so that no other rank assembles the whole model and optimizer."""
     engine = getattr(model, "_tilework_engine", None)
     if getattr(engine, "mesh", None) is not None:
-        from .mesh_state import full_state
+        from .checkpoint.mesh_state import full_state
 
         return full_state(engine, dst=0)
     return state_dict(model, optimizer)
@@ -295,8 +280,8 @@ def state_to_write(model, optimizer) -> dict[str, Any] | None:
 
 def save(path: str | Path, model, optimizer) -> None:
     """Write a checkpoint atomically, with its length and digest (every rank calls it; rank 0
-    writes). The same file format as `tilework train`'s checkpoints (train/checkpoint.py)."""
-    from .train import checkpoint
+    writes). The same file format as `tilework train`'s checkpoints (checkpoint/file.py)."""
+    from .checkpoint import file as checkpoint
 
     state = state_to_write(model, optimizer)
     engine = getattr(model, "_tilework_engine", None)
@@ -313,6 +298,6 @@ def save(path: str | Path, model, optimizer) -> None:
 def load(path: str | Path, model, optimizer) -> None:
     """Load a checkpoint from `save` (or `tilework train`): damaged or mismatched files are
     refused before anything is loaded."""
-    from .train import checkpoint
+    from .checkpoint import file as checkpoint
 
     load_state_dict(model, optimizer, checkpoint.load(path)["state"])

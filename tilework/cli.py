@@ -16,8 +16,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from .cluster.worker_env import WorkerEnv
 from .errors import UserError
-from .worker_env import WorkerEnv
 
 
 class _Parser(argparse.ArgumentParser):
@@ -102,18 +102,18 @@ def _fault_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(a, argv, env) -> int:
-    from . import launch
+    from .launch import launcher as launch
 
     if not os.path.isfile(a.script):  # unlike Path.is_file, never raises (e.g. on a long name)
         raise UserError(f"{a.script}: script not found")
     # Through the runner: a failing script is reported as a `tilework train` worker's failure is.
-    return launch.run(_spec(a), ["-m", "tilework.script", a.script, *a.args], verbose=a.verbose)
+    return launch.run(_spec(a), ["-m", "tilework.launch.script", a.script, *a.args], verbose=a.verbose)
 
 
 def _spec(a):
     """Where the workers run: -n local processes, or this host's share of a cluster file."""
-    from . import launch
-    from .cluster import Cluster
+    from .cluster.topology import Cluster
+    from .launch import launcher as launch
 
     restarts, timeout = getattr(a, "max_restarts", 0), getattr(a, "timeout", None)
     if getattr(a, "hosts", None) is not None:  # `--hosts ""` too: a path, and not a file
@@ -122,9 +122,10 @@ def _spec(a):
 
 
 def _start(a, env: WorkerEnv, task: str, spec: dict) -> int:
-    """Start the workers (-n, --hosts) on `task` (tilework.worker), or do it in this process:
+    """Start the workers (-n, --hosts) on `task` (tilework.launch.worker), or do it in this process:
     one process with nothing to restart, or a worker already (e.g. of torchrun)."""
-    from . import launch, worker
+    from .launch import launcher as launch
+    from .launch import worker
 
     where = _spec(a)  # checks -n, --hosts, --max-restarts, --timeout before anything starts
     alone = where.nnodes == 1 and where.nproc_per_node == 1 and not where.max_restarts
@@ -134,8 +135,8 @@ def _start(a, env: WorkerEnv, task: str, spec: dict) -> int:
 
 
 def _cmd_train(a, argv, env) -> int:
+    from .launch.worker import job_spec
     from .train.job import Job
-    from .worker import job_spec
 
     job = Job.load(a.job)  # checked here, before any worker starts
     # The cluster file's links plan the job (its path: each worker reads it, as `_spec` does).
@@ -145,8 +146,8 @@ def _cmd_train(a, argv, env) -> int:
 def _cmd_plan(a, argv, env) -> int:
     import json
 
-    from .cluster import Cluster
-    from .report import report
+    from .cluster.topology import Cluster
+    from .report.job import report
     from .train.job import Job
 
     job = Job.load(a.job)
@@ -170,9 +171,9 @@ def _cmd_plan(a, argv, env) -> int:
     from rich.console import Console
 
     if out["mode"] == "mesh":
-        from .api import print_plan
-        from .mesh_report import format_mesh_report
-        from .plan import Plan
+        from .plans.plan import Plan
+        from .report.mesh import format_mesh_report
+        from .report.tables import print_plan
 
         print_plan(Plan.from_dict(out["plan"]), Console(soft_wrap=True))
         print(format_mesh_report(out, f"{a.job} on {where}"))
@@ -186,8 +187,8 @@ def _search(a, job, cluster, where: str) -> int:
     import dataclasses
     import json
 
-    from .mesh_search import search_mesh
-    from .report import meta_model
+    from .planner.search import search_mesh
+    from .train.planning import meta_model
 
     if job.workload != "gpt":
         raise UserError(f"--search: the mesh search splits the gpt workload's model; this job "
@@ -227,8 +228,8 @@ def _plan_flops(a, job) -> tuple[float | None, str]:
     """The compute rate a model-parallel plan times its stages at: --gflops, else what
     `tilework calibrate` measured for the cluster file, else one thread's matmul here (a
     data-parallel plan times only communication and needs none)."""
-    from .calibrate import matmul_flops
-    from .calibration_file import calibrated_flops
+    from .cluster.calibrate import matmul_flops
+    from .cluster.calibration_file import calibrated_flops
 
     if a.gflops is not None:
         if not 0 < a.gflops < float("inf"):
@@ -247,7 +248,7 @@ def _print_report(out: dict, title: str, console) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from .tables import add_name_column, name_cell, print_table
+    from .report.tables import add_name_column, name_cell, print_table
 
     # Text, not markup: a path may hold "[/b]", which rich would take for a closing tag.
     table = Table(title=Text(f"{title}: {out['hosts']} hosts, {out['world_size']} ranks"))
@@ -290,7 +291,7 @@ def _print_memory(memory: list[dict], console) -> None:
 
 
 def _cmd_calibrate(a, argv, env) -> int:
-    from .cluster import Cluster
+    from .cluster.topology import Cluster
 
     Cluster.load(a.cluster)  # checked here, before any worker starts
     if a.nproc < 2 and env.world_size < 2:
@@ -325,9 +326,9 @@ def _cmd_bench(a, argv, env) -> int:
 def _cmd_demo(a, argv, env) -> int:
     import dataclasses
 
-    from . import config
+    from .config import files as config
+    from .launch.worker import job_spec
     from .train.job import Job
-    from .worker import job_spec
 
     text = resources.files("tilework").joinpath("demo.toml").read_text()
     job = config.from_dict(Job, config.tomllib.loads(text), source="demo.toml")
@@ -343,8 +344,8 @@ def _cmd_demo(a, argv, env) -> int:
 
 def _run_worker(command, args, argv, env: WorkerEnv) -> int:
     """One rank of a group someone else launched (`torchrun ... -m tilework train`): a failure
-    is one line, and the exit code tells the launcher whether this rank caused it (faults.py)."""
-    from .faults import stop_worker
+    is one line, and the exit code tells the launcher whether this rank caused it (launch/faults.py)."""
+    from .launch.faults import stop_worker
 
     try:
         return command(args, argv, env)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .faults import yield_to_the_guards_verdict
+from .launch.faults import yield_to_the_guards_verdict
 
 
 class RankFailed(RuntimeError):

@@ -160,7 +160,7 @@ def test_two_nccl_ranks_train_as_one_cuda_process(config):
 def refuse_cpu_model(rank, world_size):
     from tilework.comm.groups import build_groups
     from tilework.errors import PlanError
-    from tilework.sync.preflight import check_device
+    from tilework.runtime.preflight import check_device
 
     groups = build_groups()
     assert groups.device.type == "cuda"

@@ -19,7 +19,7 @@ unique/index_add bookkeeping, gloo's sparse coalescing), which the cost model do
 Communication a system overlaps with compute (DDP's all-gathers during backward) is not seen:
 it is the exposed communication.
 
-Prediction: the cost model (`tilework.cost`) on the plan the system ran, with the traffic the
+Prediction: the cost model (`tilework.estimate.cost`) on the plan the system ran, with the traffic the
 batches really touched (distinct rows per rank and in the world, from the ids) and the links
 fitted on the same emulated network, per collective (`links` mode: all_reduce, all_to_all and
 all_gather timed like `tilework calibrate` and fitted with its `fit_alpha_beta`).
@@ -39,10 +39,17 @@ from pathlib import Path
 
 import torch
 
-from ..cluster import Cluster, Host, Link, Links, Topology
-from ..cost import (TableTraffic, dense_rides_push, predict, ps_table_bytes, ring_allreduce,
-                    seconds, sparse_allgather)
-from ..wire import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, ring_allreduce_bytes
+from ..cluster.topology import Cluster, Host, Link, Links, Topology
+from ..comm.wire import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, ring_allreduce_bytes
+from ..estimate.cost import (
+    TableTraffic,
+    dense_rides_push,
+    predict,
+    ps_table_bytes,
+    ring_allreduce,
+    seconds,
+    sparse_allgather,
+)
 
 SPARSE_WORKLOADS = ("lm100k", "lm800k", "recommender")
 LINK_COLLECTIVES = ("all_reduce", "all_to_all", "all_gather")
@@ -101,7 +108,7 @@ def fitted_link(points: list[tuple[int, float]], collective: str, n: int) -> Lin
     """A cost-model link from (wire bytes one rank sends, seconds) of one collective on n ranks:
     `calibrate.fit_alpha_beta`, alpha spread over the collective's messages (as calibrate
     writes a cluster file's link), so cost.seconds(bytes, link, messages) is the fitted line."""
-    from ..calibrate import fit_alpha_beta
+    from ..cluster.calibrate import fit_alpha_beta
 
     alpha, beta = fit_alpha_beta([p[0] for p in points], [p[1] for p in points])
     return Link(bandwidth_gbps=beta * 8 / 1e9,
@@ -416,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     lk.add_argument("--repeats", type=int, default=3)
     lk.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    from ..worker_env import WorkerEnv
+    from ..cluster.worker_env import WorkerEnv
 
     env = WorkerEnv.from_environ()
     if a.mode == "worker":

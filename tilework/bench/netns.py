@@ -2,7 +2,7 @@
 
     with emulated_cluster(2, LinkShape(rate_mbit=500)) as cluster:
         env = cluster.gloo_env(1, master_port=29500)
-        subprocess.run(cluster.command(1, [sys.executable, "worker.py"], env))
+        subprocess.run(cluster.command(1, [sys.executable, "launch/worker.py"], env))
 
 Host i is the namespace `<prefix>h<i>` with one veth `veth<i>` at 192.0.2.(10+i)/24 (a range
 reserved for documentation, so nothing here can reach a real network); the other end of each veth

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from ..comm.counted import Stats
 from ..models.gpt import TinyGPT
-from ..pipeline.runtime import PipelineRunner
-from ..pipeline.schedule import build
-from ..pipeline.stages import split_stages
+from ..parallel.pipeline.runtime import PipelineRunner
+from ..parallel.pipeline.schedule import build
+from ..parallel.pipeline.stages import split_stages
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,12 @@ def _ours(shape: Shape, name: str, pp: int, v: int):
 
 
 def _torch(shape: Shape, name: str, pp: int, v: int):
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     n = pp * (v if name == "interleaved" else 1)
     model, rank = shape.model(), dist.get_rank()
@@ -229,7 +233,7 @@ def run_rank(rank: int, world_size: int, shape: Shape, names: list[str], v: int,
 def link_fit(rank: int, world_size: int, nbytes: int):
     """This world's send/recv fitted to alpha + bytes / beta around `nbytes` (calibrate's
     timing and fit)."""
-    from ..calibrate import fit_points, time_points
+    from ..cluster.calibrate import fit_points, time_points
 
     sizes = [nbytes // 4, nbytes, 4 * nbytes, 16 * nbytes]
     points = time_points(dist.group.WORLD, world_size, sizes, repeats=15,

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..worker_env import WorkerEnv
+from ..cluster.worker_env import WorkerEnv
 from .netns import LinkShape, available, emulated_cluster
 from .worker import SYSTEMS, TORCHREC_SYSTEMS
 
@@ -106,7 +106,8 @@ def _peer_missing(systems: list[str], workloads: list[str], log) -> str | None:
     which workloads it skips."""
     if not set(systems) & set(TORCHREC_SYSTEMS):
         return None
-    from .torchrec_peer import WORKLOADS as PEER_WORKLOADS, missing
+    from .torchrec_peer import WORKLOADS as PEER_WORKLOADS
+    from .torchrec_peer import missing
 
     skipped = [w for w in workloads if w not in PEER_WORKLOADS]
     if skipped:
@@ -119,7 +120,7 @@ def _peer_missing(systems: list[str], workloads: list[str], log) -> str | None:
 
 def run_suite(workloads: list[str], systems: list[str], quick: bool, steps: int, warmup: int,
               log=print) -> dict:
-    from ..calibrate import matmul_flops
+    from ..cluster.calibrate import matmul_flops
 
     flops = matmul_flops()
     chosen, note = settings(quick, flops)

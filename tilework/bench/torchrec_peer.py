@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..wire import all_gather_bytes, all_to_all_bytes, ring_allreduce_bytes
+from ..comm.wire import all_gather_bytes, all_to_all_bytes, ring_allreduce_bytes
 
 SYSTEMS = ("torchrec", "torchrec-rw")
 WORKLOADS = ("recommender",)
@@ -92,7 +92,11 @@ def _sharder_class():
 
 
 def _plan(model: nn.Module, sharder, tables: int, row_wise: bool, world_size: int):
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
 
     constraints = {f"t{i}": ParameterConstraints(sharding_types=["row_wise"])
                    for i in range(tables)} if row_wise else None

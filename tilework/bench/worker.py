@@ -7,7 +7,7 @@ Systems: ddp (DistributedDataParallel, dense gradients: Horovod's analogue), ddp
 sparse embedding gradients, gloo's sparse all-reduce), tilework's allreduce, ps and hybrid,
 hybrid-zipf (hybrid planned with the workload's Zipf traffic: the planner chooses each table and
 its hot head), hybrid-hot (that plan with each server table's head that a rank touches with
-probability >= 0.5 replicated where the planner kept none; sync/hot.py), hybrid-contiguous
+probability >= 0.5 replicated where the planner kept none; parallel/rows/hot.py), hybrid-contiguous
 (hybrid with every table's rows in contiguous ranges, the layout before the planner chose hashed
 rows: what the row map gains), hybrid-ahead (hybrid with the loop's batches read through
 `tilework.prefetch`: the next batch's ids routed during this step), and TorchRec (torchrec,
@@ -75,7 +75,7 @@ def _hot_plan(model, workload, world_size: int, probability: float | None):
     import dataclasses
 
     from .. import ParallelConfig, planner
-    from ..cluster import Topology
+    from ..cluster.topology import Topology
 
     topology = Topology.from_sizes([world_size])
     traffic = workload.traffic(topology)
@@ -93,7 +93,7 @@ def _hot_plan(model, workload, world_size: int, probability: float | None):
 def _ddp_bytes(model, world_size: int) -> int:
     """What DDP sent this step: ring all-reduce of dense grads; sparse grads are all-gathered
     (every rank sends its indices and values to the n - 1 others)."""
-    from ..wire import all_gather_bytes, ring_allreduce_bytes
+    from ..comm.wire import all_gather_bytes, ring_allreduce_bytes
 
     dense = sparse = 0
     for p in model.parameters():
@@ -172,7 +172,7 @@ def main() -> None:
         why = refuse(a.workload) or missing()
         if why:
             raise SystemExit(f"{a.system}: {why}")
-    from ..worker_env import WorkerEnv
+    from ..cluster.worker_env import WorkerEnv
 
     env = WorkerEnv.from_environ()  # this worker's entry point: the one read
     result = run(a.workload, a.system, a.steps, a.warmup)

@@ -30,7 +30,7 @@ class BenchWorkload:
 
     def traffic(self, topology) -> dict:
         """The tables' expected traffic (cost.TableTraffic), for the planner's hybrid search."""
-        from ..cost import TableTraffic
+        from ..estimate.cost import TableTraffic
 
         if self.zipf is None:
             return {}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..wire import all_gather_bytes, all_to_all_bytes, count_exchange_bytes, ring_allreduce_bytes
+from .wire import all_gather_bytes, all_to_all_bytes, count_exchange_bytes, ring_allreduce_bytes
 
 
 @dataclass
@@ -197,7 +197,7 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
     the lengths go first in a small all-to-all of int64 counts (counted too: real traffic).
     `remote[j]` says group rank j is on another host, for the inter-host byte count.
     `tail`: (method, k): the last k elements of every chunk, sent and received, are another
-    method's bytes (a dense bucket riding the push, sync/dense.py), counted as that method's.
+    method's bytes (a dense bucket riding the push, parallel/data/dense.py), counted as that method's.
     `async_op` (with `recv_lengths`): launch and return at once; `.wait()` gives the list.
     """
     n = group_size(group)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..cluster import Topology
-from ..worker_env import WorkerEnv
+from ..cluster.topology import Topology
+from ..cluster.worker_env import WorkerEnv
 
 
 @dataclass(frozen=True)

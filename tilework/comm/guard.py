@@ -133,7 +133,7 @@ class CallGuard:
         self.store.set(f"{self.prefix}{question}/{self.rank}", json.dumps(self._position()))
 
     def _stop_here(self, verdict: str) -> None:
-        from ..faults import record_for_launcher
+        from ..cluster.worker_env import record_for_launcher
 
         STOPPING.set()
         line = f"rank {self.rank}: {verdict}"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import write_atomic
+from ..checkpoint.atomic import write_atomic
 
 _TOKEN = re.compile(r"[A-Za-z_]+|\d+|[^\sA-Za-z_\d]")
 UNK = "<unk>"

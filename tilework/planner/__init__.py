@@ -1,16 +1,16 @@
 """The planner: `plan(model, config, cluster)` returns the one Plan a run executes, pure.
 
-tables.py plans the data-parallel axis, parameter by parameter (all-reduce, ZeRO, the servers
-with their partitions and hot rows, chosen by cost where a table's traffic is known); mesh.py
+report/tables.py plans the data-parallel axis, parameter by parameter (all-reduce, ZeRO, the servers
+with their partitions and hot rows, chosen by cost where a table's traffic is known); cluster/mesh.py
 plans a dp x pp x cp x tp run: the tp layout, the pipeline cut and schedule, and each pipeline
-rank's part planned by tables.py over its dp group.
+rank's part planned by report/tables.py over its dp group.
 """
 
 from __future__ import annotations
 
-from ..cluster import Cluster, Topology
-from ..parallel_config import ParallelConfig
-from ..plan import Plan
+from ..cluster.topology import Cluster, Topology
+from ..config.parallel import ParallelConfig
+from ..plans.plan import Plan
 from . import mesh, tables
 from .tables import Mode, make_plan, partition_candidates, search
 

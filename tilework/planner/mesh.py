@@ -5,7 +5,7 @@ cp, then the pipeline cut), with stand-ins for the collectives that only make te
 right shapes (`tensor.regions.ShapeOnlyTP`, `context.comm.ShapeOnlyRing`); each pipeline
 coordinate's part is then planned as data parallelism over its dp group (tables.plan), and the
 parts' entries become one Plan: every parameter as one rank holds it, with its tp split and
-the pp ranks that hold it. The runtime applies this Plan (meshed.py) and runs `plan.part(pp)`
+the pp ranks that hold it. The runtime applies this Plan (runtime/mesh.py) and runs `plan.part(pp)`
 on each rank's engine, so what `tilework.plan` returns is what runs.
 """
 
@@ -15,13 +15,13 @@ import dataclasses
 
 from torch import nn
 
-from ..cluster import Topology
+from ..cluster.mesh import Mesh, parallel_mesh
+from ..cluster.topology import Topology
 from ..comm.counted import Stats
+from ..config.parallel import ParallelConfig
 from ..errors import PlanError
-from ..mesh import Mesh, parallel_mesh
-from ..meta_forward import on_meta
-from ..parallel_config import ParallelConfig
-from ..plan import ParallelPlan, ParamPlan, Plan
+from ..estimate.meta_forward import on_meta
+from ..plans.plan import ParallelPlan, ParamPlan, Plan
 from . import tables
 
 
@@ -94,15 +94,15 @@ def shape_only_copy(model: nn.Module, config: ParallelConfig, at: dict[str, int]
     cp), before the pipeline cut; and the layout it applied (None without tp)."""
     meta = on_meta(model)
     layout = None
-    if config.tp > 1:   # tp first, then cp: the runtime's order (meshed.py)
-        from ..tensor import apply_layout, layout_for
-        from ..tensor.regions import ShapeOnlyTP
+    if config.tp > 1:   # tp first, then cp: the runtime's order (runtime/mesh.py)
+        from ..parallel.tensor import apply_layout, layout_for
+        from ..parallel.tensor.regions import ShapeOnlyTP
 
         tp = ShapeOnlyTP(None, at["tp"], config.tp, config.sequence_parallel)
         layout = apply_layout(meta, config.layout or layout_for(model), tp)
     if config.cp > 1:
-        from ..context import apply_context_parallel
-        from ..context.comm import ShapeOnlyRing
+        from ..parallel.context import apply_context_parallel
+        from ..parallel.context.comm import ShapeOnlyRing
 
         apply_context_parallel(meta, None, Stats(), positions="positions" if config.pp > 1
                                else None, require_modules=config.pp > 1)
@@ -118,8 +118,8 @@ def pipeline_parts(meta: nn.Module, config: ParallelConfig):
     (stack, block ranges) or None, and the schedule (None without pp)."""
     if config.pp == 1:
         return [meta], None, None
-    from ..pipeline import build
-    from ..pipeline.model import cut_stages, is_reference_gpt, local_part, stage_modules
+    from ..parallel.pipeline import build
+    from ..parallel.pipeline.model import cut_stages, is_reference_gpt, local_part, stage_modules
 
     schedule = build(config.schedule, config.pp, config.microbatches or 2 * config.pp,
                      config.stages_per_rank)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from ..analysis import ParamInfo, analyze, owning_units, recompute_choices
-from ..cluster import Cluster, Links, Topology
-from ..cost import TableTraffic, predict, ps_expected, ps_split, ring_allreduce
+from ..cluster.mesh import Mesh
+from ..cluster.topology import Cluster, Links, Topology
+from ..config.parallel import ParallelConfig
 from ..errors import PlanError
-from ..parallel_config import ParallelConfig
-from ..mesh import Mesh
-from ..plan import Method, ParamPlan, Plan, RowMap, RowMapChoice, bucket_bytes
+from ..estimate.cost import TableTraffic, predict, ps_expected, ps_split, ring_allreduce
+from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
+from ..plans.plan import Method, ParamPlan, Plan, RowMap, RowMapChoice, bucket_bytes
 
 Mode = Literal["hybrid", "allreduce", "ps"]
 
@@ -83,7 +83,7 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                         f"size; these have {[len(h) for h in topology.hosts]} ranks (use "
                         f"zero_scope='world')")
     # A hot head's sum rides the last dense bucket where dense parameters of its dtype are
-    # all-reduced in buckets (sync/dense.py): its bytes then, and no meeting of its own.
+    # all-reduced in buckets (parallel/data/dense.py): its bytes then, and no meeting of its own.
     bucketed = {i.dtype for i in infos if not i.is_table} if mode == "hybrid" and zero <= 1 \
         else set()
     params = []

@@ -9,7 +9,7 @@
     [parallel.layout] "blocks.layers.*.linear1" = "colwise", ...
 
 Only the selected workload's table is read. Every key is checked; unknown keys are refused by name.
-tp, pp and cp split the model itself (tilework/meshed.py): only the gpt workload, a TinyGPT,
+tp, pp and cp split the model itself (tilework/runtime/mesh.py): only the gpt workload, a TinyGPT,
 has the blocks they split, so the others refuse them here, before any worker starts.
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .. import config
-from ..parallel_config import ParallelConfig
-from ..config import check
+from ..config import files as config
+from ..config.files import check
+from ..config.parallel import ParallelConfig
 
 MAX_LAYERS = 256
 MAX_SEED = 2**40  # workloads seed generators with seed * 1_000_003 + step, which must fit 64 bits
@@ -165,7 +165,7 @@ class Job:
         check(self.workload == "gpt", f"parallel.{axis}",
               f"1 for the {self.workload!r} workload: tp, pp and cp split a transformer's "
               "blocks, which only workload = \"gpt\" has")
-        from ..tensor.layout import STYLES, style_specs
+        from ..parallel.tensor.layout import STYLES, style_specs
 
         for pattern, style in (p.layout or {}).items():
             check(isinstance(style, str) and style_specs(style) is not None,

@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .. import full_parameters, optim, prefetch
+from ..checkpoint import file as checkpoint
 from ..data import ShardedBatches
-from . import checkpoint
 from .job import Job
 from .workloads import Workload, build
 
@@ -89,12 +89,12 @@ def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
     `tilework plan` plans the job: the job's model of its ids gives each table's traffic, the
     cluster file (when given) the links."""
     from ..api import parallelize
-    from ..report import job_cluster, table_traffic
+    from .planning import job_cluster, table_traffic
 
     model = work.model
     opt = optim.make(job.train.optimizer, model.parameters(), job.train.lr)
     cluster = job_cluster(session.groups.topology, cluster)
-    from ..analysis import analyze
+    from ..plans.analysis import analyze
 
     traffic = table_traffic(job, analyze(model), cluster)
     # On a mesh with pp > 1 what comes back is another module (a PipelineModel: model.step).

@@ -9,10 +9,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..cluster.worker_env import WorkerEnv
 from ..data import ClickLogs, SyntheticImages, TokenSequences, stdlib_corpus, zipf_tokens
 from ..models import DLRM, SmallResNet, TinyGPT, WordLM
 from ..models.lm import sample_negatives
-from ..worker_env import WorkerEnv
 from .job import Job
 
 

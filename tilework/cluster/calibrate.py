@@ -1,0 +1,351 @@
+"""Calibration: time real collectives on this world and fit the alpha-beta model to them.
+
+    tilework calibrate --cluster cluster.toml [-n N] [--quick]
+
+Each collective is timed over a range of buffer sizes (median of `repeats` after a warm-up) and
+`t = alpha + bytes / beta` is fitted, where `bytes` is what one rank sends by the cost model's
+definitions (`WIRE`): a ring all-reduce sends 2(n-1)/n of its buffer, an evenly split
+all-to-all sends (n-1)/n of it to the others, a send sends all of it. Rank 0 then writes the
+all-reduce fit into the cluster file as the link the world's ranks span (`links.inter` when they
+are on several hosts, else `links.intra`), with `latency_us` per message (alpha over the
+2(n-1) messages `cost.ring_allreduce` counts, so the planner reproduces the fitted time), and
+every collective's fit into `<cluster stem>.calibration.json` beside it.
+
+The fit is ordinary least squares, so the large sizes, whose time is mostly bytes / beta,
+decide beta; alpha is clamped at 0. (Weighting by 1/t, to give small sizes a say, was tried and
+fails on shaped links: a tbf bucket lets the first ~125 KB through unshaped, so small sizes look
+fast, and a relative fit took beta from them: 1.5 to 9 times too high for large messages; see
+docs/comm-model.md.)
+
+`python -m tilework.cluster.calibrate` is a bare worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in
+the environment, gloo over TCP) for benchmarks that start processes themselves, e.g. inside
+emulated hosts; it writes rank 0's results as JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..checkpoint.atomic import write_atomic
+from ..comm.wire import COLLECTIVES as ON_WIRE
+from ..errors import UserError
+from ..estimate import cost
+
+# The calibration file beside the cluster file: written and read in calibration_file.py.
+from .calibration_file import (  # noqa: F401, E402
+    calibrated_flops,
+    calibration_path,
+    summary,
+    write_calibration,
+)
+from .topology import Link
+
+KB, MB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
+DEFAULT_REPEATS = 5
+QUICK_SIZES = (4 * KB, 64 * KB, 1 * MB, 4 * MB)
+QUICK_REPEATS = 3
+COLLECTIVES = ("all_reduce", "all_to_all", "send_recv")
+
+
+# The collectives calibration times, by the wire table's definitions of bytes and messages (a
+# send/recv between two ranks is one message, timed as half a round trip).
+WIRE = {name: ON_WIRE[name] for name in COLLECTIVES}
+
+
+class CalibrationError(UserError):
+    """The timings do not determine a model (e.g. times that do not grow with the size)."""
+
+
+def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
+    """(alpha in s, beta in bytes/s) of `t = alpha + bytes / beta`, ordinary least squares.
+    alpha is clamped at 0 (refitting beta alone, through the origin) since a latency cannot be
+    negative; times that do not grow with the size raise ValueError."""
+    x = np.asarray(sizes_bytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if x.shape != t.shape or x.ndim != 1:
+        raise ValueError(f"sizes and seconds must be two equal-length lists, got {x.shape} and {t.shape}")
+    if len(np.unique(x)) < 2:
+        raise ValueError("need points at two or more distinct sizes")
+    if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(np.isfinite(x)) and np.all(x >= 0)):
+        raise ValueError("sizes must be finite and >= 0, seconds finite and > 0")
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(design, t, rcond=None)
+    if alpha < 0:
+        alpha = 0.0
+        inv_beta = float(np.sum(x * t) / np.sum(x * x))
+    if not inv_beta > 0:
+        raise ValueError("the times do not grow with the size, so they give no bandwidth "
+                         f"(sizes {x.tolist()} bytes, seconds {t.tolist()}); use larger sizes")
+    return float(alpha), float(1.0 / inv_beta)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One collective timed on `world_size` ranks: the points and their alpha-beta fit."""
+
+    collective: str
+    world_size: int
+    buffer_bytes: tuple[int, ...]
+    wire_bytes: tuple[int, ...]      # what one rank sends per call (the cost model's bytes)
+    seconds: tuple[float, ...]       # median per size
+    alpha_s: float
+    bytes_per_s: float
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        return list(zip(self.wire_bytes, self.seconds))
+
+    @property
+    def messages(self) -> int:
+        return WIRE[self.collective].messages(self.world_size)
+
+    @property
+    def alpha_us(self) -> float:
+        return self.alpha_s * 1e6
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        return self.bytes_per_s * 8 / 1e9
+
+    def link(self) -> Link:
+        """The fit as a cost-model link: latency per message, so `cost.seconds(bytes, link,
+        self.messages)` is the fitted time."""
+        return Link(bandwidth_gbps=self.bandwidth_gbps, latency_us=self.alpha_us / self.messages)
+
+    def predict(self, buffer_bytes: int, link: Link | None = None) -> float:
+        """Seconds the cost model gives one call on a buffer of `buffer_bytes` (on `link`, by
+        default this fit's own)."""
+        wire = WIRE[self.collective].sent(buffer_bytes, self.world_size)
+        return cost.seconds(wire, link or self.link(), self.messages)
+
+    @classmethod
+    def from_dict(cls, collective: str, d: dict[str, Any]) -> "Measurement":
+        """The inverse of `as_dict` (what the worker and the calibration JSON hold)."""
+        pts = d["points"]
+        return cls(collective, d["world_size"], tuple(p["buffer_bytes"] for p in pts),
+                   tuple(p["wire_bytes"] for p in pts), tuple(p["seconds"] for p in pts),
+                   d["alpha_us"] * 1e-6, d["bandwidth_gbps"] * 1e9 / 8)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "messages": self.messages,
+                "alpha_us": self.alpha_us, "bandwidth_gbps": self.bandwidth_gbps,
+                "latency_us_per_message": self.alpha_us / self.messages,
+                "points": [{"buffer_bytes": b, "wire_bytes": w, "seconds": s}
+                           for b, w, s in zip(self.buffer_bytes, self.wire_bytes, self.seconds)]}
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+def _elements(nbytes: int, n: int) -> int:
+    """float32 elements for a buffer of about `nbytes`, a multiple of n (even all-to-all splits)."""
+    return max(n, (nbytes // 4) // n * n)
+
+
+def time_points(group, world_size: int, sizes, repeats: int = DEFAULT_REPEATS,
+                collectives=COLLECTIVES, warmup: int = 1) -> dict[str, list[tuple[int, int, float]]]:
+    """Time each collective on every buffer size in `group` (every rank calls this, with the same
+    arguments): {collective: [(buffer bytes, wire bytes, median seconds)]}, the same on every rank.
+
+    A call's time is the slowest rank's, from a barrier to the collective's return; send/recv is
+    a ping-pong between group ranks 0 and 1, timed on rank 0 as half the round trip. Buffers are
+    float32, rounded down to a multiple of `world_size` elements (the points carry the real size).
+    """
+    import torch
+    import torch.distributed as dist
+
+    _check_timing_args(group, world_size, collectives, repeats, warmup)
+    sizes = sorted({_elements(int(s), world_size) * 4 for s in sizes})
+    call = _call_timer(group)
+    _open_connections(call, collectives, sizes[0], rounds=3 if warmup else 0)
+    times = torch.zeros(len(collectives), len(sizes), repeats, dtype=torch.float64)
+    for c, name in enumerate(collectives):
+        times[c] = _time_sizes(call, name, sizes, repeats, warmup)
+    # Every rank must report the same points, and a call is only as fast as its slowest rank.
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return {name: [(b, WIRE[name].sent(b, world_size), statistics.median(times[c, s].tolist()))
+                   for s, b in enumerate(sizes)]
+            for c, name in enumerate(collectives)}
+
+
+def _check_timing_args(group, world_size: int, collectives, repeats: int, warmup: int) -> None:
+    import torch.distributed as dist
+
+    if world_size < 2:
+        raise ValueError(f"calibration needs at least 2 ranks, got {world_size}")
+    if dist.get_world_size(group) != world_size:
+        raise ValueError(f"world_size {world_size} but the group has {dist.get_world_size(group)} ranks")
+    unknown = sorted(set(collectives) - set(WIRE))
+    if unknown:
+        raise ValueError(f"unknown collective {unknown[0]!r} (expected one of {', '.join(WIRE)})")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+
+
+def _call_timer(group):
+    """`call(name, send, recv) -> seconds`: one call of a collective in `group`, timed from a
+    barrier (so that every rank starts together) to its return on this rank."""
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    peer = {0: dist.get_global_rank(group, 1), 1: dist.get_global_rank(group, 0)}.get(me)
+
+    def call(name: str, send, recv) -> float:
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        if name == "all_reduce":
+            dist.all_reduce(send, group=group)
+        elif name == "all_to_all":
+            dist.all_to_all_single(recv, send, group=group)
+        elif me == 0:
+            dist.send(send, dst=peer)
+            dist.recv(recv, src=peer)
+            return (time.perf_counter() - start) / 2
+        elif me == 1:
+            dist.recv(recv, src=peer)
+            dist.send(recv, dst=peer)
+            return 0.0   # rank 0 times the round trip
+        else:
+            return 0.0
+        return time.perf_counter() - start
+
+    return call
+
+
+def _open_connections(call, collectives, nbytes: int, rounds: int) -> None:
+    """Connections and buffers come up on the first calls, which a per-size warm-up of one
+    would charge to the smallest size: a few untimed calls of each collective first."""
+    import torch
+
+    first = torch.ones(nbytes // 4)
+    for name in collectives:
+        for _ in range(rounds):
+            call(name, first, torch.empty_like(first))
+
+
+def _time_sizes(call, name: str, sizes, repeats: int, warmup: int):
+    """Seconds of `repeats` calls of collective `name` on each size: a [size, repeat] tensor."""
+    import torch
+
+    times = torch.zeros(len(sizes), repeats, dtype=torch.float64)
+    buffers = [(torch.ones(nbytes // 4), torch.empty(nbytes // 4)) for nbytes in sizes]
+    for send, recv in buffers:
+        for _ in range(warmup):
+            call(name, send, recv)
+    # Sizes interleaved within each round: a burst of load elsewhere on the machine then
+    # slows one round of every size, which the median drops, not every repeat of one size.
+    for r in range(repeats):
+        for s, (send, recv) in enumerate(buffers):
+            times[s, r] = call(name, send, recv)
+    return times
+
+
+def measure(group, world_size: int, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
+            collectives=COLLECTIVES, warmup: int = 1) -> dict[str, Measurement]:
+    """`time_points`, then the alpha-beta fit of each collective's points (at least two sizes).
+    Every rank returns the same result."""
+    return {name: fit_points(name, world_size, pts)
+            for name, pts in time_points(group, world_size, sizes, repeats, collectives,
+                                         warmup).items()}
+
+
+def fit_points(collective: str, world_size: int, points) -> Measurement:
+    """The Measurement of `time_points`' points for one collective."""
+    buffers, wire, seconds = (tuple(col) for col in zip(*points))
+    try:
+        alpha, beta = fit_alpha_beta(wire, seconds)
+    except ValueError as e:
+        raise CalibrationError(f"{collective}: {e}") from None
+    return Measurement(collective, world_size, buffers, wire, seconds, alpha, beta)
+
+
+# -- writing the cluster file -------------------------------------------------------------------
+
+def matmul_flops(size: int = 512, repeats: int = 20) -> float:
+    """One thread's fp32 matmul FLOP/s on this machine (what one rank computes with): the
+    compute rate the pipeline simulator and the mesh search time stages at."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        return 2 * size**3 * repeats / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_compute(group, world_size: int) -> float:
+    """Every rank's matmul FLOP/s at once (ranks share the host as in training), the slowest
+    rank's: a step waits for it."""
+    import torch
+    import torch.distributed as dist
+
+    rate = torch.tensor([matmul_flops()], dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
+    return float(rate.item())
+
+
+# -- a bare worker for benchmarks ---------------------------------------------------------------
+
+def _sizes_arg(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tilework.cluster.calibrate --sizes A,B --out results.json [--judge C,D]`: time the
+    collectives on --sizes and --judge, fit on --sizes only; rank 0 writes {"fit": ..., "judge":
+    ...} to --out."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    from .worker_env import WorkerEnv
+
+    p = argparse.ArgumentParser(prog="python -m tilework.cluster.calibrate")
+    p.add_argument("--sizes", type=_sizes_arg, required=True, help="bytes, comma-separated")
+    p.add_argument("--judge", type=_sizes_arg, default=[], help="bytes, comma-separated")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    p.add_argument("--collectives", default=",".join(COLLECTIVES))
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    env = WorkerEnv.from_environ()  # this bare worker's entry point: the one read
+    rank, world, addr = env.rank, env.world_size, env.master_addr or "127.0.0.1"
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{env.master_port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    collectives = tuple(c for c in a.collectives.split(",") if c)
+    # All sizes in one go, interleaved round by round, so that fitted and judged points see the
+    # same load on the machine; the fit is then made on --sizes alone.
+    points = time_points(dist.group.WORLD, world, [*a.sizes, *a.judge], a.repeats, collectives)
+    fitted = {_elements(s, world) * 4 for s in a.sizes}
+    fit = {name: fit_points(name, world, [p for p in pts if p[0] in fitted])
+           for name, pts in points.items()}
+    judged = {name: [p for p in pts if p[0] not in fitted] for name, pts in points.items()}
+    if rank == 0:
+        out = {"world_size": world,
+               "fit": {name: m.as_dict() for name, m in fit.items()},
+               "judge": {name: [{"buffer_bytes": b, "wire_bytes": w, "seconds": s}
+                                for b, w, s in pts] for name, pts in judged.items()}}
+        write_atomic(Path(a.out), json.dumps(out, indent=2) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

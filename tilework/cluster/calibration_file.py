@@ -1,0 +1,96 @@
+"""The calibration file: what `tilework calibrate` measured, written beside the cluster file
+(`<cluster stem>.calibration.json`, every collective's fit and the compute rate) and into the
+cluster file itself (the all-reduce fit as its link); and read back by `tilework plan`."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..checkpoint.atomic import write_atomic
+from ..config.files import from_dict, read_toml
+from ..config.toml_writer import toml_text
+from ..errors import UserError
+from .topology import Cluster
+
+if TYPE_CHECKING:
+    from .calibrate import Measurement
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def calibrated_flops(cluster_path: str | Path) -> tuple[float, str] | None:
+    """The compute rate `tilework calibrate` wrote beside the cluster file, and when."""
+    path = calibration_path(cluster_path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    rate = data.get("compute", {}).get("flops_per_s") if isinstance(data, dict) else None
+    if not isinstance(rate, (int, float)) or not rate > 0:
+        return None
+    return float(rate), f"{path.name}, {data.get('when', 'undated')}"
+
+
+def calibration_path(cluster_path: str | Path) -> Path:
+    p = Path(cluster_path)
+    return p.with_name(f"{p.stem}.calibration.json")
+
+
+def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
+                      spans_hosts: bool, when: str | None = None,
+                      flops_per_s: float | None = None) -> tuple[str, Path]:
+    """Put the all-reduce fit into the cluster file's `links.inter` (`spans_hosts`) or
+    `links.intra`, and every fit into `calibration_path(cluster_path)`. Returns the link's key and
+    the JSON's path. Other keys of the file are kept; its comments are not (TOML writers drop
+    them), except the leading comment block, which is kept with a line saying what changed."""
+    path = Path(cluster_path)
+    if "all_reduce" not in results:
+        raise ValueError("the cluster file's link comes from the all_reduce fit, which is missing")
+    when = when or datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    data = read_toml(path)
+    Cluster.load(path)  # a valid file before, or a clear error naming it
+    kind = "inter" if spans_hosts else "intra"
+    link = results["all_reduce"].link()
+    values = {"bandwidth_gbps": _sig(link.bandwidth_gbps), "latency_us": _sig(link.latency_us)}
+    links = data.setdefault("links", {})
+    if not isinstance(links, dict):
+        raise UserError(f"{path}: links: expected a table")
+    links.setdefault(kind, {}).update(values)
+    from_dict(Cluster, data, source=str(path))  # still valid after the change
+
+    original = path.read_text(encoding="utf-8")
+    header = []
+    for line in original.splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# tilework calibrate:"):
+            header.append(line)
+    n = results["all_reduce"].world_size
+    header.append(f"# tilework calibrate: links.{kind} from {n}-rank all_reduce on {when} "
+                  f"(all fits in {calibration_path(path).name})")
+    write_atomic(path, "\n".join(header) + "\n" + toml_text(data))
+
+    report = {"cluster": path.name, "when": when, "world_size": n,
+              "spans_hosts": spans_hosts, "updated": f"links.{kind}", "link": values,
+              "calibration": {name: m.as_dict() for name, m in results.items()}}
+    if flops_per_s is not None:
+        report["compute"] = {"flops_per_s": _sig(flops_per_s),
+                             "how": "one thread's fp32 512x512 matmul, the slowest rank's"}
+    json_path = calibration_path(path)
+    write_atomic(json_path, json.dumps(report, indent=2) + "\n")
+    return f"links.{kind}", json_path
+
+
+def summary(results: dict[str, Measurement]) -> str:
+    lines = [f"{'collective':<11} {'alpha_us':>9} {'bandwidth_gbps':>14}  points (wire KB: ms)"]
+    for name, m in results.items():
+        pts = ", ".join(f"{w / 1024:g}: {s * 1e3:.3g}" for w, s in m.points)
+        lines.append(f"{name:<11} {m.alpha_us:>9.1f} {m.bandwidth_gbps:>14.3f}  {pts}")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""What each collective puts on the wire: one table, read by the counters (comm/counted.py),
+the cost model (estimate/cost.py) and calibration (cluster/calibrate.py), so the three cannot disagree.
+
+For a call on a group of n ranks, `sent(nbytes, n)` is what one rank sends and `messages(n)` how
+many messages the alpha-beta model charges it. `nbytes` is the buffer as the caller passes it:
+the whole buffer for all-reduce and all-to-all, one rank's part for all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+COUNT_BYTES = 8   # the int64 length each variable-size all-to-all sends every peer first
+ID_BYTES = 8      # ids travel as int64
+CHECK_BYTES = 16  # per rank per step: the input-check exchange (parallel/data/checks.py), two int64
+CHECK_WORDS = 17  # or, riding the last all-reduce bucket: a flag and 8 digests with their squares
+
+
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    sent: Callable[[int, int], int]
+    messages: Callable[[int], int]
+
+
+def ring_allreduce_bytes(nbytes: int, n: int) -> int:
+    """A ring all-reduce: reduce-scatter then all-gather, each sending n-1 chunks of nbytes/n."""
+    return 0 if n <= 1 else 2 * (n - 1) * nbytes // n
+
+
+def all_to_all_bytes(nbytes: int, n: int) -> int:
+    """An evenly split all-to-all: every part but this rank's own leaves."""
+    return 0 if n <= 1 else (n - 1) * nbytes // n
+
+
+def all_gather_bytes(nbytes: int, n: int) -> int:
+    """gloo's ring all-gather: this rank's part and n-2 forwarded ones, each `nbytes`."""
+    return 0 if n <= 1 else (n - 1) * nbytes
+
+
+def count_exchange_bytes(n: int) -> int:
+    """The int64 lengths a variable-size all-to-all sends every peer before the payload."""
+    return COUNT_BYTES * (n - 1) if n > 1 else 0
+
+
+def id_block_capacity(count: int, capacity: int) -> int:
+    """The ids one rank's pull block to a peer holds from the next step on (parallel/rows/exchange.py),
+    from what this step sent in that block (`count`) and what it held: both ends know both, so
+    they agree without a word. Grows with a quarter's headroom, so a steady stream of ids stops
+    overflowing after its largest step. Shrinks to the same headroom only when a step's ids
+    need under a quarter of the block: a spike (an evaluation's larger batch) does not pad every
+    later step, while ordinary swings between steps never cost an overflow's extra meeting."""
+    fitted = count + count // 4
+    return fitted if count > capacity or 4 * fitted < capacity else capacity
+
+
+RIDE_BYTES = 64 * 2**10
+
+
+def bucket_rides_push(nbytes: int, n: int) -> bool:
+    """Whether the last dense bucket (`nbytes` with what rides it) goes whole to every peer at
+    the end of the server push's all-to-all, each rank summing what arrives, instead of an
+    all-reduce of its own (parallel/data/dense.py): while the ride sends at most 64 KiB, where a step's
+    meetings, not its bytes, are the cost. Measured (2 ranks, gloo): an async all-reduce beside
+    the push cost 1.2-1.9 ms, the push carrying it 0.4-0.6 ms (3k-20k floats), and the
+    recommender's step (6 KB bucket) fell to 0.67-0.84x TorchRec's at 2 emulated hosts; but
+    an LM's 430 KB bucket riding on 850 Mbit/s links made its step 1.26-1.34x DDP-sparse's
+    against 1.13x all-reduced, so a large bucket keeps its all-reduce. The ride sends (n-1)
+    times the bucket (the ring 2(n-1)/n): the same at 2 ranks, more beyond."""
+    return n > 1 and (n - 1) * nbytes <= RIDE_BYTES
+
+
+ALL_REDUCE = Collective("all_reduce", ring_allreduce_bytes, lambda n: 2 * (n - 1))
+ALL_TO_ALL = Collective("all_to_all", all_to_all_bytes, lambda n: n - 1)
+ALL_GATHER = Collective("all_gather", all_gather_bytes, lambda n: n - 1)
+# A reduce-scatter of a buffer of n equal chunks: every chunk but this rank's own leaves once (as
+# gloo does it here, an all-to-all then a local sum; a ring sends the same bytes).
+REDUCE_SCATTER = Collective("reduce_scatter", all_to_all_bytes, lambda n: n - 1)
+SEND_RECV = Collective("send_recv", lambda nbytes, n: nbytes, lambda n: 1)
+
+COLLECTIVES: dict[str, Collective] = {c.name: c for c in (ALL_REDUCE, ALL_TO_ALL, ALL_GATHER,
+                                                          REDUCE_SCATTER, SEND_RECV)}
+
+
+def input_check_bytes(n: int) -> int:
+    """The per-step input check when it travels alone (no float bucket to ride): its 16 bytes
+    all-gathered."""
+    return all_gather_bytes(CHECK_BYTES, n)

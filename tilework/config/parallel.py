@@ -1,0 +1,186 @@
+"""`tilework.ParallelConfig`: every knob of how a model is parallelized, in one typed place.
+
+It is the job file's `[parallel]` table, the one configuration argument of `tilework.plan`,
+`tilework.parallelize` and `tilework plan`'s report; `parallelize(mode="ps", ...)` keywords are
+sugar that build one. Fields are checked when it is made (`__post_init__`), naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .files import check
+
+Mode = Literal["hybrid", "allreduce", "ps"]
+Method = Literal["allreduce", "ps"]
+Recompute = Literal["none", "full", "selective"]
+ScheduleName = Literal["1f1b", "gpipe", "interleaved"]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    mode: Mode = "hybrid"
+    """hybrid: dense parameters all-reduced, sparse tables on the parameter server (chosen by
+    cost where the tables' traffic is known); allreduce or ps: everything one way."""
+
+    sparse_reduce: Literal["mean", "sum"] = "mean"
+    """How server tables combine the ranks' gradient rows (mean: as DDP averages)."""
+
+    local_aggregation: bool = True
+    """Merge gradient rows inside a host before they cross hosts (Parallax's aggregation)."""
+
+    bucket_mb: float = 25.0
+    """All-reduce bucket size in MB (as DDP's bucket_cap_mb)."""
+
+    check_inputs: bool = True
+    """Every step, ranks agree on finite values and equal batch sizes before anything is
+    applied (parallel/data/checks.py); off for deliberately uneven batches."""
+
+    overrides: dict[str, Method] | None = None
+    """Force a method per parameter name, e.g. {"emb.weight": "allreduce"}."""
+
+    partitions: int | dict[str, int] | None = None
+    """Server partitions per table (one number for all, or by name); default one per rank, or
+    the cost search's choice."""
+
+    row_map: Literal["auto", "contiguous", "hashed"] = "auto"
+    """Which rows a partition holds: contiguous ranges, or row % partitions ("hashed"). "auto":
+    the planner chooses per table by the busiest server's load where the traffic is modelled,
+    else hashed, since contiguous ranges of a frequency-sorted vocabulary put the popular rows
+    on one server (docs/planner.md)."""
+
+    zero: int = 0
+    """ZeRO stage for the dense all-reduced parameters (server tables stay on the servers):
+    0 replicated, 1 optimizer state sharded, 2 also gradients, 3 also the values
+    (parallel/data/zero.py)."""
+
+    zero_scope: Literal["world", "host"] = "world"
+    """Over which ranks ZeRO shards: all of them, or each host's (sharded inside a host,
+    replicated across hosts, as FSDP2's HSDP: the gathers stay on the fast links and only a
+    chunk's all-reduce crosses hosts)."""
+
+    offload: Literal["none", "optimizer", "all"] = "none"
+    """Where ZeRO's shards and optimizer state live (parallel/data/offload.py), with zero >= 1:
+    "optimizer" moves the optimizer state off the compute device (on a GPU to pinned host
+    memory, the step running on the CPU; on a CPU host to memory-mapped files in
+    `offload_dir`), "all" the shards of the values too."""
+
+    offload_dir: str | None = None
+    """Where a CPU host's offloaded state is mapped (default: the temporary directory);
+    the files are unlinked once mapped."""
+
+    density_threshold: float = 0.1
+    """A dense-layout table whose measured touched-row fraction is below this goes to the
+    servers (where no traffic model decides by cost)."""
+
+    recompute: Recompute | dict[str, Literal["full", "selective"]] = "none"
+    """Activation recompute: "full" keeps only a block's inputs and recomputes the rest in
+    backward, "selective" keeps the matmul-family outputs and recomputes the cheap ops; given
+    as one policy for the model's repeated blocks (`analysis.recompute_units`), or per module
+    as {glob pattern over module names: policy}, e.g. {"blocks.layers.*": "selective"}."""
+
+    tp: int = 1
+    """Tensor-parallel ranks per model replica (Megatron's t): the layers `layout` names are
+    split over them (tilework/parallel/tensor/); kept inside a host."""
+
+    pp: int = 1
+    """Pipeline stages' ranks (Megatron's p): the model's blocks cut into balanced stages; the
+    runtime then owns the step, `model.step(inputs, targets)` (tilework/parallel/pipeline/)."""
+
+    cp: int = 1
+    """Context-parallel ranks: the sequence split over them, attention as a ring."""
+
+    microbatches: int | None = None
+    """Microbatches per pipeline step (default: 2 x pp); the batch must split into them."""
+
+    schedule: ScheduleName = "1f1b"
+    """The pipeline schedule: "gpipe", "1f1b" (PipeDream-Flush) or "interleaved" (1F1B with
+    `stages_per_rank` model chunks per rank)."""
+
+    stages_per_rank: int = 2
+    """Model chunks per pipeline rank under the interleaved schedule (Megatron's v)."""
+
+    layout: dict[str, str] | None = None
+    """Which module is split how under tp > 1, {module-name pattern: style}
+    (docs/tensor-parallel.md); default: `tilework.parallel.tensor.layout_for(model)`."""
+
+    sequence_parallel: bool = False
+    """Under tp > 1, also split the sequence between the split layers (norms, dropout):
+    all-gather / reduce-scatter in place of all-reduce, activations tp times smaller."""
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """The model-parallel axes' sizes; data parallelism takes the ranks they leave."""
+        return {"pp": self.pp, "cp": self.cp, "tp": self.tp}
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tp * self.pp * self.cp > 1
+
+    def __post_init__(self):
+        check(self.mode in ("hybrid", "allreduce", "ps"), "mode",
+              f"'hybrid', 'allreduce' or 'ps', got {self.mode!r}")
+        check(self.sparse_reduce in ("mean", "sum"), "sparse_reduce",
+              f"'mean' or 'sum', got {self.sparse_reduce!r}")
+        check(self.row_map in ("auto", "contiguous", "hashed"), "row_map",
+              f"'auto', 'contiguous' or 'hashed', got {self.row_map!r}")
+        check(isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
+              and 0 < self.bucket_mb < float("inf"), "bucket_mb",
+              f"a positive size in MB, got {self.bucket_mb!r}")
+        check(self.zero in (0, 1, 2, 3) and not isinstance(self.zero, bool), "zero",
+              f"a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        check(self.zero_scope in ("world", "host"), "zero_scope",
+              f"'world' or 'host', got {self.zero_scope!r}")
+        check(self.offload in ("none", "optimizer", "all"), "offload",
+              f"'none', 'optimizer' or 'all', got {self.offload!r}")
+        check(self.offload == "none" or self.zero >= 1, "offload",
+              f"a ZeRO stage to offload from: {self.offload!r} needs zero = 1, 2 or 3 "
+              f"(zero is {self.zero})")
+        check(isinstance(self.density_threshold, (int, float))
+              and 0 <= self.density_threshold <= 1, "density_threshold",
+              f"a fraction from 0 to 1, got {self.density_threshold!r}")
+        for name, method in (self.overrides or {}).items():
+            check(method in ("allreduce", "ps"), f"overrides.{name}",
+                  f"'allreduce' or 'ps', got {method!r}")
+        parts = self.partitions
+        values = parts.values() if isinstance(parts, dict) else [] if parts is None else [parts]
+        for value in values:
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                  "partitions", f"a positive number of partitions, got {value!r}")
+        self._check_recompute()
+        self._check_mesh()
+
+    def _check_mesh(self) -> None:
+        def count(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+        for name in ("tp", "pp", "cp", "stages_per_rank"):
+            check(count(getattr(self, name)), name,
+                  f"a whole number >= 1, got {getattr(self, name)!r}")
+        check(self.microbatches is None or count(self.microbatches), "microbatches",
+              f"a whole number >= 1, got {self.microbatches!r}")
+        check(self.schedule in ("1f1b", "gpipe", "interleaved"), "schedule",
+              f"'1f1b', 'gpipe' or 'interleaved', got {self.schedule!r}")
+        if self.layout is not None:
+            check(isinstance(self.layout, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.layout.items()),
+                "layout", f"a table of module-name pattern = style, got {self.layout!r}")
+        check(isinstance(self.sequence_parallel, bool), "sequence_parallel",
+              f"true or false, got {self.sequence_parallel!r}")
+        if self.model_parallel:
+            check(self.mode != "ps", "mode", "'hybrid' or 'allreduce' with tp, pp or cp > 1: "
+                  "mode='ps' would serve the split layers' shards")
+
+    def _check_recompute(self) -> None:
+        policies = ("full", "selective")
+        if isinstance(self.recompute, dict):
+            for pattern, policy in self.recompute.items():
+                check(isinstance(pattern, str) and pattern != "", "recompute",
+                      f"module-name patterns (non-empty strings), got {pattern!r}")
+                check(policy in policies, f"recompute.{pattern}",
+                      f"'full' or 'selective', got {policy!r}")
+        else:
+            check(self.recompute in ("none", *policies), "recompute",
+                  f"'none', 'full', 'selective' or {{pattern: 'full' | 'selective'}}, "
+                  f"got {self.recompute!r}")

@@ -1,0 +1,468 @@
+"""Pure cost functions: bytes each rank sends per step, and seconds, for every sync method.
+
+Two levels. *Exact*: given the ids every rank looks up, replay the runtime's routing and return
+the bytes each rank's counters will show (tests hold runtime and model to equality). *Expected*:
+from table sizes and a model of the ids (measured density, or Zipf), the expected bytes the
+planner compares. Seconds follow the alpha-beta model per link class: alpha per message,
+bytes / beta on the slowest link a collective crosses.
+
+No process group is needed: everything here runs at world size 1,000 on a laptop.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cluster.topology import Link, Links, Topology
+from ..comm.wire import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    CHECK_WORDS,
+    ID_BYTES,
+    REDUCE_SCATTER,
+    all_gather_bytes,
+    bucket_rides_push,
+    id_block_capacity,
+    ring_allreduce_bytes,
+)
+from ..plans.plan import Cost, ParamPlan, assign_buckets, dtype_bytes
+from ..plans.rows import TableLayout, routes
+
+
+def link_for(topology: Topology, links: Links) -> Link:
+    return links.inter if topology.num_hosts > 1 else links.intra
+
+
+def seconds(nbytes: float, link: Link, messages: int) -> float:
+    return messages * link.latency_s + nbytes / link.bytes_per_s
+
+
+# -- all-reduce --------------------------------------------------------------------------------
+
+def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
+                     carried_bytes: int = 0, push: bool = False) -> int:
+    """Exact: what `parallel.data.dense.DenseSync` counts per step for parameters in registration order;
+    `carried_bytes` ride the last bucket (the input check's words: CHECK_WORDS elements, hot
+    heads). `push`: a server push over the world happens that step, which the last bucket
+    rides where `wire.bucket_rides_push` says so, whole to every peer."""
+    order = list(reversed(param_nbytes))
+    buckets = assign_buckets(order, bucket_bytes)
+    sizes = [sum(order[i] for i in b) for b in buckets]
+    if sizes:
+        sizes[-1] += carried_bytes
+    last = len(sizes) - 1
+    return sum((n - 1) * s if k == last and push and bucket_rides_push(s, n)
+               else ring_allreduce_bytes(s, n) for k, s in enumerate(sizes))
+
+
+def push_over_world(topology: Topology, local_aggregation: bool) -> bool:
+    """Whether the servers' push is one all-to-all over the world (layout.routes: no local
+    aggregation), which the last dense bucket may ride (`dense_sync_bytes`' `push`)."""
+    return not (local_aggregation and topology.can_aggregate_locally)
+
+
+def dense_rides_push(plan, topology: Topology) -> bool:
+    """Whether `plan`'s dense gradients, in one bucket with the input checks' words, ride the
+    servers' push (`wire.bucket_rides_push`) on `topology`: for the step predictions
+    (bench/comm_prediction.py), which cost them as bytes on the push's link, no meeting."""
+    dense = sum(pp.nbytes for pp in plan.of("allreduce") if not pp.zero)
+    return (any(pp.is_table for pp in plan.of("ps")) and 0 < dense <= plan.bucket_bytes
+            and push_over_world(topology, plan.local_aggregation)
+            and bucket_rides_push(dense + CHECK_WORDS * 4, topology.world_size))
+
+
+def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int = 1) -> Cost:
+    n = topology.world_size
+    sent = ring_allreduce_bytes(nbytes, n)
+    return Cost(sent, seconds(sent, link_for(topology, links), ALL_REDUCE.messages(n) * buckets)
+                if n > 1 else 0.0)
+
+
+# -- ZeRO: exact replay of parallel/data/zero.py -----------------------------------------------------------
+
+def zero_shard(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:
+    """(ranks a ZeRO parameter is sharded over, bytes of each one's padded chunk) on n ranks in
+    `hosts` equal hosts: all of them, or one host's with `zero_scope="host"`."""
+    ranks = n // hosts if plan.zero_scope == "host" and hosts > 1 else n
+    return ranks, -(-plan.numel // ranks) * dtype_bytes(plan.dtype)
+
+
+def zero_sync_bytes(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:
+    """(bytes one rank sends, messages) for a ZeRO parameter's step on n ranks in `hosts`
+    equal hosts: its gradient's all-reduce (stage 1) or reduce-scatter (2, 3) and the
+    all-gathers of its values (after the step for 1 and 2; before its unit's forward and again
+    before its backward for 3). With `zero_scope="host"` the shards are over a host's ranks and
+    each chunk of the gradient is then all-reduced across hosts. Exact: padded to equal chunks,
+    summed over buckets in any grouping, as the counters count them."""
+    scope, chunk = zero_shard(plan, n, hosts)
+    gather = all_gather_bytes(chunk, scope)
+    # Stage 3 gathers before forward and again before backward, but the model's own unit
+    # (parallel/data/zero3.py) stays gathered from its forward to the end of backward.
+    gathers = 2 if plan.zero == 3 and plan.unit else 1
+    if plan.zero == 1:
+        first, messages = ring_allreduce_bytes(plan.nbytes, n), ALL_REDUCE.messages(n)
+    else:
+        first, messages = REDUCE_SCATTER.sent(chunk * scope, scope), REDUCE_SCATTER.messages(scope)
+        if scope < n:   # the chunk's copies, one per host, summed
+            first += ring_allreduce_bytes(chunk, n // scope)
+            messages += ALL_REDUCE.messages(n // scope)
+    return first + gathers * gather, messages + gathers * ALL_GATHER.messages(scope)
+
+
+def zero_sharded(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
+    n = topology.world_size
+    if n == 1:
+        return Cost(0, 0.0)
+    sent, messages = zero_sync_bytes(plan, n, topology.num_hosts)
+    return Cost(sent, seconds(sent, link_for(topology, links), messages))
+
+
+# -- parameter server: exact replay of parallel/rows/sparse.py --------------------------------------------
+
+def _pull_counts(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: Topology,
+                 local_aggregation: bool) -> list[dict[int, tuple[list[int], list[int]]]]:
+    """The pull's routing, hop by hop: for every rank, its group's members and how many distinct
+    ids it sends each of them (each hop merges what arrived before the next)."""
+    n = topology.world_size
+    layout = TableLayout(plan, n)
+    # The replicated head's ids stay home (its all-reduce is `hot_sync_bytes`).
+    current = {r: torch.unique(ids_per_rank[r][ids_per_rank[r] >= plan.hot_rows])
+               for r in range(n)}
+    hops = []
+    for route in routes(layout, topology, local_aggregation):
+        arriving: dict[int, list[torch.Tensor]] = {r: [] for r in range(n)}
+        sending = {}
+        for members in route.groups:
+            for rank in members:
+                ids = current[rank]
+                to = route.dest(ids) if len(members) > 1 else torch.zeros_like(ids)
+                sending[rank] = (members, torch.bincount(to, minlength=len(members)).tolist())
+                for j, peer in enumerate(members):
+                    arriving[peer].append(ids[to == j])
+        hops.append(sending)
+        current = {r: torch.unique(torch.cat(arriving[r])) for r in range(n)}
+    return hops
+
+
+def ps_step_bytes(plans: list[ParamPlan], ids_per_table: list[list[torch.Tensor]],
+                  topology: Topology, local_aggregation: bool,
+                  id_blocks: dict | None = None) -> list[int]:
+    """Exact bytes each rank sends in one step for tables pulled together (one exchange, as
+    parallel/rows/exchange.py sends them; `ids_per_table[t][r]`: the ids rank r looks up in table t):
+    the id blocks (per-table counts, a flag, the pair's capacity of ids, and any overflow), the
+    rows answered, and the push's gradient rows, which retrace the pull's route (a table looked
+    up more than once per step also sends ids and lengths). `id_blocks` carries the blocks'
+    capacities from step to step: pass one dict for every step of the same group of tables (a
+    new one is the first step, where every id overflows)."""
+    n = topology.world_size
+    id_blocks = {} if id_blocks is None else id_blocks
+    width = len(plans) + 1
+    per_table = [_pull_counts(p, ids, topology, local_aggregation)
+                 for p, ids in zip(plans, ids_per_table)]
+    sent = [0] * n
+    for h in range(len(per_table[0])):
+        for rank in range(n):
+            members, _ = per_table[0][h][rank]
+            me = members.index(rank)
+            for j, peer in enumerate(members):
+                if j == me:
+                    continue
+                count = sum(table[h][rank][1][j] for table in per_table)
+                capacity = id_blocks.get((h, rank, peer), 0)
+                sent[rank] += ID_BYTES * (width + capacity + max(0, count - capacity))
+                id_blocks[(h, rank, peer)] = id_block_capacity(count, capacity)
+            for plan, table in zip(plans, per_table):
+                # the push: a gradient row for each id sent; the answers: a row for each asked
+                asked = sum(table[h][src][1][me] for src in members if src != rank)
+                sent[rank] += plan.row_bytes * (sum(table[h][rank][1]) - table[h][rank][1][me]
+                                                + asked)
+    return sent
+
+
+def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: Topology,
+                   local_aggregation: bool, id_blocks: dict | None = None) -> list[int]:
+    """`ps_step_bytes` of a table pulled alone."""
+    return ps_step_bytes([plan], [ids_per_rank], topology, local_aggregation, id_blocks)
+
+
+def hot_head_bytes(plan: ParamPlan) -> int:
+    """A table's replicated head's buffer (parallel/rows/hot.py): its gradient rows and one touched flag
+    per row, in the row's dtype, summed over the world once per synchronised step. Where it
+    rides the last dense bucket, `dense_sync_bytes` counts it among that bucket's
+    `carried_bytes`; else `hot_sync_bytes`."""
+    return plan.hot_rows * (plan.row_bytes + dtype_bytes(plan.dtype))
+
+
+def hot_sync_bytes(plan: ParamPlan, n: int) -> int:
+    """Exact bytes of a table's replicated head all-reduced on its own (no dense bucket of its
+    dtype to ride)."""
+    return ring_allreduce_bytes(hot_head_bytes(plan), n)
+
+
+def dense_served_bytes(plan: ParamPlan, n: int) -> list[int]:
+    """Exact bytes of a dense parameter on the servers (mode="ps"): push rows, pull shards
+    (lengths are static, so no counts travel)."""
+    if n == 1:
+        return [0]
+    sizes = TableLayout(plan, n).shard_sizes
+    rows, row_bytes = plan.shape[0], plan.row_bytes
+    return [row_bytes * (rows - sizes[r]) + row_bytes * sizes[r] * (n - 1) for r in range(n)]
+
+
+def dense_served(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
+    """A dense parameter on the servers: the busiest rank's bytes, and its two all-to-alls."""
+    n = topology.world_size
+    sent = max(dense_served_bytes(plan, n))
+    return Cost(sent, seconds(sent, link_for(topology, links), 2 * ALL_TO_ALL.messages(n))
+                if n > 1 else 0.0)
+
+
+# -- parameter server: expected, for planning ---------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def _zipf_probs(rows: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """P(id) ~ (id+1)^-alpha over `rows` ids: exact per row over the first 10,000 rows, then on
+    geometric bins whose probability mass is the midpoint integral. (probability of one id of
+    each entry, ids per entry)."""
+    head = min(rows, _EXACT_ROWS)
+    ranks = np.arange(1, head + 1, dtype=np.float64)
+    weights, counts = [ranks ** -alpha], [np.ones(head)]
+    if rows > head:
+        edges = np.unique(np.geomspace(head + 1, rows + 1, num=1000).astype(np.int64))
+        edges[-1] = rows + 1
+        lo, hi = edges[:-1] - 0.5, edges[1:] - 0.5
+        mass = np.log(hi / lo) if alpha == 1.0 else (hi ** (1 - alpha) - lo ** (1 - alpha)) / (1 - alpha)
+        width = np.diff(edges).astype(np.float64)
+        weights.append(mass / width)
+        counts.append(width)
+    w, c = np.concatenate(weights), np.concatenate(counts)
+    return w / np.sum(w * c), c
+
+
+_EXACT_ROWS = 10_000
+
+
+def _touched(p: np.ndarray, lookups: float) -> np.ndarray:
+    """Probability that `lookups` draws touch an id of probability p."""
+    return -np.expm1(lookups * np.log1p(-np.minimum(p, 1 - 1e-15)))
+
+
+def expected_unique(rows: int, lookups: float, alpha: float = 1.0) -> float:
+    """Expected distinct rows among `lookups` ids drawn with P(id) ~ (id+1)^-alpha.
+
+    sum_i 1 - (1 - p_i)^k: exact over the first 10,000 rows, then on geometric bins (well under
+    1% off for any table), so 800,000-row tables cost well under a millisecond.
+    """
+    if lookups <= 0 or rows <= 0:
+        return 0.0
+    p, c = _zipf_probs(rows, float(alpha))
+    return float(np.sum(c * _touched(p, lookups)))
+
+
+@dataclass(frozen=True)
+class TableTraffic:
+    """Expected distinct rows one step touches: per rank, per host, in the whole world.
+
+    `model`: where the traffic is Zipf, (rows, alpha, lookups per rank, per host, in the world),
+    from which the traffic of the table's tail past a replicated head follows (`tail`)."""
+
+    per_rank: float
+    per_host: float
+    world: float
+    model: tuple[int, float, float, float, float] | None = None
+    start: int = 0   # the first row this traffic covers (a tail past a replicated head)
+    # Measured instead of modelled: (rows, every (rank, step)'s distinct ids pooled and
+    # sorted, how many (rank, step)s), where the ids' spread over partitions is read from.
+    measured: tuple[int, tuple[int, ...], int] | None = None
+
+    @classmethod
+    def zipf(cls, rows: int, lookups_per_rank: float, topology: Topology, alpha: float = 1.0,
+             shared: float = 0.0):
+        """`shared`: lookups every rank makes alike (an LM's sampled negatives), once per step."""
+        local, n = len(topology.hosts[0]), topology.world_size
+        ks = (lookups_per_rank + shared, lookups_per_rank * local + shared,
+              lookups_per_rank * n + shared)
+        return cls(*(expected_unique(rows, k, alpha) for k in ks), model=(rows, alpha, *ks))
+
+    @classmethod
+    def from_density(cls, rows: int, density: float, topology: Topology):
+        # Measured fraction per rank; unions assume independent ranks (an upper bound on overlap).
+        local, n = len(topology.hosts[0]), topology.world_size
+        return cls(density * rows, rows * (1 - (1 - density) ** local),
+                   rows * (1 - (1 - density) ** n))
+
+    def tail(self, hot_rows: int) -> "TableTraffic":
+        """The traffic of rows [hot_rows, rows) alone. Without a Zipf model, every head row is
+        taken as touched at every level (the most the head can remove)."""
+        if not hot_rows:
+            return self
+        if self.model is None:
+            return TableTraffic(*(max(0.0, x - hot_rows)
+                                  for x in (self.per_rank, self.per_host, self.world)))
+        return dict(self.splits((hot_rows,)))[hot_rows]
+
+    def splits(self, hot_rows=None) -> list[tuple[int, "TableTraffic"]]:
+        """(head size, the tail's traffic) for each of `hot_rows` (default: the rows each rank
+        touches with probability at least 0.95, 0.8, 0.5, 0.3, 0.1, 0.03): the head sizes worth
+        costing. Only with a Zipf model; at most 10,000 head rows, where rows are exact."""
+        if self.model is None:
+            return []
+        if self.start:
+            raise ValueError("splits of a tail: split the whole table's traffic")
+        rows, alpha, *ks = self.model
+        p, c = _zipf_probs(rows, float(alpha))
+        exact = min(rows - 1, _EXACT_ROWS)
+        touched = [c * _touched(p, k) for k in ks]
+        if hot_rows is None:
+            hot_rows = sorted({self.touched_rows(q) for q in _TOUCH_PROBABILITIES} - {0})
+        if any(h > exact for h in hot_rows):
+            raise ValueError(f"a replicated head of at most {exact} rows, got {max(hot_rows)}")
+        heads = [np.concatenate([[0.0], np.cumsum(t[:exact])]) for t in touched]
+        totals = [float(np.sum(t)) for t in touched]
+        return [(h, TableTraffic(*(max(0.0, total - float(head[h]))
+                                   for total, head in zip(totals, heads)),
+                                 model=self.model, start=h))
+                for h in hot_rows]
+
+    def busiest_share(self, partitions: int, servers: int, row_map: str) -> float:
+        """The fraction of one rank's distinct rows that the busiest server owns. Contiguous
+        partitions of a frequency-sorted (Zipf) table are not even: the first holds the
+        popular rows, and its server hears more than 1/servers of every rank's requests
+        (4 ranks on lm100k: 0.60 MB against 0.35 on average). Hashed rows (row % partitions)
+        spread a Zipf table evenly; measured ids are counted where they land either way.
+        Traffic without ids or a Zipf model (a measured density) is taken as even."""
+        if servers == 1 or (self.model is None and self.measured is None):
+            return 1 / servers
+        from ..plans.plan import partition_bounds, server_of
+
+        if row_map == "hashed":
+            if self.measured is None or not self.measured[2]:
+                return 1 / servers
+            ids = np.asarray(self.measured[1], dtype=np.int64)
+            ids = ids[ids >= self.start]
+            owned = np.bincount(ids % partitions % servers, minlength=servers)
+            return float(owned.max() / len(ids)) if len(ids) else 1 / servers
+        if self.measured is not None:
+            rows, ids, samples = self.measured
+            if not samples:
+                return 1 / servers
+            pooled = np.asarray(ids)
+
+            def below(row: float) -> float:   # mean distinct ids under `row` per rank and step
+                return float(np.searchsorted(pooled, row)) / samples
+        else:
+            rows, alpha, per_rank = self.model[:3]
+            p, c = _zipf_probs(rows, float(alpha))
+            edges = np.concatenate([[0.0], np.cumsum(c)])           # each bin's first row
+            upto = np.concatenate([[0.0], np.cumsum(c * _touched(p, per_rank))])
+
+            def below(row: float) -> float:   # expected distinct rows among rows [0, row)
+                return float(np.interp(row, edges, upto))
+
+        owned = [0.0] * servers
+        for k, (lo, hi) in enumerate(partition_bounds(rows, partitions)):
+            lo, hi = max(lo, self.start), max(hi, self.start)
+            owned[server_of(k, servers)] += below(hi) - below(lo)
+        total = below(rows) - below(self.start)
+        return max(owned) / total if total > 0 else 1 / servers
+
+    def touched_rows(self, probability: float) -> int:
+        """How many of the most frequent rows each rank touches with at least `probability` (0
+        without a Zipf model; at most 10,000 and fewer than the table's rows)."""
+        if self.model is None:
+            return 0
+        rows, alpha, per_rank = self.model[:3]
+        p, _ = _zipf_probs(rows, float(alpha))
+        exact = min(rows - 1, _EXACT_ROWS)
+        return int(np.sum(_touched(p[:exact], per_rank) >= probability))
+
+
+_TOUCH_PROBABILITIES = (0.95, 0.8, 0.5, 0.3, 0.1, 0.03)
+
+
+def _exchange(requests: float, requesters: int, servers: int, row_bytes: int,
+              mine: float | None = None):
+    """Sent and received bytes of the busiest server when `requesters` ranks each ask for
+    `requests` distinct rows spread over `servers` ranks, `mine` of them its own (default an
+    even 1/servers): requests carry an id for the pull and a gradient row for the push (which
+    retraces the pull, so no id); answers carry a row."""
+    ask, answer = ID_BYTES + row_bytes, row_bytes
+    mine = 1 / servers if mine is None else mine
+    load = (requesters - 1) * requests * mine          # rows other ranks bring to this server
+    sent = requests * (1 - mine) * ask + load * answer
+    received = load * ask + requests * (1 - mine) * answer
+    return sent, received
+
+
+def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, links: Links,
+                local_aggregation: bool) -> Cost:
+    """Expected bytes and seconds of one pull and one push of a table, at its busiest server.
+
+    Too few partitions and a few servers carry everyone's rows; at one partition per rank the
+    load is even. (Our exchange sends one message per pair of ranks however many partitions a
+    rank serves, so partitions beyond the world size add no per-message cost here.)
+    """
+    n, row_bytes = topology.world_size, plan.row_bytes
+    if n == 1:
+        return Cost(0, 0.0)
+    servers = min(plan.partitions, n)
+    local, hosts = len(topology.hosts[0]), topology.num_hosts
+    if not (local_aggregation and topology.can_aggregate_locally):
+        share = traffic.busiest_share(plan.partitions, servers, plan.row_map)
+        sent, received = _exchange(traffic.per_rank, n, servers, row_bytes, share)
+        return Cost(sent, seconds(max(sent, received), link_for(topology, links), 3 * (n - 1)))
+    forwarders = min(servers, local)
+    s1, r1 = _exchange(traffic.per_rank, local, forwarders, row_bytes)
+    # Across hosts: each host's forwarders hold what the host merged; a server hears every host.
+    s2, r2 = _exchange(traffic.per_host / forwarders, hosts, max(1, servers // forwarders),
+                       row_bytes)
+    t = seconds(max(s1, r1), links.intra, 3 * (local - 1)) + \
+        seconds(max(s2, r2), links.inter, 3 * (hosts - 1))
+    return Cost(s1 + s2, t)
+
+
+def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
+                     row_bytes: int) -> Cost:
+    """What DDP does with a sparse gradient on gloo: every rank's (ids, rows) go to every other
+    rank (an all-gather), so each rank receives (n - 1) times a rank's rows, growing with n."""
+    n = topology.world_size
+    if n == 1:
+        return Cost(0, 0.0)
+    sent = all_gather_bytes(traffic.per_rank * (ID_BYTES + row_bytes), n)
+    return Cost(sent, seconds(sent, link_for(topology, links), 2 * ALL_GATHER.messages(n)))
+
+
+def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, links: Links,
+            local_aggregation: bool, head_rides: bool = False) -> Cost | None:
+    """One entry's expected step on its own (dense parameters unbucketed): what the planner
+    writes into the plan and the report prints. None for a served table with no traffic model.
+    `head_rides`: a hot head's sum rides a dense bucket (no meeting of its own)."""
+    if plan.method == "allreduce":
+        if plan.zero:
+            return zero_sharded(plan, topology, links)
+        return ring_allreduce(plan.nbytes, topology, links)
+    if not plan.is_table:   # a dense parameter on the servers (mode="ps"): every row, every step
+        return dense_served(plan, topology, links)
+    if traffic is None:
+        return None
+    return ps_split(plan, traffic, topology, links, local_aggregation, head_rides=head_rides)
+
+
+def ps_split(plan: ParamPlan, traffic: TableTraffic, topology: Topology, links: Links,
+             local_aggregation: bool, tail: bool = False, head_rides: bool = False) -> Cost:
+    """A server table whose first `hot_rows` rows are replicated: the head's all-reduce (rows
+    and touched flags) plus the servers' traffic of the tail (`tail`: `traffic` is already the
+    tail's, as the planner computes it once for every partition count). `head_rides`: the
+    head's sum rides the last dense bucket (parallel/data/dense.py), so it costs its bytes and no
+    meeting of its own."""
+    rest = traffic if tail else traffic.tail(plan.hot_rows)
+    tail = ps_expected(plan, rest, topology, links, local_aggregation)
+    if not plan.hot_rows:
+        return tail
+    head = ring_allreduce(hot_head_bytes(plan), topology, links, buckets=0 if head_rides else 1)
+    return Cost(tail.bytes_sent + head.bytes_sent, tail.seconds + head.seconds)

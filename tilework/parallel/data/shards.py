@@ -1,0 +1,104 @@
+"""What a ZeRO shard is (parallel/data/zero.py shards the parameters, zero3.py gathers them): this
+rank's flat, zero-padded chunk of one parameter, an nn.Parameter that stands in for it in the
+user's optimizer; the chunk arithmetic; which optimizers can run on chunks; and the stand-in a
+stage 2/3 parameter's `.grad` becomes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import PlanError
+
+# Optimizers whose update of an element reads only that element's gradient and state.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+               torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
+
+
+class ShardedGradient(torch.Tensor):
+    """A stage 2/3 parameter's `.grad` after backward: a stand-in of the gradient's shape
+    whose every use raises, naming the fix. With None there, torch's own
+    `clip_grad_norm_(model.parameters(), c)` (nanoGPT's line) would silently clip nothing."""
+
+    @staticmethod
+    def __new__(cls, param: nn.Parameter, name: str, stage: int):
+        stand_in = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype,
+                                                       device=param.device)
+        stand_in.param_name, stand_in.stage = name, stage
+        return stand_in
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        stand_in = next(a for a in args if isinstance(a, ShardedGradient))
+        raise PlanError(f"{stand_in.param_name}.grad: under zero={stand_in.stage} each rank "
+                        "holds only its chunk of this gradient, on the optimizer's shard, so "
+                        "torch's own clipping and reads of .grad cannot see it: use "
+                        "tilework.clip_grad_norm_(model, max_norm) / clip_grad_value_, or zero=1, "
+                        "which keeps DDP's .grad")
+
+    def __repr__(self):
+        return f"ShardedGradient({self.param_name}, zero={self.stage})"
+
+
+def chunk_size(numel: int, n: int) -> int:
+    return -(-numel // n)
+
+
+def check_elementwise(optimizer, names: list[str]) -> None:
+    """Refuses an optimizer that cannot run on chunks of the parameters `names`; with none
+    sharded (zero=0) any optimizer runs on whole parameters (a user's own class, say)."""
+    if names and optimizer is not None and not isinstance(optimizer, ELEMENTWISE):
+        raise PlanError(f"ZeRO runs the optimizer on each rank's chunk of {names[0]}, which only "
+                        f"optimizers that update element by element allow; "
+                        f"{type(optimizer).__name__} is not one of them (use zero=0)")
+
+
+class Sharded:
+    """One parameter and this rank's chunk of it: `shard`, an nn.Parameter of `chunk`
+    elements that the user's optimizer updates in the parameter's place."""
+
+    def __init__(self, name: str, param: nn.Parameter, stage: int, rank: int, n: int,
+                 unit: str | None = None, place=lambda values: values):
+        self.name, self.param, self.stage, self.rank, self.n = name, param, stage, rank, n
+        self.unit = unit   # stage 3: the module whose forward gathers it
+        self.numel, self.shape = param.numel(), param.shape
+        self.chunk = chunk_size(self.numel, n)
+        # `place`: the shard's home (parallel/data/offload.py): beside the parameter, or offloaded.
+        self.shard = nn.Parameter(place(self.take(param.detach())),
+                                  requires_grad=param.requires_grad)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk (a copy, zero-padded) of a tensor shaped like the parameter, on
+        the shard's device once the shard exists."""
+        chunk = self.rows(full)[self.rank].clone()
+        home = self.__dict__.get("shard")
+        return chunk if home is None else chunk.to(home.device)
+
+    def values(self) -> torch.Tensor:
+        """The shard's values where the parameter computes (a copy up from offload: from pinned
+        memory it queues on the stream without stopping the host, and the all-gather that
+        reads it is queued behind it; the shard changes only at the next step)."""
+        return self.shard.detach().to(self.param.device, non_blocking=True)
+
+    def rows(self, full: torch.Tensor) -> torch.Tensor:
+        """A parameter-shaped tensor as (n, chunk): row j is rank j's chunk."""
+        flat = full.reshape(-1)
+        pad = self.n * self.chunk - self.numel
+        return (F.pad(flat, (0, pad)) if pad else flat).view(self.n, self.chunk)
+
+    def write_whole(self, target: torch.Tensor, rows: torch.Tensor) -> None:
+        """`target` (contiguous, the parameter's shape) = `whole(rows)`, copied straight from
+        the (n, chunk) rows, which may be a column slice of a bucket's gathered buffer: no
+        parameter-sized temporary (`whole` of such a slice would make one)."""
+        flat, full = target.view(-1), (self.numel // self.chunk) * self.chunk
+        if full:
+            flat[:full].view(-1, self.chunk).copy_(rows[:full // self.chunk])
+        if full < self.numel:
+            flat[full:].copy_(rows[full // self.chunk, :self.numel - full])
+
+    def whole(self, rows: torch.Tensor) -> torch.Tensor:
+        """The inverse of `rows`: every rank's chunk, in rank order, back in the parameter's
+        shape."""
+        return rows.reshape(-1)[:self.numel].view(self.shape)

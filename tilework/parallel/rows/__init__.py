@@ -1,0 +1,1 @@
+"""The parameter server: tables whose rows live on servers (pull, push, lookups, prefetch, hot rows)."""

@@ -1,0 +1,368 @@
+"""The plan: plain data saying where every parameter lives and how it is synchronised, on a
+named device mesh. Printable, serialisable (`as_dict` / `from_dict`), diffable (`diff`).
+
+Produced by the planner, executed by the runtime, costed by the cost model. Each entry is
+self-contained: its shape, dtype and kind give its bytes, its placement says where its values
+and gradients go, and `predicted` what the cost model expects one step of it to send.
+
+Along the data-parallel axis: "allreduce" (replicated, gradients all-reduced over the dp
+group; or, with `zero` 1-3, its optimizer state, gradients and values split over the group)
+and "ps" (rows on the parameter servers: the table is split into `partitions` row ranges or
+hash classes, partition p is served by rank p % world_size, and row r belongs to partition
+`partition_of(r)`; a table's first `hot_rows` rows, the head of a frequency-sorted id
+distribution, may instead stay replicated with their gradient rows all-reduced).
+
+On a dp x pp x cp x tp mesh (`Plan.parallel`), each entry also says how tp splits it
+(`tp_split`) and which pp ranks hold it (`pp_ranks`); `ParallelPlan` holds the layout, the
+stages and the schedule, and `Plan.part(pp_rank)` is the data-parallel plan of one rank's part.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from ..cluster.mesh import Mesh
+
+Method = Literal["allreduce", "ps"]
+RowMap = Literal["contiguous", "hashed"]
+# What a configuration asks for: "auto" lets the planner choose per table (planner.py).
+RowMapChoice = Literal["auto", "contiguous", "hashed"]
+Kind = Literal["sparse", "embedding", "dense"]
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
+                "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+                "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype named as torch names it without the "torch." prefix."""
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(_DTYPE_BYTES)})")
+    return _DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the cost model expects: bytes one rank sends (the busiest where ranks differ) and
+    seconds, for one step."""
+
+    bytes_sent: float
+    seconds: float
+
+
+class TensorFacts:
+    """Sizes from a `shape`, a `dtype` name and a `kind`: shared by the analysis of a model
+    (analysis.ParamInfo) and the plan's entries."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    kind: Kind
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // max(1, self.shape[0]) if self.shape else self.nbytes
+
+    @property
+    def is_table(self) -> bool:
+        return self.kind in ("sparse", "embedding")
+
+
+ZERO_PLACEMENTS = {1: "zero-1 (optimizer state sharded)",
+                   2: "zero-2 (optimizer state, gradients sharded)",
+                   3: "zero-3 (optimizer state, gradients, values sharded)"}
+
+
+@dataclass(frozen=True)
+class ParamPlan(TensorFacts):
+    name: str
+    shape: tuple[int, ...]
+    method: Method
+    partitions: int = 1
+    row_map: RowMap = "contiguous"
+    reason: str = ""
+    dtype: str = "float32"
+    kind: Kind = "dense"     # sparse gradient / embedding with a dense-layout gradient / dense
+    predicted: Cost | None = None   # None: a table whose traffic nobody modelled
+    hot_rows: int = 0   # ps tables: rows [0, hot_rows) replicated and all-reduced (parallel/rows/hot.py)
+    zero: int = 0   # allreduce parameters: ZeRO stage (1: optimizer state sharded, 2: and
+    #                 gradients, 3: and values; parallel/data/zero.py)
+    unit: str | None = None   # stage 3: the module whose forward gathers it ("": the model's)
+    zero_scope: Literal["world", "host"] = "world"   # shards over all ranks, or each host's
+    # On a mesh (Plan.parallel): how the tp axis splits it (parallel/tensor/shards.py's spec as text:
+    # "0", "1", "fused:3", "qkv"; "" replicated; `shape` is then one tp rank's), and the pp
+    # ranks whose stages hold it (() without pipeline stages: every rank).
+    tp_split: str = ""
+    pp_ranks: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        dtype_bytes(self.dtype)
+        if self.method == "ps" and not 1 <= self.partitions <= self.shape[0]:
+            raise ValueError(f"{self.name}: partitions must be in 1..{self.shape[0]} (rows), "
+                             f"got {self.partitions}")
+        if self.hot_rows and (self.method != "ps" or not self.is_table
+                              or not 0 <= self.hot_rows < self.shape[0]):
+            raise ValueError(f"{self.name}: hot_rows must be in 0..{self.shape[0] - 1} and only "
+                             f"on a server table, got {self.hot_rows} ({self.method})")
+        if self.zero not in (0, 1, 2, 3) or (self.zero and self.method != "allreduce"):
+            raise ValueError(f"{self.name}: zero must be 0..3, and only on an allreduce "
+                             f"parameter, got {self.zero!r} ({self.method})")
+        if (self.unit is not None) != (self.zero == 3):
+            raise ValueError(f"{self.name}: a ZeRO-3 parameter names its unit (the module "
+                             f"that gathers it), no other does: zero={self.zero}, "
+                             f"unit={self.unit!r}")
+
+    @property
+    def placement(self) -> str:
+        """Where it lives along the data-parallel axis (the tp and pp axes: `tp_split`,
+        `pp_ranks`)."""
+        if self.method == "allreduce":
+            where = " in each host" if self.zero_scope == "host" else ""
+            if self.zero == 3:
+                return f"{ZERO_PLACEMENTS[3]}{where}, gathered by {self.unit or 'the model'}"
+            return "allreduce (replicated)" if not self.zero else ZERO_PLACEMENTS[self.zero] + where
+        hot = f"; rows 0..{self.hot_rows - 1} replicated, all-reduced" if self.hot_rows else ""
+        return f"ps (rows in {self.partitions} {self.row_map} partitions{hot})"
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The model-parallel axes of a plan on a dp x pp x cp x tp mesh (`Plan.mesh`): what the
+    runtime applies before the data-parallel part, in that order (tp, cp, pp, dp)."""
+
+    # tp: each split module's style, by its full name (parallel/tensor/layout.py's styles)
+    layout: tuple[tuple[str, str], ...] = ()
+    sequence_parallel: bool = False
+    # pp: the stack of blocks cut, each stage's blocks [start, stop), and the schedule
+    stack: str = ""
+    stages: tuple[tuple[int, int], ...] = ()
+    schedule: str = ""
+    microbatches: int = 0
+    stages_per_rank: int = 1
+    # dp: one data-parallel group's ranks as hosts see them (dp x cp under context parallelism)
+    dp_mesh: Mesh | None = None
+
+    def __post_init__(self):
+        # As tuples whatever came in (JSON gives lists), so equal plans compare equal.
+        object.__setattr__(self, "layout", tuple((str(m), str(s)) for m, s in self.layout))
+        object.__setattr__(self, "stages", tuple((int(a), int(b)) for a, b in self.stages))
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dp_mesh"}
+        out["layout"] = [list(pair) for pair in self.layout]
+        out["stages"] = [list(pair) for pair in self.stages]
+        out["dp_mesh"] = None if self.dp_mesh is None else self.dp_mesh.as_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParallelPlan":
+        mesh = d.get("dp_mesh")
+        return cls(**(d | {"dp_mesh": None if mesh is None else Mesh.from_dict(mesh)}))
+
+
+@dataclass(frozen=True)
+class Plan:
+    params: tuple[ParamPlan, ...]
+    world_size: int
+    mode: Literal["hybrid", "allreduce", "ps"] = "hybrid"
+    sparse_reduce: Literal["mean", "sum"] = "mean"
+    local_aggregation: bool = True
+    bucket_bytes: int = 25 * 2**20
+    mesh: Mesh | None = None   # default: one "world" axis
+    # Activation recompute: (module name, "full" | "selective"), applied by runtime/recompute.py.
+    recompute: tuple[tuple[str, str], ...] = ()
+    offload: Literal["none", "optimizer", "all"] = "none"   # ZeRO's shards (parallel/data/offload.py)
+    offload_dir: str | None = None
+    # tp, pp and cp: None for a data-parallel run (mesh: host x local); on a mesh (dp, pp, cp,
+    # tp) the model-parallel axes, and `params` every parameter as one rank holds it.
+    parallel: ParallelPlan | None = None
+
+    def __post_init__(self):
+        if self.mesh is None:
+            object.__setattr__(self, "mesh", Mesh((("world", self.world_size),)))
+        # As tuples whatever came in (JSON gives lists), so equal plans compare equal.
+        object.__setattr__(self, "recompute", tuple((str(m), p) for m, p in self.recompute))
+        for module, policy in self.recompute:
+            if policy not in ("full", "selective"):
+                raise ValueError(f"recompute of {module}: 'full' or 'selective', got {policy!r}")
+        if self.mesh.size != self.world_size:
+            raise ValueError(f"mesh {self.mesh} has {self.mesh.size} ranks, the plan "
+                             f"{self.world_size}")
+
+    def part(self, pp_rank: int = 0) -> "Plan":
+        """The data-parallel plan of the part a rank at pipeline coordinate `pp_rank` holds,
+        over its dp group: what its engine runs. A data-parallel plan is its own part."""
+        if self.parallel is None:
+            return self
+        if not 0 <= pp_rank < self.mesh.size_of("pp"):
+            raise ValueError(f"pp_rank: expected 0..{self.mesh.size_of('pp') - 1}, got {pp_rank}")
+        params = tuple(p for p in self.params if not p.pp_ranks or pp_rank in p.pp_ranks)
+        held = [p.name for p in params]
+        recompute = tuple((m, policy) for m, policy in self.recompute
+                          if any(n.startswith(m + ".") for n in held))
+        dp_mesh = self.parallel.dp_mesh
+        return dataclasses.replace(self, params=params, world_size=dp_mesh.size, mesh=dp_mesh,
+                                   recompute=recompute, parallel=None)
+
+    def by_name(self) -> dict[str, ParamPlan]:
+        return {p.name: p for p in self.params}
+
+    def of(self, method: Method) -> list[ParamPlan]:
+        return [p for p in self.params if p.method == method]
+
+    def as_dict(self) -> dict:
+        """Plain JSON-able data; `from_dict` reads it back to an equal plan."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in
+               ("params", "mesh", "parallel")}
+        out["mesh"] = self.mesh.as_dict()
+        out["parallel"] = None if self.parallel is None else self.parallel.as_dict()
+        out["recompute"] = [list(pair) for pair in self.recompute]
+        out["params"] = [_entry_dict(p) for p in self.params]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        params = tuple(_entry_from_dict(p) for p in d["params"])
+        rest = {k: v for k, v in d.items() if k not in ("params", "mesh", "parallel")}
+        parallel = d.get("parallel")
+        return cls(params=params, mesh=Mesh.from_dict(d["mesh"]), **rest,
+                   parallel=None if parallel is None else ParallelPlan.from_dict(parallel))
+
+    def diff(self, other: "Plan") -> list[str]:
+        """One line per difference, this plan's value first: settings, then entries by name."""
+        lines = [f"{k}: {a!r} -> {b!r}" for k, a, b in _pairs(self, other,
+                                                             ("params", "recompute", "parallel"))]
+        if (self.parallel is None) != (other.parallel is None):
+            lines.append(f"parallel: {'tp/pp/cp' if self.parallel else 'none'} -> "
+                         f"{'tp/pp/cp' if other.parallel else 'none'}")
+        elif self.parallel is not None:
+            lines += [f"parallel.{k}: {a!r} -> {b!r}"
+                      for k, a, b in _pairs(self.parallel, other.parallel, ())]
+        ours, others = dict(self.recompute), dict(other.recompute)
+        lines += [f"recompute.{m}: {ours.get(m, 'none')!r} -> {others.get(m, 'none')!r}"
+                  for m in sorted(ours.keys() | others.keys()) if ours.get(m) != others.get(m)]
+        mine, theirs = self.by_name(), other.by_name()
+        for name in sorted(mine.keys() | theirs.keys()):
+            if name not in theirs or name not in mine:
+                lines.append(f"{name}: {'only in this plan' if name in mine else 'only in the other'}")
+                continue
+            lines += [f"{name}.{k}: {a!r} -> {b!r}"
+                      for k, a, b in _pairs(mine[name], theirs[name], ("name", "reason"))]
+        return lines
+
+    def recompute_line(self) -> str:
+        """One short line for the printed plan: which modules recompute, by policy."""
+        if not self.recompute:
+            return "recompute: none"
+        by_policy: dict[str, list[str]] = {}
+        for module, policy in self.recompute:
+            by_policy.setdefault(policy, []).append(module)
+        return "recompute: " + "; ".join(f"{policy} on {', '.join(names)}"
+                                         for policy, names in by_policy.items())
+
+    def table(self) -> list[tuple[str, ...]]:
+        """Rows for printing: name, shape, dtype, placement, predicted bytes and ms, reason."""
+        def cost(p):
+            if p.predicted is None:
+                return ("?", "?")
+            return (f"{p.predicted.bytes_sent / 2**20:.3g} MiB",
+                    f"{p.predicted.seconds * 1e3:.3g}")
+
+        if self.parallel is None:
+            return [(p.name, "x".join(map(str, p.shape)), p.dtype, p.placement, *cost(p),
+                     p.reason) for p in self.params]
+        return [(p.name, "x".join(map(str, p.shape)), p.dtype, _tp_cell(p.tp_split),
+                 ",".join(map(str, p.pp_ranks)) or "all", p.placement, *cost(p), p.reason)
+                for p in self.params]
+
+    def columns(self) -> tuple[str, ...]:
+        """The headers of `table()`'s rows, the name first."""
+        mesh = ("tp", "pp ranks") if self.parallel is not None else ()
+        return ("name", "shape", "dtype", *mesh, "placement", "sends/step", "ms/step", "why")
+
+
+def _tp_cell(split: str) -> str:
+    if not split:
+        return "replicated"
+    return f"dim {split} split" if split.isdigit() else split
+
+
+def _pairs(a, b, skip):
+    return [(f.name, getattr(a, f.name), getattr(b, f.name)) for f in fields(a)
+            if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)]
+
+
+def _entry_dict(p: ParamPlan) -> dict:
+    d = {f.name: getattr(p, f.name) for f in fields(p)}
+    d["shape"] = list(p.shape)
+    d["pp_ranks"] = list(p.pp_ranks)
+    d["predicted"] = None if p.predicted is None else vars(p.predicted).copy()
+    d["placement"] = p.placement   # for readers; derived, so from_dict drops it
+    return d
+
+
+def _entry_from_dict(d: dict) -> ParamPlan:
+    d = {k: v for k, v in d.items() if k != "placement"}
+    predicted = None if d.get("predicted") is None else Cost(**d["predicted"])
+    return ParamPlan(**(d | {"shape": tuple(d["shape"]), "predicted": predicted,
+                             "pp_ranks": tuple(d.get("pp_ranks", ()))}))
+
+
+# -- the row map: pure functions shared by the runtime and the cost model ---------------------
+
+def partition_bounds(rows: int, partitions: int) -> list[tuple[int, int]]:
+    """Contiguous map: partition p holds rows [start, end), sizes differing by at most one."""
+    base, extra = divmod(rows, partitions)
+    bounds, start = [], 0
+    for p in range(partitions):
+        end = start + base + (1 if p < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def partition_rows(rows: int, partitions: int, row_map: RowMap, p: int) -> range:
+    if row_map == "hashed":
+        return range(p, rows, partitions)
+    start, end = partition_bounds(rows, partitions)[p]
+    return range(start, end)
+
+
+def server_of(partition: int, world_size: int) -> int:
+    return partition % world_size
+
+
+def partitions_of(rank: int, partitions: int, world_size: int) -> list[int]:
+    return [p for p in range(partitions) if server_of(p, world_size) == rank]
+
+
+def bucket_bytes(mb: float) -> int:
+    """A bucket size in MB as whole bytes: at least one, and any size beyond every model's (even
+    one whose bytes overflow a float) as one bucket for all."""
+    return max(1, int(min(mb * 2**20, 2**62)))
+
+
+def assign_buckets(nbytes_in_order: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Group parameters (indices into the list, in launch order) into all-reduce buckets: a
+    bucket closes as soon as it holds at least `bucket_bytes`."""
+    buckets, current, size = [], [], 0
+    for i, n in enumerate(nbytes_in_order):
+        current.append(i)
+        size += n
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets

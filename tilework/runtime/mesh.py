@@ -1,0 +1,323 @@
+"""`parallelize` on a dp x pp x cp x tp mesh: the Plan's tensor-parallel layout, pipeline
+stages and data-parallel parts applied, in that order.
+
+The Plan (planner/mesh.py) is made before anything changes. Then, on every rank: the world
+starts from rank 0's values (as DDP does), the mesh's groups are built, the plan's layout
+splits the layers over tp (the optimizer then holds the shards), the blocks are cut into the
+plan's stages (the optimizer keeps this rank's), and the engine synchronises what is left over
+the dp group by `plan.part(pp_rank)`: all-reduce, ZeRO or the parameter server.
+docs/architecture.md, "The mesh".
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..cluster.mesh import Mesh
+from ..comm import counted
+from ..comm.counted import Stats
+from ..comm.groups import Groups
+from ..config.parallel import ParallelConfig
+from ..errors import PlanError, UserError
+from ..parallel.context.layout import SequenceCut
+from .changes import Changes
+from .hooks import PicklesAsNoop
+from .mesh_checks import SameBatchCheck, mark_local
+
+
+@dataclass(eq=False)
+class MeshParallel:
+    """What a meshed model carries besides its engine: the mesh, its groups, the bytes moved
+    along tp / cp / pp (the engine counts dp's), the layout applied and the pipeline."""
+
+    mesh: Mesh
+    world: Groups             # the whole world's (the engine's are one dp group's)
+    groups: object            # tensor.groups.MeshGroups
+    stats: Stats
+    plan: object = None       # plan.Plan: the whole run's, this rank's part being plan.part(pp)
+    # What was done to the user's model and optimizer before the engine's own changes (the
+    # layout's and cp's module swaps, the optimizer's parameters), each with its undo.
+    changes: Changes = field(default_factory=Changes)
+    tp: object | None = None  # tensor.regions.TensorParallel
+    layout: object | None = None  # tensor.layout.LayoutPlan
+    pipeline: nn.Module | None = None  # pipeline.model.PipelineModel
+    same_batch: object = None  # mesh_checks.SameBatchCheck
+
+
+def parallelize_on_mesh(model: nn.Module, optimizer, config: ParallelConfig, world: Groups,
+                        plan, log: bool):
+    """Apply `plan` (a Plan with tp, pp or cp; `config` says the same sizes, and what the
+    plan does not hold: input checks)."""
+    from ..parallel.tensor import build_mesh_groups
+
+    mesh = plan.mesh
+    _start_alike(model, world)
+    groups = build_mesh_groups(mesh, world.world, world.env)
+    found = MeshParallel(mesh, world, groups, Stats(), plan)
+    if config.tp > 1:
+        _same_random_numbers_in_tp(found)
+        _split_layers(model, optimizer, plan.parallel, found)
+    ring_modules = []
+    if config.cp > 1:   # after tp: attention split by heads runs the ring on its own heads
+        from ..parallel.context import apply_context_parallel
+
+        # Unpipelined, the forward runs under RingSDPA, which also finds SDPA calls and looks
+        # position tables up at global positions; the stages of a pipeline run outside it.
+        staged = config.pp > 1
+        ring_modules = apply_context_parallel(
+            model, groups.group("cp"), found.stats, positions="positions" if staged else None,
+            require_modules=staged, changes=found.changes)
+    target = model if config.pp == 1 else _cut_stages(model, optimizer, config, found)
+    engine = _engine_over_dp(target, optimizer, config, found)
+    if config.cp > 1 and found.pipeline is not None:
+        found.pipeline.cut = SequenceCut(groups.coord("cp"), config.cp)
+    elif config.cp > 1:
+        engine.changes.hook("model: forward pre-hook (this rank's part of the sequence)",
+                            model.register_forward_pre_hook(
+                                PicklesAsNoop(SequenceCut(groups.coord("cp"), config.cp)),
+                                with_kwargs=True, prepend=True))
+        _ring_sdpa(model, engine, found, bool(ring_modules))
+    if config.tp > 1 or config.pp > 1:
+        for name, p in target.named_parameters():
+            engine.changes.hook(f"{name}: post-accumulate-grad hook (norms of a part refused)",
+                                p.register_post_accumulate_grad_hook(PicklesAsNoop(mark_local)))
+    found.same_batch = SameBatchCheck(found)
+    if found.pipeline is None:   # before the cut: a replica's ranks get whole sequences
+        engine.changes.hook("model: forward pre-hook (a replica's ranks got one batch)",
+                            model.register_forward_pre_hook(
+                                PicklesAsNoop(lambda module, args, kwargs: found.same_batch(
+                                    [*args, *kwargs.values()])),
+                                with_kwargs=True, prepend=True))
+    if log and world.rank == 0:
+        from ..report.tables import print_plan
+
+        print(f"tilework mesh: {mesh} ({', '.join(_axis_line(groups, a) for a in mesh.names)})")
+        print_plan(plan)
+    return (found.pipeline or model), optimizer
+
+
+def _same_random_numbers_in_tp(found: MeshParallel) -> None:
+    """Every tp rank of a group continues tp rank 0's random stream: dropout on activations
+    the group holds alike (after a row-parallel sum, on the residual stream) must drop the same
+    elements, or the replicated parameters drift apart silently (a script seeding each rank
+    differently, as nanoGPT does with 1337 + rank, would). Megatron-LM draws its split regions'
+    dropout from a second, per-rank stream; here they share the one stream (the masks of two
+    ranks' heads are alike; each is still a valid dropout)."""
+    group = found.groups.group("tp")
+    device = found.world.device
+    states = [("cpu", torch.get_rng_state())]
+    if device.type == "cuda":
+        states.append(("cuda", torch.cuda.get_rng_state(device)))
+    for kind, state in states:
+        # Over the tp group's backend (NCCL reduces CUDA tensors only); counted as set-up.
+        moved = state.to(device)
+        counted.broadcast(moved, 0, group, found.stats, "setup")
+        if kind == "cpu":
+            torch.set_rng_state(moved.cpu())
+        else:
+            torch.cuda.set_rng_state(moved.cpu(), device)
+    found.stats.discard_step()
+
+
+def _split_layers(model, optimizer, parallel, found: MeshParallel) -> None:
+    """The plan's layout: its modules replaced by tensor-parallel ones; the optimizer takes the
+    shards."""
+    from ..parallel.tensor import TensorParallel, apply_layout
+
+    found.tp = TensorParallel.from_mesh(found.groups, found.stats, parallel.sequence_parallel)
+    before = dict(model.named_parameters(remove_duplicate=False))
+    found.layout = apply_layout(model, dict(parallel.layout), found.tp, found.changes)
+    _swap_in_optimizer(optimizer, before, dict(model.named_parameters()), found.changes)
+    _name_failures_of_split_parents(model, found.layout, found.changes)
+
+
+_SPLIT_STYLES = ("colwise", "colwise_fused", "colwise_gather", "rowwise", "heads")
+
+
+def _name_failures_of_split_parents(model: nn.Module, layout, changes: Changes) -> None:
+    """A module whose children were split runs the user's code on their local widths; code
+    that assumes the whole width (nanoGPT's `c_attn(x).split(self.n_embd, dim=2)`, a view to
+    the input's width) fails there with a message about shapes. Its forward is given a wrapper
+    that says which split it met and how to write it instead, in one line."""
+    from ..parallel.tensor.layout import base_style
+
+    split: dict[str, list[str]] = {}
+    for p in layout.placements:
+        if base_style(p.style) in _SPLIT_STYLES and p.module:
+            parent = p.module.rpartition(".")[0]
+            split.setdefault(parent, []).append(f"{p.module.rpartition('.')[2]}: {p.style}")
+    for name, children in split.items():
+        module = model.get_submodule(name)
+        if "forward" not in vars(module):
+            changes.set_attribute(module, "forward", _SplitParentForward(module, name, children),
+                                  f"{name or 'the model'}: forward names a split's shape errors")
+
+
+class _SplitParentForward:
+    """A module's own forward, its shape errors named as the split's doing. Only an error
+    raised in that forward's own code (a split, view or unpack of a child's output) is
+    renamed: one from deeper down (a lost peer in a collective, a child's own failure) or an
+    out-of-memory passes as it is. Holds its module (pickles and copies with it), and shows
+    the forward's own signature (code that inspects it: Hugging Face's, RingSDPA's)."""
+
+    def __init__(self, module: nn.Module, name: str, children: list[str]):
+        self.module, self.name, self.children = module, name, children
+        self.__signature__ = inspect.signature(type(module).forward.__get__(module))
+
+    def __call__(self, *args, **kwargs):
+        forward = type(self.module).forward
+        try:
+            return forward(self.module, *args, **kwargs)
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            if isinstance(e, (UserError, torch.OutOfMemoryError)) or \
+                    not _raised_in(e, forward.__code__):
+                raise
+            raise PlanError(
+                f"tensor parallel: {self.name or 'the model'} ({type(self.module).__name__}) "
+                f"failed on its split modules ({', '.join(self.children)}): "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Its forward "
+                "assumes whole widths (a split by a width it keeps, a view to the input's "
+                "width); write those with -1 or the local width, as Hugging Face's models "
+                "do, or leave these modules out of the layout") from e
+
+
+def _raised_in(error: BaseException, code) -> bool:
+    """The innermost Python frame of `error`'s traceback runs `code`."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code is code
+
+
+def _cut_stages(model, optimizer, config: ParallelConfig, found: MeshParallel) -> nn.Module:
+    """This rank's stages of the plan's cut; the optimizer keeps their parameters. Returns the
+    part."""
+    from ..parallel.pipeline import build
+    from ..parallel.pipeline.model import PipelineModel
+
+    parallel = found.plan.parallel
+    schedule = build(parallel.schedule, config.pp, parallel.microbatches,
+                     parallel.stages_per_rank)
+    before = dict(model.named_parameters(remove_duplicate=False))
+    found.pipeline = PipelineModel(model, schedule, found.groups.group("pp"),
+                                   found.groups.coord("pp"), found.stats,
+                                   blocks=[range(a, b) for a, b in parallel.stages])
+    if config.sequence_parallel and config.tp > 1:
+        _carry_sequence_slices(found.pipeline, config.tp)
+    _swap_in_optimizer(optimizer, before, dict(found.pipeline.part.named_parameters()),
+                       found.changes)
+    return found.pipeline.part
+
+
+def _carry_sequence_slices(pipeline, tp: int) -> None:
+    """Under sequence parallelism each tp rank's activation between blocks is its slice of the
+    sequence, and so is what crosses a stage boundary (to the same tp rank of the next stage,
+    Megatron's way): the reference GPT's boundaries are 1/tp of the sequence."""
+    from ..parallel.pipeline.stages import GPTStage
+
+    for stage in pipeline.runner.stages.values():
+        if not isinstance(stage, GPTStage):
+            raise PlanError("pp > 1 with sequence_parallel: stages of this model do not know "
+                            "their boundaries' sequence slices (the reference GPT's do)")
+        stage.sequence_parts = tp
+
+
+def _engine_over_dp(target, optimizer, config: ParallelConfig, found: MeshParallel):
+    """The data-parallel engine over `target` (the model, or this rank's pipeline part) and
+    this rank's dp group, running the plan's part for this rank."""
+    from ..comm.mesh_groups import data_parallel_groups
+    from .engine import Engine
+    from .recompute import apply_recompute
+
+    # Under cp the ranks of a dp x cp group average their gradients together: each computes
+    # its tokens' mean loss, and every rank holds as many tokens.
+    dp = data_parallel_groups(found.groups, found.world,
+                              ("dp", "cp") if config.cp > 1 else ("dp",))
+    dp_plan = found.plan.part(found.groups.coord("pp"))
+    # The pipeline's stages never run the part's own forward, where the input checks and the
+    # zeroed-without-a-step check look.
+    engine = Engine(target, optimizer, dp, dp_plan, config.check_inputs and config.pp == 1)
+    engine.mesh = found
+    if engine.checks is not None and config.tp > 1:
+        engine.checks.across = found.groups.group("tp")
+    apply_recompute(target, dp_plan.recompute, engine.changes)
+    if found.pipeline is not None:
+        found.pipeline._tilework_engine = engine    # the runner ends its counted steps
+    elif optimizer is not None:
+        engine.changes.hook("optimizer: step post-hook (the mesh's counted step ends)",
+                            optimizer.register_step_post_hook(
+                                lambda *_: found.stats.end_step()))
+    else:   # a hand-written update: the step ends with the synchronised backward
+        engine.step_ended.append(found.stats.end_step)
+    return engine
+
+
+def _ring_sdpa(model: nn.Module, engine, found: MeshParallel, modules_ring: bool) -> None:
+    """The model's forward, after the cut, under context.sdpa.RingSDPA: its
+    F.scaled_dot_product_attention calls run as ring attention over cp."""
+    from ..parallel.context import Ring, RingForward
+
+    ring_forward = RingForward(model, Ring(found.groups.group("cp"), found.stats), modules_ring)
+    engine.changes.hook("model: forward pre-hook (SDPA calls as ring attention)",
+                        model.register_forward_pre_hook(PicklesAsNoop(ring_forward.before),
+                                                        with_kwargs=True))
+    engine.changes.hook("model: forward hook (SDPA calls as ring attention: the mode ends)",
+                        model.register_forward_hook(PicklesAsNoop(ring_forward.after),
+                                                    with_kwargs=True, always_call=True))
+    for name, _ in engine.plan.recompute:
+        for child_name, child in model.get_submodule(name).named_modules():
+            if child_name:   # the block's own forward runs under checkpoint, not __call__
+                what = f"{name}.{child_name}: forward hooks (SDPA as ring attention in recompute)"
+                engine.changes.hook(what, child.register_forward_pre_hook(
+                    PicklesAsNoop(ring_forward.inside_before), with_kwargs=True))
+                engine.changes.hook(what, child.register_forward_hook(
+                    PicklesAsNoop(ring_forward.inside_after), with_kwargs=True, always_call=True))
+
+
+def _axis_line(groups, axis: str) -> str:
+    return f"{axis} groups {groups.mesh.groups(axis)}"
+
+
+@torch.no_grad()
+def _start_alike(model: nn.Module, world: Groups) -> None:
+    """Rank 0's values everywhere before the layout cuts them: every tp rank must take its
+    shard of the same tensor (DDP broadcasts too; the engine does again over dp)."""
+    if world.world is None:
+        return
+    stats = Stats()
+    for t in [*model.parameters(), *model.buffers()]:
+        counted.broadcast(t.data, 0, world.world, stats, "setup")
+
+
+def _swap_in_optimizer(optimizer, before: dict, after: dict, changes: Changes) -> None:
+    """The optimizer's parameters replaced by what took their names (tensor-parallel shards),
+    and dropped where nothing did (another pipeline stage's)."""
+    if optimizer is None:
+        return
+    if optimizer.state:
+        raise PlanError("parallelize with tp or pp > 1 before the optimizer's first step: its "
+                        "state would have to be split too")
+    # Every name a tied parameter has: the last stage knows the embedding as head.weight.
+    kept = [list(group["params"]) for group in optimizer.param_groups]
+
+    def undo():
+        for group, params in zip(optimizer.param_groups, kept):
+            group["params"] = params
+
+    changes.record("optimizer: parameters replaced by this rank's shards and stages", undo)
+    names_of: dict[int, list[str]] = {}
+    for n, p in before.items():
+        names_of.setdefault(id(p), []).append(n)
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            names = names_of.get(id(p))
+            if names is None:
+                params.append(p)       # not the model's: left as the user made it
+            elif any(n in after for n in names):
+                params.append(after[next(n for n in names if n in after)])
+        group["params"] = params

@@ -1,1 +1,0 @@
-"""Synchronisation: dense all-reduce buckets, the sparse parameter server, and the engine."""

@@ -1,0 +1,108 @@
+"""A job's inputs to planning, shared by `tilework train` and `tilework plan` (so a job runs
+the plan `tilework plan` prints): its model on the meta device, its tables' expected traffic,
+one rank's example batch, the cluster it runs on, and the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..cluster.topology import Cluster, Host, Links, Topology
+from ..errors import PlanError
+from ..estimate.cost import TableTraffic
+from ..models import DLRM, SmallResNet, TinyGPT, WordLM
+from ..planner import plan
+from ..plans.analysis import ParamInfo, analyze
+from ..plans.plan import Plan
+from .job import Job
+
+
+def meta_model(job: Job) -> torch.nn.Module:
+    """The job's model with shapes and no memory; a PlanError where it cannot be built."""
+    try:
+        with torch.device("meta"):
+            if job.workload == "lm":
+                c = job.lm
+                return WordLM(c.vocab, c.embed_dim, c.hidden, c.layers, c.sparse, c.num_sampled)
+            if job.workload == "gpt":
+                c = job.gpt
+                return TinyGPT(c.vocab, c.dim, c.heads, c.layers, c.seq_len)
+            if job.workload == "cnn":
+                c = job.cnn
+                return SmallResNet(c.num_classes, c.width, c.blocks)
+            c = job.recommender
+            return DLRM(c.table_sizes, c.dense_features, c.embed_dim, sparse=c.sparse)
+    except (RuntimeError, TypeError) as e:
+        # The job's sizes are the only input: torch refuses a tensor of 2**63 elements or more
+        # (RuntimeError), or a dimension beyond int64 (TypeError).
+        raise PlanError(f"[{job.workload}]: sizes too large for any model "
+                        f"({str(e).splitlines()[0]})") from None
+
+
+def table_traffic(job: Job, infos: list[ParamInfo], cluster: Cluster) -> dict[str, TableTraffic]:
+    """Expected distinct rows per step of each table, from the job's batch and a Zipf model."""
+    topo = cluster.topology()
+    n = topo.world_size
+    per_rank = job.data.batch_size / n if job.data.scaling == "strong" else job.data.batch_size
+    out = {}
+    for info in infos:
+        if not info.is_table:
+            continue
+        rows = info.shape[0]
+        if job.workload == "lm":
+            tokens = per_rank * job.lm.seq_len
+            alpha = job.lm.zipf_alpha if job.lm.corpus == "zipf" else 1.0
+            if info.name == "embedding.weight":
+                out[info.name] = TableTraffic.zipf(rows, tokens, topo, alpha)
+            elif job.lm.num_sampled:
+                # targets (Zipf) plus negatives shared by every rank (log-uniform, ~Zipf 1)
+                t = TableTraffic.zipf(rows, tokens, topo, alpha)
+                neg = TableTraffic.zipf(rows, job.lm.num_sampled, topo, 1.0)
+                out[info.name] = TableTraffic(min(rows, t.per_rank + neg.per_rank),
+                                              min(rows, t.per_host + neg.per_rank),
+                                              min(rows, t.world + neg.per_rank))
+            else:
+                out[info.name] = TableTraffic(rows, rows, rows)  # the full softmax reads all rows
+        elif job.workload == "recommender":
+            out[info.name] = TableTraffic.zipf(rows, per_rank, topo, job.recommender.zipf_alpha)
+    return out
+
+
+def job_cluster(topology: Topology, cluster: Cluster | None) -> Cluster:
+    """The cluster a job runs on, as the planner sees it: the ranks as discovered, the links of
+    the cluster file when there is one."""
+    hosts = [Host(f"host{i}", len(ranks)) for i, ranks in enumerate(topology.hosts)]
+    return Cluster(hosts=hosts, links=cluster.links if cluster is not None else Links())
+
+
+def job_plan(job: Job, cluster: Cluster, mode: str | None = None) -> Plan:
+    """The plan `tilework train` runs for `job` on `cluster` (another `mode` for comparisons)."""
+    model = meta_model(job)
+    config = job.parallel if mode is None else dataclasses.replace(job.parallel, mode=mode)
+    return plan(model, config, cluster, traffic=table_traffic(job, analyze(model), cluster))
+
+
+def example_batch(job: Job, cluster: Cluster) -> tuple:
+    """One rank's inputs to the job's model, as the trainer passes them (zeros: only their
+    shapes matter to the memory estimate)."""
+    n = cluster.world_size
+    b = max(1, -(-job.data.batch_size // n)) if job.data.scaling == "strong" else job.data.batch_size
+    # On the host: the estimate moves them to the meta device.
+    def ids(*shape):
+        return torch.zeros(*shape, dtype=torch.long, device="cpu")
+
+    def values(*shape):
+        return torch.zeros(*shape, device="cpu")
+
+    if job.workload == "lm":
+        c = job.lm
+        negatives = ids(c.num_sampled) if c.num_sampled else None
+        return ids(b, c.seq_len), ids(b, c.seq_len), negatives
+    if job.workload == "gpt":
+        return ids(b, job.gpt.seq_len), ids(b, job.gpt.seq_len)
+    if job.workload == "cnn":
+        return values(b, 3, job.cnn.image_size, job.cnn.image_size), ids(b)
+    c = job.recommender
+    return values(b, c.dense_features), ids(b, len(c.table_sizes)), values(b)
