@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tilework-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,10 +18,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tilework demo
 
-# pytest's exit code 5 ("no tests collected") is a failure too.
-test: $(STAMP)
+# The lint first (seconds): pyflakes, pycodestyle errors, import order, 100 columns
+# (pyproject's [tool.ruff]). pytest's exit code 5 ("no tests collected") is a failure too.
+test: lint
 	$(PY) -m pytest; rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; \
 	[ $$rc -eq 0 ]
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -77,7 +77,8 @@ def on_emulated_hosts(hosts: int, rate: str) -> int:
     if not ok:
         return f"no emulated hosts here: {why}"
     mbit = matmul_flops() / PARALLAX_FLOP_PER_BYTE * 8 / 1e6 if rate == "parallax" else float(rate)
-    print(f"{hosts} emulated hosts, one rank each, links at {mbit:,.0f} Mbit/s ({rate})", flush=True)
+    print(f"{hosts} emulated hosts, one rank each, links at {mbit:,.0f} Mbit/s ({rate})",
+          flush=True)
     port, argv = _free_port(), [sys.executable, *sys.argv]
     with emulated_cluster(hosts, LinkShape(rate_mbit=mbit)) as cluster:
         procs = []

@@ -4,11 +4,11 @@
         --seq 128 --vocab 8192 --batch 16 --rounds 3 --steps 10]
 
 Three systems train the same global batch (strong scaling) with Adam: `ddp` (torch's
-DistributedDataParallel, every rank the whole model and half the batch), `tp` (tilework.parallel.tensor
-with the GPT's built-in layout, tp = world size, every rank a 1/tp shard of each split layer and
-the whole batch) and `tp-sp` (the same with sequence parallelism). Each round builds every
-system afresh and times `steps` steps after 3 warm-up steps; a step's time is its slowest
-rank's, a round's the median step; rounds interleave the systems so that drifts in the
+DistributedDataParallel, every rank the whole model and half the batch), `tp`
+(tilework.parallel.tensor with the GPT's built-in layout, tp = world size, every rank a 1/tp shard
+of each split layer and the whole batch) and `tp-sp` (the same with sequence parallelism). Each
+round builds every system afresh and times `steps` steps after 3 warm-up steps; a step's time is its
+slowest rank's, a round's the median step; rounds interleave the systems so that drifts in the
 machine's speed hit all alike. Memory per rank, exact, from the tensors themselves: parameters,
 gradients, Adam's state, and the activations autograd saves for backward (distinct storages,
 seen through saved_tensors_hooks). Bytes per step: counted for tp, the ring all-reduce of every

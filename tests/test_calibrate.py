@@ -81,7 +81,8 @@ def test_write_calibration_updates_one_link_and_keeps_the_rest(tmp_path, monkeyp
     else:
         pytest.importorskip("tomli_w")
     path = tmp_path / "cluster.toml"
-    path.write_text("# my cluster\n# two lines\n\nrendezvous = \"a:29500\"\n[[hosts]]\nname = \"a\"\n"
+    path.write_text("# my cluster\n# two lines\n\nrendezvous = \"a:29500\"\n"
+                    "[[hosts]]\nname = \"a\"\n"
                     "procs = 2\n[[hosts]]\nname = \"b\"\nprocs = 1\n[links.inter]\n"
                     "bandwidth_gbps = 3.0\nlatency_us = 7.0\n")
     os.chmod(path, 0o640)
@@ -93,7 +94,8 @@ def test_write_calibration_updates_one_link_and_keeps_the_rest(tmp_path, monkeyp
     fitted = Link(bandwidth_gbps=8.0, latency_us=200.0)  # 800 us over 2(n-1) = 4 messages
     untouched = Link(3.0, 7.0) if not spans_hosts else Links().intra
     assert key == ("links.inter" if spans_hosts else "links.intra")
-    assert (c.links.inter, c.links.intra) == ((fitted, untouched) if spans_hosts else (untouched, fitted))
+    assert (c.links.inter, c.links.intra) == ((fitted, untouched) if spans_hosts
+                                              else (untouched, fitted))
     text = path.read_text()
     assert text.startswith("# my cluster\n# two lines\n# tilework calibrate:")
     assert oct(path.stat().st_mode & 0o777) == oct(0o640)
@@ -105,7 +107,8 @@ def test_write_calibration_updates_one_link_and_keeps_the_rest(tmp_path, monkeyp
     # Again: still one calibrate line, no temporary files left.
     write_calibration(path, results, spans_hosts=spans_hosts, when="T2")
     assert path.read_text().count("# tilework calibrate:") == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.calibration.json", "cluster.toml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.calibration.json",
+                                                          "cluster.toml"]
 
 
 def test_cli_refuses_one_process_and_a_missing_file(tmp_path):

@@ -53,7 +53,8 @@ class _Plan:
     """The few Plan attributes predict_hybrid reads."""
 
     def __init__(self, params, bucket_bytes=25 * 2**20, local_aggregation=True):
-        self.params, self.bucket_bytes, self.local_aggregation = params, bucket_bytes, local_aggregation
+        self.params, self.bucket_bytes, self.local_aggregation = (params, bucket_bytes,
+                                                                  local_aggregation)
 
     def of(self, method):
         return [p for p in self.params if p.method == method]

@@ -1,7 +1,7 @@
-"""Context parallelism on F.scaled_dot_product_attention (tilework/parallel/context/sdpa.py), through
-`tilework.parallelize(model, opt, cp=2)`: nanoGPT's model.py (SDPA called in its own forward,
-positions from `wpe(torch.arange(0, t))`) and Hugging Face's LlamaForCausalLM (SDPA through its
-attention registry, rotary positions from `position_ids`), tied and untied, train with AdamW as
+"""Context parallelism on F.scaled_dot_product_attention (tilework/parallel/context/sdpa.py),
+through `tilework.parallelize(model, opt, cp=2)`: nanoGPT's model.py (SDPA called in its own
+forward, positions from `wpe(torch.arange(0, t))`) and Hugging Face's LlamaForCausalLM (SDPA through
+its attention registry, rotary positions from `position_ids`), tied and untied, train with AdamW as
 one process trains them; what ring attention cannot run is refused by its call site.
 
 Every cp rank gets the whole batch; cp cuts each sequence into its load-balanced part, so the

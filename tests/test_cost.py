@@ -50,8 +50,8 @@ def ids_for(step, rank):
 
 
 def _plan(model, mode, world_size, hosts, local_aggregation, hot, zero=0, scope="world"):
-    """The plan both sides use: the words table's first `hot` rows replicated (parallel/rows/hot.py),
-    the dense parameters at ZeRO stage `zero`."""
+    """The plan both sides use: the words table's first `hot` rows replicated
+    (parallel/rows/hot.py), the dense parameters at ZeRO stage `zero`."""
     topo = Topology.uniform(hosts, world_size // hosts)
     plan = make_plan(analyze(model), world_size, mode, bucket_bytes=BUCKET,
                      local_aggregation=local_aggregation, topology=topo, zero=zero,

@@ -1,12 +1,12 @@
 """A single-device training loop trains as in one process, with DistributedDataParallel's
 gradient semantics (issue 10): the same loop, unchanged, under one plain process (the
 reference), under torch's own DistributedDataParallel and under tilework's "hybrid", "ps" and
-"allreduce" modes and hybrid with ZeRO stages 1, 2 and 3, on 2 real gloo ranks. The patterns (tests/ddp_patterns.py): clipping by norm
-and by value, gradient accumulation over K=3 backward calls (plain, `no_sync()`,
-`require_backward_grad_sync = False`), a hand-written update loop without an optimizer, an LR
-scheduler, a state_dict round trip, torch.save(model), a DDP-wrapped submodule, gradients as
-seen when backward() returns (averaged; local with sync off), model.zero_grad() with table
-gradients pending, and rank-0-only evaluation.
+"allreduce" modes and hybrid with ZeRO stages 1, 2 and 3, on 2 real gloo ranks. The patterns
+(tests/ddp_patterns.py): clipping by norm and by value, gradient accumulation over K=3 backward
+calls (plain, `no_sync()`, `require_backward_grad_sync = False`), a hand-written update loop without
+an optimizer, an LR scheduler, a state_dict round trip, torch.save(model), a DDP-wrapped submodule,
+gradients as seen when backward() returns (averaged; local with sync off), model.zero_grad() with
+table gradients pending, and rank-0-only evaluation.
 
 Data: each global batch holds 8 rows; rank r takes its contiguous half; the reference takes the
 whole batch and the mean loss over it (= the mean of the ranks' means: halves are equal).

@@ -99,7 +99,8 @@ def test_parameters_that_differ_across_ranks_are_warned_and_rank_0s_win():
 
 def _momentum(rank, world_size):
     model = Tiny()
-    tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), log=False)
+    tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         log=False)
 
 
 def test_unsupported_optimizer_for_a_table_is_named():
@@ -116,7 +117,8 @@ def test_unsupported_optimizer_type_is_named():
 def test_out_of_range_ids_name_the_table():
     model = Tiny()
     tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), log=False)
-    with pytest.raises(IndexError, match="table.weight: id 1000 is out of range for a table of 1000"):
+    with pytest.raises(IndexError,
+                       match="table.weight: id 1000 is out of range for a table of 1000"):
         model(torch.tensor([[1, 1000]]))
 
 
@@ -227,7 +229,8 @@ def test_sum_versus_mean_and_byte_counts():
     assert stats["last_step"]["ps"]["sent"] > 0 and stats["last_step"]["allreduce"]["sent"] > 0
     dense_params = 4 * 4 + 4 + 4 + 1      # conv weight and bias, head weight and bias, fp32
     carried = CHECK_WORDS                 # the input check rides the last bucket
-    assert stats["last_step"]["allreduce"]["sent"] == 2 * (2 - 1) * (dense_params + carried) * 4 // 2
+    assert (stats["last_step"]["allreduce"]["sent"]
+            == 2 * (2 - 1) * (dense_params + carried) * 4 // 2)
     assert stats["dense_allreduce_bytes_per_step"] == (1000 * 4 + dense_params) * 4
 
 
@@ -316,7 +319,8 @@ def _optimizer_state_round_trip(rank, world_size, optimizer):
             m(batch(step, rank, world_size)).backward()
             o.step()
             o.zero_grad()
-    return saved, tilework.state_dict(model, opt)["model"], tilework.state_dict(again, again_opt)["model"]
+    return (saved, tilework.state_dict(model, opt)["model"],
+            tilework.state_dict(again, again_opt)["model"])
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adagrad"])

@@ -63,5 +63,6 @@ def test_local_aggregation_cuts_parameter_server_traffic():
     for a, b in zip(with_la[0][0].values(), without[0][0].values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert with_la[0][1] == pytest.approx(without[0][1], rel=1e-5)
-    crossing = [sum(r[2]["total"]["ps"]["sent_inter_host"] for r in run) for run in (with_la, without)]
+    crossing = [sum(r[2]["total"]["ps"]["sent_inter_host"] for r in run)
+                for run in (with_la, without)]
     assert 0 < crossing[0] < crossing[1], crossing

@@ -183,7 +183,8 @@ def test_summary_puts_the_cause_before_its_consequences():
     lines = summarize({0: (LOST_PEER_EXIT, "rank 0: lost contact with its peers: Connection reset"),
                        1: (-signal.SIGTERM, "Signal 15"),
                        2: (-signal.SIGKILL, "Signal 9 (SIGKILL) received by PID 7"),
-                       3: (LOST_PEER_EXIT, "rank 3: lost contact with its peers: Connection reset")})
+                       3: (LOST_PEER_EXIT,
+                           "rank 3: lost contact with its peers: Connection reset")})
     assert lines == ["rank 2 was killed by SIGKILL",
                      "ranks 0, 3 lost contact with their peers (Connection reset)",
                      "rank 1 stopped with it"]

@@ -267,7 +267,8 @@ def files(tmp_path_factory):
 @pytest.fixture
 def no_launch(monkeypatch):
     for module, name in ((tilework.launch.launcher, "run"), (tilework.train.trainer, "train"),
-                         (tilework.bench.suite, "run_suite"), (tilework.cluster.calibrate, "measure")):
+                         (tilework.bench.suite, "run_suite"),
+                         (tilework.cluster.calibrate, "measure")):
         monkeypatch.setattr(module, name, _would_run)
 
 

@@ -1,4 +1,5 @@
-"""The spawn harness itself: results by rank, failures re-raised with rank and traceback, no hangs."""
+"""The spawn harness itself: results by rank, failures re-raised with rank and traceback, no
+hangs."""
 
 import time
 

@@ -1,6 +1,6 @@
 """A server table split by row: its hot head replicated and all-reduced, its tail on the servers
-(parallel/rows/hot.py). Trains as one process does; checkpoints, clipping and unparallelize see one table;
-the planner splits a Zipf table where the head's all-reduce costs less than serving it."""
+(parallel/rows/hot.py). Trains as one process does; checkpoints, clipping and unparallelize see one
+table; the planner splits a Zipf table where the head's all-reduce costs less than serving it."""
 
 import dataclasses
 

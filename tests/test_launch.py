@@ -117,7 +117,7 @@ def test_cluster_spec_for_each_host():
         local_spec(2, max_restarts=-1)
 
 
-# -- scripts under `tilework run` fail as `tilework train`'s workers do (tilework/launch/script.py) ------
+# -- scripts under `tilework run` fail as `tilework train`'s workers do (tilework/launch/script.py)
 
 def _run_script(tmp_path, text, *args):
     script = tmp_path / "job.py"

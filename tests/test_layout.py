@@ -7,7 +7,8 @@ from tilework.plans.plan import ParamPlan
 from tilework.plans.rows import TableLayout
 
 
-@pytest.mark.parametrize("rows, partitions, world_size", [(10, 4, 4), (10, 3, 2), (7, 8, 4), (100, 5, 8)])
+@pytest.mark.parametrize("rows, partitions, world_size",
+                         [(10, 4, 4), (10, 3, 2), (7, 8, 4), (100, 5, 8)])
 @pytest.mark.parametrize("row_map", ["contiguous", "hashed"])
 def test_every_row_has_one_owner_and_slot(rows, partitions, world_size, row_map):
     if partitions > rows:

@@ -22,7 +22,8 @@ def new_model() -> TinyGPT:
 
 
 def batch(seed: int = 0):
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1),
+                           generator=torch.Generator().manual_seed(seed))
     return tokens[:, :-1], tokens[:, 1:]
 
 

@@ -153,7 +153,8 @@ def _check(results, options, ref):
 
 
 TWO = [{"cp": 2}, {"tp": 2}, {"tp": 2, "recompute": "full"},
-       {"pp": 2, "microbatches": 4, "recompute": "full"}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 4},
+       {"pp": 2, "microbatches": 4, "recompute": "full"}, {"tp": 2, "sequence_parallel": True},
+       {"pp": 2, "microbatches": 4},
        {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
        {"pp": 2, "microbatches": 4, "schedule": "interleaved"}]
 # The embedding left whole by the layout and served by the parameter server over dp, while

@@ -123,7 +123,8 @@ def test_teardown_deletes_every_namespace_setup_adds():
 
 def test_command_and_gloo_env():
     c = EmulatedCluster(hosts=host_layout(2, "p"), link=LinkShape(None), prefix="p")
-    assert c.command(1, ["python", "-c", "1"]) == ["ip", "netns", "exec", "ph1", "python", "-c", "1"]
+    assert c.command(1, ["python", "-c", "1"]) == [
+        "ip", "netns", "exec", "ph1", "python", "-c", "1"]
     assert c.command(0, ["x"], {"A": "1", "B": "two words"}) == [
         "ip", "netns", "exec", "ph0", "env", "A=1", "B=two words", "x"]
     assert c.gloo_env(1) == {"GLOO_SOCKET_IFNAME": "veth1", "MASTER_ADDR": "192.0.2.10"}

@@ -1,8 +1,8 @@
-"""tilework.prefetch: the next batch's ids are routed with this step's rows (parallel/rows/ahead.py).
-A pull then meets the other ranks once instead of twice; the bytes over a run are those of the
-same run without it (the same id blocks, each sent one exchange earlier) and one padded block
-at the end that says there is no next batch; the model trains as one process does. Where a
-rank cannot route a lookup ahead, no rank does."""
+"""tilework.prefetch: the next batch's ids are routed with this step's rows
+(parallel/rows/ahead.py). A pull then meets the other ranks once instead of twice; the bytes over a
+run are those of the same run without it (the same id blocks, each sent one exchange earlier) and
+one padded block at the end that says there is no next batch; the model trains as one process does.
+Where a rank cannot route a lookup ahead, no rank does."""
 
 import dataclasses
 

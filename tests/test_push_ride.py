@@ -1,5 +1,5 @@
-"""The last dense bucket rides the servers' push (parallel/data/dense.py, wire.bucket_rides_push): where
-the push is one all-to-all over the world, a small last bucket goes whole to every peer at the
+"""The last dense bucket rides the servers' push (parallel/data/dense.py, wire.bucket_rides_push):
+where the push is one all-to-all over the world, a small last bucket goes whole to every peer at the
 end of it and each rank sums the copies in rank order. No all-reduce of its own is issued (one
 meeting of all ranks fewer per step); its bytes are counted as the all-reduce's, (n - 1) times
 the bucket, as the cost model says; the model trains as one process does, and every rank holds

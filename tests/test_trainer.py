@@ -35,13 +35,15 @@ def test_metrics_and_checkpoints_written(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [5, 10]
     assert all(r["tokens_per_s"] > 0 for r in records if "loss" in r)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000010.pt"]
+    assert (sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+            == ["latest", "step-00000010.pt"])
 
 
 @pytest.mark.parametrize("workload", ["lm", "cnn", "recommender"])
 def test_each_workload_learns(tmp_path, workload):
     job = Job(workload=workload,
-              lm=LMJob(corpus="zipf", vocab=300, embed_dim=16, hidden=16, seq_len=8, zipf_tokens=30_000),
+              lm=LMJob(corpus="zipf", vocab=300, embed_dim=16, hidden=16, seq_len=8,
+                       zipf_tokens=30_000),
               cnn=CNNJob(samples=512, image_size=8, width=8, blocks=1),
               recommender=RecommenderJob(samples=4096, table_sizes=[200, 50], embed_dim=8),
               data=DataJob(batch_size=32),

@@ -25,7 +25,8 @@ class Tiny(nn.Module):
 
 def batch(step):
     g = torch.Generator().manual_seed(step)
-    return (torch.randint(0, 50, (BATCH,), generator=g), torch.randint(0, 20, (BATCH,), generator=g),
+    return (torch.randint(0, 50, (BATCH,), generator=g),
+            torch.randint(0, 20, (BATCH,), generator=g),
             torch.randn(BATCH, generator=g))
 
 

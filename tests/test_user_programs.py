@@ -1,7 +1,7 @@
 """Test like a user: three well-known public training programs, rewritten small in examples/ and
 adapted the way the README tells users to (`tilework.parallelize` in place of DDP, each rank its
-contiguous slice of the global batch), trained as one plain process (`python launch/script.py`: world
-size 1, tilework.parallelize included) and under `tilework run -n 2`. The distributed run must
+contiguous slice of the global batch), trained as one plain process (`python launch/script.py`:
+world size 1, tilework.parallelize included) and under `tilework run -n 2`. The distributed run must
 train the same model: the same global mean loss at every step and the same final state.
 
 Each script writes (rank 0) {"losses": [...], "state": single-device state dict, ...} with

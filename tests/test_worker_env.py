@@ -87,7 +87,7 @@ def test_the_cli_reports_a_bad_environment_in_one_line(tmp_path):
                                 "integer >= 1, got 'zero'")
 
 
-# -- workers start through tilework.launch.worker ---------------------------------------------------------
+# -- workers start through tilework.launch.worker --------------------------------------------------
 
 def test_train_launches_tilework_worker_with_the_checked_job(tmp_path, monkeypatch):
     job_file = Path(__file__).parent.parent / "docs" / "examples" / "demo-job.toml"
@@ -121,13 +121,15 @@ ROOT = Path(__file__).parent.parent / "tilework"
 # inherits from it.
 ENVIRON_TOUCHED = {
     "cluster/worker_env.py": "WorkerEnv.from_environ: the one reader",
-    "launch/launcher.py": "the launcher sets what its workers inherit (OMP_NUM_THREADS, the timeout)",
+    "launch/launcher.py": "the launcher sets what its workers inherit "
+                          "(OMP_NUM_THREADS, the timeout)",
     "bench/suite.py": "the benchmark composes its workers' environments",
     "testing.py": "a test child sets its own RANK, as a launcher would",
 }
 # Where WorkerEnv.from_environ() is called: the entry points, each once.
 READERS = {
-    ("cli.py", "main"), ("launch/worker.py", "main"), ("launch/script.py", "main"), ("cluster/calibrate.py", "main"),
+    ("cli.py", "main"), ("launch/worker.py", "main"), ("launch/script.py", "main"),
+    ("cluster/calibrate.py", "main"),
     ("bench/worker.py", "main"), ("bench/comm_prediction.py", "main"),
     # A user's script calls these bare: they are its entry points into tilework. tilework's
     # own callers pass the WorkerEnv they read.

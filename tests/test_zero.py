@@ -1,4 +1,5 @@
-"""ZeRO stages 1-3 (parallel/data/zero.py, parallel/data/zero3.py) train the model one process trains.
+"""ZeRO stages 1-3 (parallel/data/zero.py, parallel/data/zero3.py) train the model one process
+trains.
 
 The reference GPT (two transformer blocks, so stage 3 has two block units and the model's own)
 trains 3 steps on 2 or 4 real gloo ranks, each on its share of a global batch of 8 sequences,
@@ -289,7 +290,8 @@ def _compiled(rank, world_size, zero):
     tilework.parallelize(model, opt, zero=zero, log=False)
     compiled = torch.compile(model, backend="aot_eager")
     losses = train(compiled, opt, range(2), rank, world_size)
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def test_torch_compile_under_stage_3_trains_as_eager():

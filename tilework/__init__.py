@@ -34,7 +34,8 @@ from .parallel.rows.ahead import prefetch
 from .planner import plan
 
 __version__ = "0.1.0"
-__all__ = ["parallelize", "unparallelize", "plan", "ParallelConfig", "clip_grad_norm_", "clip_grad_value_",
+__all__ = ["parallelize", "unparallelize", "plan", "ParallelConfig", "clip_grad_norm_",
+           "clip_grad_value_",
            "stats", "save", "load", "state_dict", "load_state_dict", "Cluster", "Host", "Link",
            "Topology", "UserError", "estimate_memory", "full_parameters", "data_parallel_rank",
            "prefetch"]

@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="start worker processes (torchrun semantics)")
     where = run.add_mutually_exclusive_group(required=True)
     where.add_argument("-n", "--nproc", type=int, help="local worker processes")
-    where.add_argument("--hosts", metavar="CLUSTER_TOML", help="cluster file: run this host's share")
+    where.add_argument("--hosts", metavar="CLUSTER_TOML",
+                       help="cluster file: run this host's share")
     run.add_argument("--host", help="this host's name in the cluster file (default: hostname)")
     run.add_argument("--run-id", default="tilework", help="rendezvous id, the same on every host")
     _fault_flags(run)
@@ -44,13 +45,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("job", help="job file (TOML)")
     where = train.add_mutually_exclusive_group()
     where.add_argument("-n", "--nproc", type=int, default=1, help="local worker processes")
-    where.add_argument("--hosts", metavar="CLUSTER_TOML", help="cluster file: run this host's share")
+    where.add_argument("--hosts", metavar="CLUSTER_TOML",
+                       help="cluster file: run this host's share")
     train.add_argument("--host", help="this host's name in the cluster file (default: hostname)")
     train.add_argument("--run-id", default="tilework", help="rendezvous id, the same on every host")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     _fault_flags(train)
 
-    plan = sub.add_parser("plan", help="what tilework would do with a job on a cluster, and its cost")
+    plan = sub.add_parser("plan",
+                          help="what tilework would do with a job on a cluster, and its cost")
     plan.add_argument("--job", required=True, help="job file (TOML)")
     where = plan.add_mutually_exclusive_group(required=True)
     where.add_argument("--cluster", help="cluster file (TOML)")
@@ -70,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="time collectives here and fit the cluster file's link")
     cal.add_argument("--cluster", required=True, help="cluster file (TOML) to update")
-    cal.add_argument("-n", "--nproc", type=int, default=2, help="local worker processes (default 2)")
+    cal.add_argument("-n", "--nproc", type=int, default=2,
+                     help="local worker processes (default 2)")
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
 
     bench = sub.add_parser("bench", help="tilework beside DDP on emulated hosts (needs root for "
@@ -79,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--workloads", nargs="+", help="lm100k lm800k cnn gpt recommender")
     bench.add_argument("--systems", nargs="+", help="ddp ddp-sparse allreduce ps hybrid "
                        "hybrid-ahead (hybrid reading its batches through tilework.prefetch) "
-                       "torchrec torchrec-rw (the last two: recommender only, optional; see README); "
+                       "torchrec torchrec-rw (the last two: recommender only, optional; "
+                       "see README); "
                        "also, not by default: hybrid-zipf hybrid-hot (hot rows), "
                        "hybrid-contiguous (rows in contiguous ranges)")
     bench.add_argument("--steps", type=int, default=5, help="measured steps (median)")
@@ -107,7 +112,8 @@ def _cmd_run(a, argv, env) -> int:
     if not os.path.isfile(a.script):  # unlike Path.is_file, never raises (e.g. on a long name)
         raise UserError(f"{a.script}: script not found")
     # Through the runner: a failing script is reported as a `tilework train` worker's failure is.
-    return launch.run(_spec(a), ["-m", "tilework.launch.script", a.script, *a.args], verbose=a.verbose)
+    return launch.run(_spec(a), ["-m", "tilework.launch.script", a.script, *a.args],
+                      verbose=a.verbose)
 
 
 def _spec(a):
@@ -254,7 +260,8 @@ def _print_report(out: dict, title: str, console) -> None:
     table = Table(title=Text(f"{title}: {out['hosts']} hosts, {out['world_size']} ranks"))
     add_name_column(table)
     for col in ("shape", "rows/step", "method", "partitions", "MB/step", "ms/step", "why"):
-        table.add_column(col, justify="right" if col in ("MB/step", "ms/step", "rows/step") else "left")
+        table.add_column(col,
+                         justify="right" if col in ("MB/step", "ms/step", "rows/step") else "left")
     for p in out["params"]:
         table.add_row(name_cell(p["name"]), "x".join(map(str, p["shape"])),
                       "-" if p["density"] is None else f"{p['density']:.2%}", p["method"],
@@ -310,7 +317,8 @@ def _cmd_bench(a, argv, env) -> int:
                             if s not in ("hybrid-zipf", "hybrid-hot", "hybrid-contiguous")]
     from .bench.workloads import WORKLOADS
 
-    for kind, names, known in (("--workloads", workloads, WORKLOADS), ("--systems", systems, SYSTEMS)):
+    for kind, names, known in (("--workloads", workloads, WORKLOADS),
+                               ("--systems", systems, SYSTEMS)):
         unknown = [n for n in names if n not in known]
         if unknown:
             raise UserError(f"{kind}: unknown {unknown[0]!r} (expected one of: {', '.join(known)})")
@@ -344,7 +352,8 @@ def _cmd_demo(a, argv, env) -> int:
 
 def _run_worker(command, args, argv, env: WorkerEnv) -> int:
     """One rank of a group someone else launched (`torchrun ... -m tilework train`): a failure
-    is one line, and the exit code tells the launcher whether this rank caused it (launch/faults.py)."""
+    is one line, and the exit code tells the launcher whether this rank caused it
+    (launch/faults.py)."""
     from .launch.faults import stop_worker
 
     try:

@@ -19,8 +19,8 @@ unique/index_add bookkeeping, gloo's sparse coalescing), which the cost model do
 Communication a system overlaps with compute (DDP's all-gathers during backward) is not seen:
 it is the exposed communication.
 
-Prediction: the cost model (`tilework.estimate.cost`) on the plan the system ran, with the traffic the
-batches really touched (distinct rows per rank and in the world, from the ids) and the links
+Prediction: the cost model (`tilework.estimate.cost`) on the plan the system ran, with the traffic
+the batches really touched (distinct rows per rank and in the world, from the ids) and the links
 fitted on the same emulated network, per collective (`links` mode: all_reduce, all_to_all and
 all_gather timed like `tilework calibrate` and fitted with its `fit_alpha_beta`).
 """

@@ -72,7 +72,8 @@ def run_one(workload: str, system: str, setting: Setting, steps: int, warmup: in
         # run on this one machine (emulated hosts too), hence local ranks 0 to n - 1.
         base = {**os.environ, "OMP_NUM_THREADS": "1"}
         ranks = [WorkerEnv(launched=True, rank=r, world_size=n, local_rank=r, local_world_size=n,
-                           master_addr="127.0.0.1", master_port=port).to_environ() for r in range(n)]
+                           master_addr="127.0.0.1", master_port=port).to_environ()
+                 for r in range(n)]
         if cluster is None:
             envs, commands = [{**base, **ranks[r]} for r in range(n)], [argv] * n
         else:
@@ -129,7 +130,8 @@ def run_suite(workloads: list[str], systems: list[str], quick: bool, steps: int,
     results = []
     for setting in chosen:
         systems_here = systems if setting.hosts > 1 else ["hybrid"]  # one rank: nothing to sync
-        cm = nullcontext() if setting.link is None else emulated_cluster(setting.hosts, setting.link)
+        cm = (nullcontext() if setting.link is None
+              else emulated_cluster(setting.hosts, setting.link))
         with cm as cluster:
             for w in workloads:
                 if setting.only and w not in setting.only:
@@ -144,7 +146,8 @@ def run_suite(workloads: list[str], systems: list[str], quick: bool, steps: int,
                     r = run_one(w, s, setting, steps, warmup, cluster)
                     results.append(r)
                     log(f"{setting.name:>34}  {w:>11}  {s:>10}  {r['step_s'] * 1e3:8.1f} ms/step  "
-                        f"{r['throughput']:10,.0f} {r['unit']}/s  {r['bytes_per_step'] / 1e6:8.3f} MB"
+                        f"{r['throughput']:10,.0f} {r['unit']}/s  "
+                        f"{r['bytes_per_step'] / 1e6:8.3f} MB"
                         + (f"  ({r['sharding']})" if "sharding" in r else ""))
     return {"flops_per_s": flops, "note": note, "results": results, "quick": quick,
             "steps": steps, "warmup": warmup}
@@ -165,15 +168,18 @@ def ratios(results: list[dict]) -> list[dict]:
 
 def write_report(suite: dict, markdown: Path, png: Path, command: str) -> None:
     rows = ratios(suite["results"])
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "?"
+    cpu = (next((line.split(":", 1)[1].strip()
+                 for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), "unknown CPU")
+           if Path("/proc/cpuinfo").exists() else "?")
     lines = [
         "# Benchmarks: tilework beside DistributedDataParallel",
         "",
         f"Command: `{command}`  ",
         f"Machine: {os.cpu_count()} cores ({cpu}), one thread per rank, gloo, CPU.  ",
         f"Per-process fp32 matmul: {suite['flops_per_s'] / 1e9:.1f} GFLOP/s; {suite['note']}.  ",
-        f"Median of {suite['steps']} measured steps after {suite['warmup']} warm-up steps; the step "
+        f"Median of {suite['steps']} measured steps after {suite['warmup']} warm-up steps; "
+        "the step "
         "time of a step is its slowest rank's. Bytes: what one rank sent in a step (tilework: "
         "its counters; DDP: ring all-reduce of dense gradients plus the all-gather of sparse ones; "
         "TorchRec: its all-to-all / reduce-scatter / all-gather calls plus a ring all-reduce of "
@@ -184,7 +190,8 @@ def write_report(suite: dict, markdown: Path, png: Path, command: str) -> None:
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_report_row(r) for r in rows]
-    sharded = [f"- {r['setting']}, {r['system']}: {r['sharding']}; tables: {r['embedding_optimizer']}"
+    sharded = [f"- {r['setting']}, {r['system']}: {r['sharding']}; "
+               f"tables: {r['embedding_optimizer']}"
                for r in rows if "sharding" in r]
     if sharded:
         lines += ["", "TorchRec's sharding (table:type@ranks):", ""] + sharded
@@ -217,7 +224,8 @@ def _plot(rows: list[dict], png: Path) -> None:
     for ax, w in zip(axes[0], workloads):
         for system in SYSTEMS:
             pts = [(r["hosts"], r["throughput"]) for r in rows
-                   if r["workload"] == w and r["system"] == system and r["setting"] in link_settings]
+                   if r["workload"] == w and r["system"] == system
+                   and r["setting"] in link_settings]
             if pts and w in single:
                 xs, ys = zip(*([(1, single[w])] + sorted(pts)))
                 ax.plot(xs, ys, marker="o", label=system)

@@ -48,7 +48,8 @@ def _setup(workload, system: str, world_size: int):
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if system in ("hybrid-zipf", "hybrid-hot"):
-        plan, extra = _hot_plan(model, workload, world_size, 0.5 if system == "hybrid-hot" else None)
+        plan, extra = _hot_plan(model, workload, world_size,
+                                0.5 if system == "hybrid-hot" else None)
         tilework.parallelize(model, opt, plan=plan, log=False)
         return model, opt, None, extra
     if system == "hybrid-contiguous":

@@ -55,7 +55,8 @@ def _lm(vocab: int, global_batch: int = 32, seq: int = 20, sampled: int = 1024) 
                    for name in ("softmax_weight.weight", "softmax_bias.weight")}}
 
     return BenchWorkload(f"lm{vocab // 1000}k", "sparse",
-                         lambda sparse: WordLM(vocab, 64, 128, 1, sparse=sparse, num_sampled=sampled),
+                         lambda sparse: WordLM(vocab, 64, 128, 1, sparse=sparse,
+                                               num_sampled=sampled),
                          batch, "tokens", global_batch * seq, zipf)
 
 

@@ -131,7 +131,8 @@ def load(path: str | Path, fingerprint: dict[str, Any] | None = None) -> dict[st
                               f"expected {VERSION}")
     if fingerprint is not None:
         saved = blob.get("fingerprint", {})
-        diff = [k for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
+        diff = [k for k in sorted(set(saved) | set(fingerprint))
+                if saved.get(k) != fingerprint.get(k)]
         if diff:
             k = diff[0]
             raise CheckpointError(f"{path}: made for a different job: {k} is {saved.get(k)!r} "

@@ -43,8 +43,9 @@ def _unshard(mesh, key: str, value, shapes: dict, to_first: bool):
 
 
 def _own_hooks_aside(engine, kind: str):
-    """Under tp, the model's own state-dict hooks of `kind` set aside (parallel/tensor/own_hooks.py):
-    yields what was taken, to replay on the whole state; elsewhere nothing is taken."""
+    """Under tp, the model's own state-dict hooks of `kind` set aside
+    (parallel/tensor/own_hooks.py): yields what was taken, to replay on the whole state; elsewhere
+    nothing is taken."""
     from ..parallel.tensor import own_hooks
 
     tp = engine.mesh.tp

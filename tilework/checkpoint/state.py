@@ -29,7 +29,8 @@ def state_mismatch(expected: dict[str, tuple], given) -> str | None:
 def check_state(engine, state: dict) -> None:
     """Everything a load would touch, checked before anything is: a mismatch never
     half-loads."""
-    expected = {k: tuple(v.shape) for k, v in gathered_model_state(engine, gather_to="meta").items()}
+    expected = {k: tuple(v.shape)
+                for k, v in gathered_model_state(engine, gather_to="meta").items()}
     opt = state.get("optimizer") if isinstance(state, dict) else None
     if not isinstance(opt, dict) or not {"dense", "groups", "rows"} <= set(opt):
         raise CheckpointError("checkpoint does not match the model: no optimizer state in "

@@ -1,1 +1,2 @@
-"""The machines: cluster files (hosts, links, memory), the topology of ranks, the device mesh and its named axes, the worker's environment, and calibration."""
+"""The machines: cluster files (hosts, links, memory), the topology of ranks, the device mesh and
+its named axes, the worker's environment, and calibration."""

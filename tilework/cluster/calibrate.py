@@ -17,8 +17,8 @@ fails on shaped links: a tbf bucket lets the first ~125 KB through unshaped, so 
 fast, and a relative fit took beta from them: 1.5 to 9 times too high for large messages; see
 docs/comm-model.md.)
 
-`python -m tilework.cluster.calibrate` is a bare worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in
-the environment, gloo over TCP) for benchmarks that start processes themselves, e.g. inside
+`python -m tilework.cluster.calibrate` is a bare worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+in the environment, gloo over TCP) for benchmarks that start processes themselves, e.g. inside
 emulated hosts; it writes rank 0's results as JSON.
 """
 
@@ -72,7 +72,8 @@ def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
     x = np.asarray(sizes_bytes, dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64)
     if x.shape != t.shape or x.ndim != 1:
-        raise ValueError(f"sizes and seconds must be two equal-length lists, got {x.shape} and {t.shape}")
+        raise ValueError("sizes and seconds must be two equal-length lists, "
+                         f"got {x.shape} and {t.shape}")
     if len(np.unique(x)) < 2:
         raise ValueError("need points at two or more distinct sizes")
     if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(np.isfinite(x)) and np.all(x >= 0)):
@@ -151,7 +152,8 @@ def _elements(nbytes: int, n: int) -> int:
 
 
 def time_points(group, world_size: int, sizes, repeats: int = DEFAULT_REPEATS,
-                collectives=COLLECTIVES, warmup: int = 1) -> dict[str, list[tuple[int, int, float]]]:
+                collectives=COLLECTIVES,
+                warmup: int = 1) -> dict[str, list[tuple[int, int, float]]]:
     """Time each collective on every buffer size in `group` (every rank calls this, with the same
     arguments): {collective: [(buffer bytes, wire bytes, median seconds)]}, the same on every rank.
 
@@ -182,7 +184,8 @@ def _check_timing_args(group, world_size: int, collectives, repeats: int, warmup
     if world_size < 2:
         raise ValueError(f"calibration needs at least 2 ranks, got {world_size}")
     if dist.get_world_size(group) != world_size:
-        raise ValueError(f"world_size {world_size} but the group has {dist.get_world_size(group)} ranks")
+        raise ValueError(f"world_size {world_size} but the group has "
+                         f"{dist.get_world_size(group)} ranks")
     unknown = sorted(set(collectives) - set(WIRE))
     if unknown:
         raise ValueError(f"unknown collective {unknown[0]!r} (expected one of {', '.join(WIRE)})")

@@ -144,7 +144,8 @@ class Cluster:
             if name in (h.name, h.address):
                 return i
         names = ", ".join(h.name for h in self.hosts)
-        raise ConfigError("hosts", f"this host {name!r} is not in the cluster file (hosts: {names})")
+        raise ConfigError("hosts",
+                          f"this host {name!r} is not in the cluster file (hosts: {names})")
 
     def topology(self) -> "Topology":
         return Topology.from_sizes([h.procs for h in self.hosts])

@@ -197,8 +197,8 @@ def all_to_all_v(chunks: list[torch.Tensor], group, stats: Stats, method: str,
     the lengths go first in a small all-to-all of int64 counts (counted too: real traffic).
     `remote[j]` says group rank j is on another host, for the inter-host byte count.
     `tail`: (method, k): the last k elements of every chunk, sent and received, are another
-    method's bytes (a dense bucket riding the push, parallel/data/dense.py), counted as that method's.
-    `async_op` (with `recv_lengths`): launch and return at once; `.wait()` gives the list.
+    method's bytes (a dense bucket riding the push, parallel/data/dense.py), counted as that
+    method's. `async_op` (with `recv_lengths`): launch and return at once; `.wait()` gives the list.
     """
     n = group_size(group)
     if n == 1:

@@ -1,4 +1,5 @@
-"""Process groups: the world, each host's ranks (intra) and the same local rank across hosts (inter).
+"""Process groups: the world, each host's ranks (intra) and the same local rank across hosts
+(inter).
 
 Built once, then passed explicitly to whatever communicates; nothing below reads a global group.
 Every rank must call `build_groups` with the same topology, because `new_group` is collective.
@@ -48,7 +49,8 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_from_env(timeout_s: float | None = None, env: WorkerEnv | None = None) -> dist.ProcessGroup:
+def init_from_env(timeout_s: float | None = None,
+                  env: WorkerEnv | None = None) -> dist.ProcessGroup:
     """Join the world that torchrun (or `tilework run`) described in the environment.
 
     tilework's entry points pass the `env` they read; a user's script calls this bare, as its
@@ -105,7 +107,8 @@ def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | No
     rank = dist.get_rank(world)
     if topology.world_size != dist.get_world_size(world):
         raise ValueError(
-            f"topology has {topology.world_size} ranks but the world has {dist.get_world_size(world)}"
+            f"topology has {topology.world_size} ranks but the world has "
+            f"{dist.get_world_size(world)}"
         )
     backend = dist.get_backend(world)
     # new_group's own default is 30 minutes, whatever the world was given: without this a rank
@@ -128,9 +131,10 @@ def build_groups(world: dist.ProcessGroup | None = None, topology: Topology | No
                 if len(ranks) > 1 else None
             if rank in ranks:
                 inter = g
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return Groups(world=world, topology=topology, rank=rank, intra=intra, inter=inter, device=device,
-                  store=_store_of(world), env=env)
+    device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+              else torch.device("cpu"))
+    return Groups(world=world, topology=topology, rank=rank, intra=intra, inter=inter,
+                  device=device, store=_store_of(world), env=env)
 
 
 def push_group(groups: Groups) -> dist.ProcessGroup:

@@ -1,5 +1,6 @@
 """What each collective puts on the wire: one table, read by the counters (comm/counted.py),
-the cost model (estimate/cost.py) and calibration (cluster/calibrate.py), so the three cannot disagree.
+the cost model (estimate/cost.py) and calibration (cluster/calibrate.py), so the three cannot
+disagree.
 
 For a call on a group of n ranks, `sent(nbytes, n)` is what one rank sends and `messages(n)` how
 many messages the alpha-beta model charges it. `nbytes` is the buffer as the caller passes it:
@@ -45,12 +46,13 @@ def count_exchange_bytes(n: int) -> int:
 
 
 def id_block_capacity(count: int, capacity: int) -> int:
-    """The ids one rank's pull block to a peer holds from the next step on (parallel/rows/exchange.py),
-    from what this step sent in that block (`count`) and what it held: both ends know both, so
-    they agree without a word. Grows with a quarter's headroom, so a steady stream of ids stops
-    overflowing after its largest step. Shrinks to the same headroom only when a step's ids
-    need under a quarter of the block: a spike (an evaluation's larger batch) does not pad every
-    later step, while ordinary swings between steps never cost an overflow's extra meeting."""
+    """The ids one rank's pull block to a peer holds from the next step on
+    (parallel/rows/exchange.py), from what this step sent in that block (`count`) and what it held:
+    both ends know both, so they agree without a word. Grows with a quarter's headroom, so a steady
+    stream of ids stops overflowing after its largest step. Shrinks to the same headroom only when a
+    step's ids need under a quarter of the block: a spike (an evaluation's larger batch) does not
+    pad every later step, while ordinary swings between steps never cost an overflow's extra
+    meeting."""
     fitted = count + count // 4
     return fitted if count > capacity or 4 * fitted < capacity else capacity
 
@@ -61,9 +63,9 @@ RIDE_BYTES = 64 * 2**10
 def bucket_rides_push(nbytes: int, n: int) -> bool:
     """Whether the last dense bucket (`nbytes` with what rides it) goes whole to every peer at
     the end of the server push's all-to-all, each rank summing what arrives, instead of an
-    all-reduce of its own (parallel/data/dense.py): while the ride sends at most 64 KiB, where a step's
-    meetings, not its bytes, are the cost. Measured (2 ranks, gloo): an async all-reduce beside
-    the push cost 1.2-1.9 ms, the push carrying it 0.4-0.6 ms (3k-20k floats), and the
+    all-reduce of its own (parallel/data/dense.py): while the ride sends at most 64 KiB, where a
+    step's meetings, not its bytes, are the cost. Measured (2 ranks, gloo): an async all-reduce
+    beside the push cost 1.2-1.9 ms, the push carrying it 0.4-0.6 ms (3k-20k floats), and the
     recommender's step (6 KB bucket) fell to 0.67-0.84x TorchRec's at 2 emulated hosts; but
     an LM's 430 KB bucket riding on 850 Mbit/s links made its step 1.26-1.34x DDP-sparse's
     against 1.13x all-reduced, so a large bucket keeps its all-reduce. The ride sends (n-1)

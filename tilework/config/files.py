@@ -148,7 +148,8 @@ def _build(cls: Any, data: Any, prefix: str) -> Any:
         key = f"{prefix}.{name}" if prefix else name
         if name not in data:
             no_default = (
-                field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+                field.default is dataclasses.MISSING
+                and field.default_factory is dataclasses.MISSING
             )
             if no_default:
                 raise ConfigError(key, f"missing (expected {_describe(hints[name])})")

@@ -27,7 +27,8 @@ class ShardedBatches:
             raise ConfigError("scaling", f"expected 'strong' or 'weak', got {scaling!r}")
         self.global_batch = batch_size if scaling == "strong" else batch_size * world_size
         if scaling == "strong" and batch_size % world_size:
-            raise ConfigError("batch_size", f"strong scaling splits the global batch of {batch_size} "
+            raise ConfigError("batch_size",
+                              f"strong scaling splits the global batch of {batch_size} "
                               f"over {world_size} ranks: expected a multiple of {world_size}")
         if num_samples < self.global_batch and drop_last:
             raise ConfigError("batch_size", f"global batch {self.global_batch} is larger than the "

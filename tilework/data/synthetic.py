@@ -67,7 +67,8 @@ class SyntheticImages:
 
 
 class ClickLogs:
-    """Click-through samples: dense features, one Zipf id per table, a label from a hidden teacher."""
+    """Click-through samples: dense features, one Zipf id per table, a label from a hidden
+    teacher."""
 
     def __init__(self, count: int, table_sizes: list[int], dense_features: int = 8,
                  alpha: float = 1.1, seed: int = 0):

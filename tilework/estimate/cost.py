@@ -46,8 +46,8 @@ def seconds(nbytes: float, link: Link, messages: int) -> float:
 
 def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
                      carried_bytes: int = 0, push: bool = False) -> int:
-    """Exact: what `parallel.data.dense.DenseSync` counts per step for parameters in registration order;
-    `carried_bytes` ride the last bucket (the input check's words: CHECK_WORDS elements, hot
+    """Exact: what `parallel.data.dense.DenseSync` counts per step for parameters in registration
+    order; `carried_bytes` ride the last bucket (the input check's words: CHECK_WORDS elements, hot
     heads). `push`: a server push over the world happens that step, which the last bucket
     rides where `wire.bucket_rides_push` says so, whole to every peer."""
     order = list(reversed(param_nbytes))
@@ -83,7 +83,7 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
                 if n > 1 else 0.0)
 
 
-# -- ZeRO: exact replay of parallel/data/zero.py -----------------------------------------------------------
+# -- ZeRO: exact replay of parallel/data/zero.py ---------------------------------------------------
 
 def zero_shard(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:
     """(ranks a ZeRO parameter is sharded over, bytes of each one's padded chunk) on n ranks in
@@ -122,7 +122,7 @@ def zero_sharded(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
     return Cost(sent, seconds(sent, link_for(topology, links), messages))
 
 
-# -- parameter server: exact replay of parallel/rows/sparse.py --------------------------------------------
+# -- parameter server: exact replay of parallel/rows/sparse.py -------------------------------------
 
 def _pull_counts(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: Topology,
                  local_aggregation: bool) -> list[dict[int, tuple[list[int], list[int]]]]:
@@ -153,8 +153,8 @@ def ps_step_bytes(plans: list[ParamPlan], ids_per_table: list[list[torch.Tensor]
                   topology: Topology, local_aggregation: bool,
                   id_blocks: dict | None = None) -> list[int]:
     """Exact bytes each rank sends in one step for tables pulled together (one exchange, as
-    parallel/rows/exchange.py sends them; `ids_per_table[t][r]`: the ids rank r looks up in table t):
-    the id blocks (per-table counts, a flag, the pair's capacity of ids, and any overflow), the
+    parallel/rows/exchange.py sends them; `ids_per_table[t][r]`: the ids rank r looks up in table
+    t): the id blocks (per-table counts, a flag, the pair's capacity of ids, and any overflow), the
     rows answered, and the push's gradient rows, which retrace the pull's route (a table looked
     up more than once per step also sends ids and lengths). `id_blocks` carries the blocks'
     capacities from step to step: pass one dict for every step of the same group of tables (a
@@ -191,8 +191,8 @@ def ps_table_bytes(plan: ParamPlan, ids_per_rank: list[torch.Tensor], topology: 
 
 
 def hot_head_bytes(plan: ParamPlan) -> int:
-    """A table's replicated head's buffer (parallel/rows/hot.py): its gradient rows and one touched flag
-    per row, in the row's dtype, summed over the world once per synchronised step. Where it
+    """A table's replicated head's buffer (parallel/rows/hot.py): its gradient rows and one touched
+    flag per row, in the row's dtype, summed over the world once per synchronised step. Where it
     rides the last dense bucket, `dense_sync_bytes` counts it among that bucket's
     `carried_bytes`; else `hot_sync_bytes`."""
     return plan.hot_rows * (plan.row_bytes + dtype_bytes(plan.dtype))
@@ -236,7 +236,8 @@ def _zipf_probs(rows: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
         edges = np.unique(np.geomspace(head + 1, rows + 1, num=1000).astype(np.int64))
         edges[-1] = rows + 1
         lo, hi = edges[:-1] - 0.5, edges[1:] - 0.5
-        mass = np.log(hi / lo) if alpha == 1.0 else (hi ** (1 - alpha) - lo ** (1 - alpha)) / (1 - alpha)
+        mass = (np.log(hi / lo) if alpha == 1.0
+                else (hi ** (1 - alpha) - lo ** (1 - alpha)) / (1 - alpha))
         width = np.diff(edges).astype(np.float64)
         weights.append(mass / width)
         counts.append(width)

@@ -33,16 +33,16 @@ reduce-scatter buckets in flight, each a padded flat copy sent and one received.
 `gathered` values are a transient of forward and backward: the model's own unit whole, plus
 the largest block unit whole and its prefetched successor's all-gather buffer; the model's own
 unit is reduce-scattered last, alone (`last_flight`). Offloaded state
-and shards (parallel/data/offload.py: memory-mapped files on a CPU host) are `offloaded`, outside the
-peak: the kernel may write them out under pressure.
+and shards (parallel/data/offload.py: memory-mapped files on a CPU host) are `offloaded`, outside
+the peak: the kernel may write them out under pressure.
 
 The peak is parameters + optimizer state + the largest of (activations + temporaries +
 gathered) at the end of forward, gradients + the larger of (gathered + the larger of buckets
 and recompute) and the last flight in backward, and (gradients + the step's temporaries)
 during the step.
 
-With tp, pp or cp > 1, `estimate_memory` hands over to estimate/mesh_memory.py: the same rules on one
-rank's part of a model transformed as `parallelize` transforms it, its forward measured on the
+With tp, pp or cp > 1, `estimate_memory` hands over to estimate/mesh_memory.py: the same rules on
+one rank's part of a model transformed as `parallelize` transforms it, its forward measured on the
 meta device.
 """
 
@@ -254,8 +254,8 @@ def _param_groups(model: nn.Module, optimizer) -> list[tuple[dict, list[str]]]:
 
 
 def _step_device(model: nn.Module, plan) -> str:
-    """The device type the optimizer steps on: the host's with offload (parallel/data/offload.py), else
-    the model's (a model on the meta device: a CPU host)."""
+    """The device type the optimizer steps on: the host's with offload (parallel/data/offload.py),
+    else the model's (a model on the meta device: a CPU host)."""
     p = next(model.parameters(), None)
     if plan.offload != "none" or p is None or p.device.type == "meta":
         return "cpu"

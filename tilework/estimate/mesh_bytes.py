@@ -4,12 +4,13 @@ meta-device one will do), the config and the batch; the figures `tilework.stats`
 
     tp         the layout's regions (parallel/tensor/cost.py) for the modules of this rank's stages,
                on the tokens of its dp share of the batch
-    pipeline   the schedule's boundary sends (parallel/pipeline/simulate.p2p_bytes), one microbatch's
-               activation each
+    pipeline   the schedule's boundary sends (parallel/pipeline/simulate.p2p_bytes), one
+               microbatch's activation each
     cp         ring attention's K/V blocks, forward and backward (parallel/context/cost.py)
-    allreduce  the dense buckets over dp (dp x cp under context parallelism; cost.dense_sync_bytes) of this rank's shards of
-               this rank's stages, the input check's words riding the last bucket (not under
-               pp, whose stages never run the model's own forward where the check looks)
+    allreduce  the dense buckets over dp (dp x cp under context parallelism; cost.dense_sync_bytes)
+               of this rank's shards of this rank's stages, the input check's words riding the
+               last bucket (not under pp, whose stages never run the model's own forward where the
+               check looks)
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@ pure, on the meta device, without a process group.
 
 The model is transformed on a meta copy as `parallelize` transforms it on the rank
 (runtime/mesh.py), with stand-ins for the collectives that only make tensors of the right shapes:
-the layout applied for this rank's tp coordinate (`tensor.regions.ShapeOnlyTP`), ring attention for its cp
-coordinate (`context.comm.ShapeOnlyRing`), the blocks cut into the schedule's stages and this rank's kept
-(parallel/pipeline/model.local_part). Then:
+the layout applied for this rank's tp coordinate (`tensor.regions.ShapeOnlyTP`), ring attention for
+its cp coordinate (`context.comm.ShapeOnlyRing`), the blocks cut into the schedule's stages and this
+rank's kept (parallel/pipeline/model.local_part). Then:
 
-- parameters, gradients, optimizer state, buckets, the step's temporaries: estimate/memory.py's rules
-  on that part (its parameters are the layout's local shapes, only this rank's stages'),
+- parameters, gradients, optimizer state, buckets, the step's temporaries: estimate/memory.py's
+  rules on that part (its parameters are the layout's local shapes, only this rank's stages'),
   planned over the rank's dp group (dp x cp under context parallelism) as parallelize plans
   it, ZeRO included.
 - activations: measured by the meta forward of the transformed model, so tensor parallelism's

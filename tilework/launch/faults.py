@@ -7,8 +7,8 @@ its exit code says what kind of failure it was:
 - `USER_ERROR_EXIT` (2): bad input, a non-finite loss, mismatched batches: the cause itself;
 - `LOST_PEER_EXIT` (75, EX_TEMPFAIL): a collective failed because a peer vanished or did not
   answer within the timeout: a consequence of a failure elsewhere (or of the network);
-- `PEER_FAULT_EXIT` (76): every rank agreed that another rank fed bad input (parallel/data/checks.py),
-  and this one stopped with it;
+- `PEER_FAULT_EXIT` (76): every rank agreed that another rank fed bad input
+  (parallel/data/checks.py), and this one stopped with it;
 - anything else (1): a bug, in tilework or in the user's script, which keeps its traceback.
 
 Launcher side (`summarize`): from each failed rank's exit code and message, the causes first

@@ -39,7 +39,8 @@ def run_task(task: str, spec: dict, env: WorkerEnv) -> int:
 
 
 def run_as_worker(task: str, spec: dict, env: WorkerEnv) -> int:
-    """`run_task` as one rank of a launched group: a failure is reported, not raised (launch/faults.py)."""
+    """`run_task` as one rank of a launched group: a failure is reported, not raised
+    (launch/faults.py)."""
     from .faults import stop_worker
 
     try:

@@ -36,7 +36,8 @@ class DLRM(nn.Module):
         x = self.bottom(dense)
         return self.score(x, [t(ids[:, i]) for i, t in enumerate(self.tables)], labels)
 
-    def score(self, x: torch.Tensor, embedded: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    def score(self, x: torch.Tensor, embedded: list[torch.Tensor],
+              labels: torch.Tensor) -> torch.Tensor:
         """The loss from the bottom MLP's output and one looked-up row per table (also used by
         the TorchRec peer in the benchmark, which looks the rows up itself)."""
         feats = torch.stack([x] + embedded, dim=1)

@@ -1,1 +1,2 @@
-"""One folder per dimension, each with its modules, communication and bytes model: data (buckets, ZeRO, offload), rows (the parameter server), tensor, context, pipeline."""
+"""One folder per dimension, each with its modules, communication and bytes model: data (buckets,
+ZeRO, offload), rows (the parameter server), tensor, context, pipeline."""

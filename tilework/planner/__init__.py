@@ -1,9 +1,9 @@
 """The planner: `plan(model, config, cluster)` returns the one Plan a run executes, pure.
 
 report/tables.py plans the data-parallel axis, parameter by parameter (all-reduce, ZeRO, the servers
-with their partitions and hot rows, chosen by cost where a table's traffic is known); cluster/mesh.py
-plans a dp x pp x cp x tp run: the tp layout, the pipeline cut and schedule, and each pipeline
-rank's part planned by report/tables.py over its dp group.
+with their partitions and hot rows, chosen by cost where a table's traffic is known);
+cluster/mesh.py plans a dp x pp x cp x tp run: the tp layout, the pipeline cut and schedule, and
+each pipeline rank's part planned by report/tables.py over its dp group.
 """
 
 from __future__ import annotations

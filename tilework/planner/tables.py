@@ -5,8 +5,8 @@ Pure: takes `ParamInfo`s and a world size (or a topology and links), returns a `
 a table goes by predicted cost where its traffic is known (`traffic`: expected distinct rows per
 step, from a Zipf model or a measured density): the cheaper of all-reduce and the parameter
 server with the best partition count, and, for Zipf traffic, the best split by row (the head
-replicated and all-reduced, the tail on the servers). Where nothing is known it goes by the sparsity rule:
-sparse gradient (or measured touched-row fraction under `density_threshold`) -> servers.
+replicated and all-reduced, the tail on the servers). Where nothing is known it goes by the sparsity
+rule: sparse gradient (or measured touched-row fraction under `density_threshold`) -> servers.
 A tied table (one weight, several modules) is all-reduced in every mode that lets the planner
 choose: the servers replace one module's lookups, and a tie to a Linear makes its gradient
 dense anyway; sending it to the servers by mode="ps" or an override is refused.

@@ -95,13 +95,14 @@ class ParamPlan(TensorFacts):
     dtype: str = "float32"
     kind: Kind = "dense"     # sparse gradient / embedding with a dense-layout gradient / dense
     predicted: Cost | None = None   # None: a table whose traffic nobody modelled
-    hot_rows: int = 0   # ps tables: rows [0, hot_rows) replicated and all-reduced (parallel/rows/hot.py)
+    hot_rows: int = 0   # ps tables: rows [0, hot_rows) replicated and all-reduced
+    #                     (parallel/rows/hot.py)
     zero: int = 0   # allreduce parameters: ZeRO stage (1: optimizer state sharded, 2: and
     #                 gradients, 3: and values; parallel/data/zero.py)
     unit: str | None = None   # stage 3: the module whose forward gathers it ("": the model's)
     zero_scope: Literal["world", "host"] = "world"   # shards over all ranks, or each host's
-    # On a mesh (Plan.parallel): how the tp axis splits it (parallel/tensor/shards.py's spec as text:
-    # "0", "1", "fused:3", "qkv"; "" replicated; `shape` is then one tp rank's), and the pp
+    # On a mesh (Plan.parallel): how the tp axis splits it (parallel/tensor/shards.py's spec as
+    # text: "0", "1", "fused:3", "qkv"; "" replicated; `shape` is then one tp rank's), and the pp
     # ranks whose stages hold it (() without pipeline stages: every rank).
     tp_split: str = ""
     pp_ranks: tuple[int, ...] = ()
@@ -182,7 +183,8 @@ class Plan:
     mesh: Mesh | None = None   # default: one "world" axis
     # Activation recompute: (module name, "full" | "selective"), applied by runtime/recompute.py.
     recompute: tuple[tuple[str, str], ...] = ()
-    offload: Literal["none", "optimizer", "all"] = "none"   # ZeRO's shards (parallel/data/offload.py)
+    offload: Literal["none", "optimizer", "all"] = "none"   # ZeRO's shards
+    #                                                         (parallel/data/offload.py)
     offload_dir: str | None = None
     # tp, pp and cp: None for a data-parallel run (mesh: host x local); on a mesh (dp, pp, cp,
     # tp) the model-parallel axes, and `params` every parameter as one rank holds it.
@@ -255,7 +257,8 @@ class Plan:
         mine, theirs = self.by_name(), other.by_name()
         for name in sorted(mine.keys() | theirs.keys()):
             if name not in theirs or name not in mine:
-                lines.append(f"{name}: {'only in this plan' if name in mine else 'only in the other'}")
+                lines.append(f"{name}: "
+                             f"{'only in this plan' if name in mine else 'only in the other'}")
                 continue
             lines += [f"{name}.{k}: {a!r} -> {b!r}"
                       for k, a, b in _pairs(mine[name], theirs[name], ("name", "reason"))]

@@ -1,6 +1,6 @@
 """Where each row of a parameter-server table lives, and the way a request takes to it: pure
-arithmetic shared by the runtime (parallel/rows/sparse.py binds routes to process groups) and the cost
-model (estimate/cost.py replays them exactly)."""
+arithmetic shared by the runtime (parallel/rows/sparse.py binds routes to process groups) and the
+cost model (estimate/cost.py replays them exactly)."""
 
 from __future__ import annotations
 

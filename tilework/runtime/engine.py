@@ -9,8 +9,8 @@ After `Engine(...)` the user's model and optimizer work as under DistributedData
 - dense parameters on the servers (mode="ps") stay as replicas: their gradient goes to its
   owners at the end of backward (`.grad` is then None), the step updates the owners' rows and
   pulls them back.
-- dense parameters at a ZeRO stage (parallel/data/zero.py) have their shards stand in for them in the
-  optimizer; stage 2 and 3 gradients are reduce-scattered onto the shards, 3's values gathered.
+- dense parameters at a ZeRO stage (parallel/data/zero.py) have their shards stand in for them in
+  the optimizer; stage 2 and 3 gradients are reduce-scattered onto the shards, 3's values gathered.
 `no_sync()` and DDP's `require_backward_grad_sync` keep a backward local. No training-loop
 change is needed; clipping that must include the tables is `tilework.clip_grad_norm_`.
 """
@@ -124,7 +124,8 @@ class Engine:
             elif pp.name in self.embeddings:
                 check_not_tied(model, pp.name, p)
                 table = PSTable(pp, p.data, groups, self.stats, plan.local_aggregation,
-                                plan.sparse_reduce, row_optimizer(self.optimizer, pp.name, p, lazy=True))
+                                plan.sparse_reduce,
+                                row_optimizer(self.optimizer, pp.name, p, lazy=True))
                 table.guard = self.guard
                 module = ShardedEmbedding(table, self.embeddings[pp.name], self.lookups)
                 replace_module(self.changes, model, pp.name, module, self.embeddings[pp.name])
@@ -291,7 +292,8 @@ class Engine:
         output computed as its module would have, under the grad mode of its call."""
         names = ", ".join(dict.fromkeys(lookup.table.name for lookup in lookups))
         with self.guard.call(f"a lookup in {names} (the model's forward)"):
-            rows = pull_tables([lookup.table for lookup in lookups], [lookup.ids for lookup in lookups],
+            rows = pull_tables([lookup.table for lookup in lookups],
+                               [lookup.ids for lookup in lookups],
                                [lookup.grad_enabled for lookup in lookups],
                                [lookup.key for lookup in lookups], self.lookups.ahead)
         for lookup, r in zip(lookups, rows):

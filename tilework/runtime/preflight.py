@@ -64,7 +64,8 @@ def check_same_model_everywhere(model: nn.Module, groups) -> None:
     if groups.world_size == 1:
         return
     with torch.no_grad():
-        mine = [(n, tuple(p.shape), str(p.dtype), _fingerprint(p)) for n, p in model.named_parameters()]
+        mine = [(n, tuple(p.shape), str(p.dtype), _fingerprint(p))
+                for n, p in model.named_parameters()]
     everyone: list = [None] * groups.world_size
     dist.all_gather_object(everyone, mine, group=groups.world)
     reference = dict((n, (s, d)) for n, s, d, _ in everyone[0])

@@ -142,7 +142,8 @@ class TrainJob:
         check(self.log_every >= 1, "log_every", f"at least 1, got {self.log_every}")
         for name in ("eval_every", "checkpoint_every"):
             check(getattr(self, name) >= 0, name, f">= 0, got {getattr(self, name)}")
-        check(self.keep_checkpoints >= 1, "keep_checkpoints", f"at least 1, got {self.keep_checkpoints}")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints",
+              f"at least 1, got {self.keep_checkpoints}")
 
 
 @dataclass

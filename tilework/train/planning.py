@@ -88,7 +88,8 @@ def example_batch(job: Job, cluster: Cluster) -> tuple:
     """One rank's inputs to the job's model, as the trainer passes them (zeros: only their
     shapes matter to the memory estimate)."""
     n = cluster.world_size
-    b = max(1, -(-job.data.batch_size // n)) if job.data.scaling == "strong" else job.data.batch_size
+    b = (max(1, -(-job.data.batch_size // n)) if job.data.scaling == "strong"
+         else job.data.batch_size)
     # On the host: the estimate moves them to the meta device.
     def ids(*shape):
         return torch.zeros(*shape, dtype=torch.long, device="cpu")

@@ -5,7 +5,8 @@ everywhere (so CI logs and `tilework run` output show progress too). Metrics go 
 `<out_dir>/metrics.jsonl`, checkpoints to `<out_dir>/checkpoints/` (atomic, see checkpoint.py).
 Every rank computes the same global batch order; rank 0 alone prints and writes. On a dp x pp x
 cp x tp mesh (job [parallel] tp, pp, cp) each dp replica reads its slice, the pipeline runs the
-step (`model.step`), and the logged loss is the batch's on every rank (broadcast from the last stage).
+step (`model.step`), and the logged loss is the batch's on every rank (broadcast from the last
+stage).
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def _tokens(job: Job, cfg) -> tuple:
         corpus = stdlib_corpus(job.cache_dir or default_cache_dir(), max_vocab=cfg.vocab)
         tokens, vocab = corpus.tokens, corpus.vocab
     else:
-        tokens, vocab = zipf_tokens(cfg.vocab, cfg.zipf_tokens, cfg.zipf_alpha, job.data.seed), cfg.vocab
+        tokens, vocab = (zipf_tokens(cfg.vocab, cfg.zipf_tokens, cfg.zipf_alpha, job.data.seed),
+                         cfg.vocab)
     train_set, held_out = TokenSequences(tokens, cfg.seq_len).split(cfg.holdout)
     return vocab, train_set, held_out
 

@@ -11,12 +11,12 @@ unequally (it no longer equals one process's). Per rank, during the step:
 - the leading dimension of every tensor the model is called with is recorded.
 
 At the optimizer step every rank knows whether any rank had a non-finite value and whether all
-ranks' batch dimensions agree. Normally that rides the step's last all-reduce bucket (parallel/data/dense.py):
-`wire.CHECK_WORDS` numbers, a flag and 8 small digests of the batch dimensions with their
-squares, summed over ranks (n * sum(d^2) == sum(d)^2 exactly when every rank's d is the same;
-digests stay under sqrt(2^24 / n), so float32 sums are exact). Where nothing was carried (no
-dense float bucket, or forwards since the last synchronised backward) the ranks exchange 16
-bytes instead (`wire.input_check_bytes`). If anything is off, every rank learns the same thing
+ranks' batch dimensions agree. Normally that rides the step's last all-reduce bucket
+(parallel/data/dense.py): `wire.CHECK_WORDS` numbers, a flag and 8 small digests of the batch
+dimensions with their squares, summed over ranks (n * sum(d^2) == sum(d)^2 exactly when every rank's
+d is the same; digests stay under sqrt(2^24 / n), so float32 sums are exact). Where nothing was
+carried (no dense float bucket, or forwards since the last synchronised backward) the ranks exchange
+16 bytes instead (`wire.input_check_bytes`). If anything is off, every rank learns the same thing
 from the same numbers and raises the same `InputError` together: nobody is left waiting in a
 collective, and no parameter moves. Only then is the detail gathered, to name ranks and tensors.
 
@@ -90,13 +90,15 @@ class InputChecks:
 
     def on_output(self, output) -> None:
         # Under no_grad (evaluation) nothing trains on it, and only some ranks may evaluate.
-        if (self.nonfinite is None and torch.is_grad_enabled() and torch.is_tensor(output) and output.dim() == 0
+        if (self.nonfinite is None and torch.is_grad_enabled() and torch.is_tensor(output)
+                and output.dim() == 0
                 and output.is_floating_point() and not torch.isfinite(output)):
             self.nonfinite = f"the loss the model returned ({output.item()})"
             self.dirty = True
 
     def on_tables(self, tables) -> None:
-        """The gradient rows each server table (parallel/rows/sparse.py's PSTable) holds on this rank."""
+        """The gradient rows each server table (parallel/rows/sparse.py's PSTable) holds on this
+        rank."""
         for table in tables:
             self.on_gradients([(table.name, g) for g in table.gradients()])
 

@@ -8,10 +8,10 @@ launched, overlapping with the rest of backward. At the end of backward the engi
 `launch_rest()` (the buckets still waiting, with zeros for parameters that got no gradient on
 this rank), pushes the server tables' rows meanwhile, then `wait()`, which waits for all and
 writes the averaged gradients back. The last bucket waits for that call when something rides
-it: the input checks' words, and the server tables' hot heads (parallel/rows/hot.py), whose sums need no
-collective of their own then. Where a server push over the same ranks follows, a small enough
-last bucket rides it in turn (`wire.bucket_rides_push`): it goes whole to every peer at the end
-of the push's all-to-all and each rank sums the copies in rank order (`land`), one meeting of
+it: the input checks' words, and the server tables' hot heads (parallel/rows/hot.py), whose sums
+need no collective of their own then. Where a server push over the same ranks follows, a small
+enough last bucket rides it in turn (`wire.bucket_rides_push`): it goes whole to every peer at the
+end of the push's all-to-all and each rank sums the copies in rank order (`land`), one meeting of
 all ranks fewer per step. Buckets launch strictly in index order on every rank, so ranks
 whose graphs differ still issue the same collectives in the same order.
 
@@ -52,7 +52,8 @@ class DenseSync:
         self.successor_remote = successor_remote
         order = list(reversed(params))
         self.buckets = [_Bucket([order[i] for i in members]) for members in
-                        assign_buckets([p.numel() * p.element_size() for _, p in order], bucket_bytes)]
+                        assign_buckets([p.numel() * p.element_size() for _, p in order],
+                                       bucket_bytes)]
         self.where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
                       for i, (_, p) in enumerate(bucket.params)}
         self.next_bucket = 0
@@ -74,7 +75,8 @@ class DenseSync:
         self.hold_last = self.carry or self.rideable or self.push_ride
         self.active = False  # a synchronised backward has produced gradients not yet averaged
         self.on_grad = on_grad  # the engine's "this backward touched us" (queues its callback)
-        self.handles = [p.register_post_accumulate_grad_hook(PicklesAsNoop(self._on_grad)) for _, p in params]
+        self.handles = [p.register_post_accumulate_grad_hook(PicklesAsNoop(self._on_grad))
+                        for _, p in params]
 
     def _on_grad(self, p: nn.Parameter) -> None:
         sync = self.on_grad() if self.on_grad is not None else True
@@ -85,7 +87,8 @@ class DenseSync:
         self.buckets[b].ready.add(i)
         limit = len(self.buckets) - (1 if self.hold_last else 0)
         while (self.next_bucket < limit
-               and len(self.buckets[self.next_bucket].ready) == len(self.buckets[self.next_bucket].params)):
+               and (len(self.buckets[self.next_bucket].ready)
+                    == len(self.buckets[self.next_bucket].params))):
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
 

@@ -9,8 +9,8 @@ element by element (SGD, Adam, AdamW, Adagrad, RMSprop, ...) then give one proce
 the padding gets zero gradients and stays zero. Optimizers that need a whole tensor's shape
 (LBFGS, Shampoo-like ones) cannot run on shards: `check_elementwise` refuses them.
 
-- Stage 1: gradients are all-reduced as replicated ones are (parallel/data/dense.py), so `.grad` keeps
-  DDP's meaning for clipping and hand-written reads; at the step each shard's `.grad` is its
+- Stage 1: gradients are all-reduced as replicated ones are (parallel/data/dense.py), so `.grad`
+  keeps DDP's meaning for clipping and hand-written reads; at the step each shard's `.grad` is its
   chunk of the averaged gradient. Costs DDP's bytes plus the all-gather below.
 - Stage 2: gradient buckets are reduce-scattered, rank-major (chunk j of every parameter in
   the bucket goes to rank j): when `backward()` returns, each shard's `.grad` holds its chunk of
@@ -48,12 +48,13 @@ class _Bucket:
 
 def _buckets(shards: list[Sharded], bucket_bytes: int) -> list[_Bucket]:
     sizes = [s.n * s.chunk * s.param.element_size() for s in shards]
-    return [_Bucket([shards[i] for i in members]) for members in assign_buckets(sizes, bucket_bytes)]
+    return [_Bucket([shards[i] for i in members])
+            for members in assign_buckets(sizes, bucket_bytes)]
 
 
 class ZeroSync:
-    """The sharded dense parameters of one model (stage 3's units in parallel/data/zero3.py). Buckets
-    launch in index order on every rank, as DenseSync's do."""
+    """The sharded dense parameters of one model (stage 3's units in parallel/data/zero3.py).
+    Buckets launch in index order on every rank, as DenseSync's do."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter, int, str | None]], groups,
                  stats: Stats, bucket_bytes: int, checks=None, on_grad=None,

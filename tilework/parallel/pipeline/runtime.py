@@ -10,8 +10,8 @@ F runs a stage's forward on one microbatch and sends the activation on; B receiv
 gradient, runs the backward and sends the input gradient back; W (when the schedule splits the
 backward) accumulates the weight gradients. The last stage's F computes the microbatch's mean
 loss and its B starts from 1/m, so the gradients sum to the whole batch's mean loss's, as one
-process computes them. Messages go through parallel/pipeline/comm.py, counted; a schedule's bytes are
-`simulate.p2p_bytes(schedule, activation_bytes)`. Each step records when every action computed
+process computes them. Messages go through parallel/pipeline/comm.py, counted; a schedule's bytes
+are `simulate.p2p_bytes(schedule, activation_bytes)`. Each step records when every action computed
 (`timeline`: action, start, end; perf_counter, after its input arrived), for the benchmark.
 """
 

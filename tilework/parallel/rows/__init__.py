@@ -1,1 +1,2 @@
-"""The parameter server: tables whose rows live on servers (pull, push, lookups, prefetch, hot rows)."""
+"""The parameter server: tables whose rows live on servers (pull, push, lookups, prefetch, hot
+rows)."""

@@ -7,8 +7,8 @@ batch is keyed by where they sit in it: the tensor's path in the batch and, for 
 geometry (a whole tensor is keyed by its path alone: multi-hot bags change length every batch).
 The pull that serves it carries, in its rows exchange, the same view of the next batch: its
 unique ids sorted to their owners, in an id block like the one the next pull would have sent
-(parallel/rows/exchange.py). Each rank keeps what it sent and what arrived as an `Entry`, and the next
-step's lookup with the same key is served from it: the owners read its rows at that pull, after
+(parallel/rows/exchange.py). Each rank keeps what it sent and what arrived as an `Entry`, and the
+next step's lookup with the same key is served from it: the owners read its rows at that pull, after
 this step's update, so the result is what one process computes.
 
 Whether an entry exists must be the same on every rank, since it decides what the next pull

@@ -5,8 +5,8 @@ number of times per hop however many tables the model has.
   ids in one all-to-all of blocks sized from earlier steps, each leading with its counts (a
   second one, of what did not fit, only on a step whose ids outgrew a block), their rows back
   in one.
-- Push (backward; parallel/rows/push.py): the gradient rows retrace the route each pull took, kept here
-  (`PullRoute`).
+- Push (backward; parallel/rows/push.py): the gradient rows retrace the route each pull took, kept
+  here (`PullRoute`).
 
 The rows are what separate exchanges per table would send; the id blocks are per exchange (their
 headers, capacities and overflow): the cost model replays both (cost.ps_step_bytes).
@@ -144,8 +144,8 @@ def _fetch(tables, h, ids_list, routes):
 
 
 def _fetch_ahead(tables, ids_list, routes, ahead: Ahead, keys):
-    """One hop, the loop's batches read ahead: lookups with an entry (parallel/rows/ahead.py) send no
-    ids, the rest send theirs in id blocks first; then one all-to-all carries every answer and,
+    """One hop, the loop's batches read ahead: lookups with an entry (parallel/rows/ahead.py) send
+    no ids, the rest send theirs in id blocks first; then one all-to-all carries every answer and,
     leading it, the id blocks of the next batch's same lookups (as the next pull would have
     sent them: same blocks, same capacities). An entry is kept where every rank sent ids."""
     hop, stats = tables[0].hops[0], tables[0].stats
@@ -240,8 +240,8 @@ def _send_ids(tables, h, counts: torch.Tensor, flat_ids: list[torch.Tensor]):
 
 class IdBlocks:
     """Ids to every peer in a block of the pair's capacity: each block leads with its per-table
-    counts (-1: this sender has no ids for that table this time, `parallel/rows/ahead.py`) and whether
-    its sender overflowed any of its blocks, then holds up to the capacity of ids (padded).
+    counts (-1: this sender has no ids for that table this time, `parallel/rows/ahead.py`) and
+    whether its sender overflowed any of its blocks, then holds up to the capacity of ids (padded).
     Every rank reads every sender's flag, so all agree on the second exchange, of what did not
     fit, only when some block overflowed; its sizes are read from the counts. Each end then
     sets the pair's capacity from the same count (wire.id_block_capacity; only growing where

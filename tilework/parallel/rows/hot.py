@@ -2,13 +2,14 @@
 every rank touches every step, kept replicated on every rank instead of on the servers.
 
 No id travels for them. A lookup reads head rows from the local replica and pulls only the tail
-from the servers (parallel/rows/sparse.py). Their gradient rows are summed into a local (hot_rows x width)
-buffer with one touched flag per row; at the push (parallel/rows/exchange.py) buffer and flags are
-summed over the world: riding the last dense all-reduce bucket where the model has one of the
-head's dtype (parallel/data/dense.py; no collective of its own, only its bytes), else in an all-reduce
-of its own (counted as "allreduce" either way; cost.hot_sync_bytes); at the optimizer step every rank applies the same row-wise optimizer
-(optim/rowwise.py) to the rows some rank touched, identically, so the replicas stay equal and
-the update is what the servers would have applied: lazy, as theirs.
+from the servers (parallel/rows/sparse.py). Their gradient rows are summed into a local (hot_rows x
+width) buffer with one touched flag per row; at the push (parallel/rows/exchange.py) buffer and
+flags are summed over the world: riding the last dense all-reduce bucket where the model has one of
+the head's dtype (parallel/data/dense.py; no collective of its own, only its bytes), else in an
+all-reduce of its own (counted as "allreduce" either way; cost.hot_sync_bytes); at the optimizer
+step every rank applies the same row-wise optimizer (optim/rowwise.py) to the rows some rank
+touched, identically, so the replicas stay equal and the update is what the servers would have
+applied: lazy, as theirs.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ class Lookup:
     finish: Callable[[torch.Tensor], torch.Tensor]   # rows -> the module's output
     grad_enabled: bool
     inference: bool = False              # made under torch.inference_mode()
-    key: tuple | None = None             # where its ids sit in the loop's batch (parallel/rows/ahead.py)
+    key: tuple | None = None             # where its ids sit in the loop's batch
+    #                                      (parallel/rows/ahead.py)
     stand_in: "Deferred | None" = None
     output: torch.Tensor | None = None
 

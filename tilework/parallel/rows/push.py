@@ -20,8 +20,8 @@ from .sparse import PSTable
 
 
 def push_route(tables: list[PSTable], groups) -> PushRide:
-    """How this engine's pushes go (parallel/data/dense.py's PushRide). Where every table's push is one
-    all-to-all over the world, it runs on a group of its own (made here: collective), and the
+    """How this engine's pushes go (parallel/data/dense.py's PushRide). Where every table's push is
+    one all-to-all over the world, it runs on a group of its own (made here: collective), and the
     last dense bucket may ride it where the tables' rows are all of one dtype."""
     dtypes = {table.shard.dtype for table in tables}
     one_hop = bool(tables) and all(len(t.hops) == 1 and t.hops[0].group is groups.world

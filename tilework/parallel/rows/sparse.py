@@ -5,8 +5,8 @@ row-wise optimizer state for it. Per step:
 
 - pull (forward): a rank de-duplicates its ids and fetches those rows from their owners;
 - push (end of backward): it sends unique ids and summed gradient rows to the owners, every
-  table in one exchange (parallel/rows/exchange.py); the owners sum what arrives, and the optimizer step
-  applies the row-wise optimizer.
+  table in one exchange (parallel/rows/exchange.py); the owners sum what arrives, and the optimizer
+  step applies the row-wise optimizer.
 
 Both travel a list of hops, each an all-to-all inside one process group. Direct: one hop over the
 world. With local aggregation: first to the rank of this host that shares the owner's local index
@@ -84,8 +84,8 @@ class PSTable:
         # the engine's trigger (end of backward queued; parallel/rows/push.py's EarlyPush)
         self.on_grad: Callable[[PSTable], object] | None = None
         self.guard = UNGUARDED                            # the engine's CallGuard
-        # rows [0, hot_rows) replicated here, all-reduced (parallel/rows/hot.py); the servers keep theirs
-        # unused until a checkpoint is gathered, which takes the head's
+        # rows [0, hot_rows) replicated here, all-reduced (parallel/rows/hot.py); the servers keep
+        # theirs unused until a checkpoint is gathered, which takes the head's
         self.head = HotHead(plan, full, groups, stats, self.scale, make_optimizer) \
             if plan.hot_rows else None
 
@@ -271,7 +271,8 @@ class ShardedEmbedding(nn.Module):
                                        padding_idx=pad)
             return F.embedding(local, rows, padding_idx=pad)
 
-        # Tables served in one hop may have had this lookup's route sent ahead (parallel/rows/ahead.py).
+        # Tables served in one hop may have had this lookup's route sent ahead
+        # (parallel/rows/ahead.py).
         key = self.lookups.ahead.key_of(input) if len(self.table.hops) == 1 else None
         lookup = Lookup(self.table, ids[hot:], finish, torch.is_grad_enabled(),
                         torch.is_inference_mode_enabled(), key)

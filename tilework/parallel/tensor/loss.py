@@ -107,7 +107,8 @@ class ShardedLogits(torch.Tensor):
                 out = func(*args, **kwargs)
                 if out.shape[-1] == me.shape[-1]:
                     return ShardedLogits.wrap(out, me._tp, me._start)
-        raise UnsupportedCall(f"{getattr(func, '__name__', func)} on logits split over the vocabulary "
+        raise UnsupportedCall(f"{getattr(func, '__name__', func)} on logits "
+                        "split over the vocabulary "
                         "(tensor parallel, style 'vocab_head'): only views that keep the "
                         "vocabulary last, and F.cross_entropy, are supported; give the head "
                         "the style 'replicate' to keep it whole")
