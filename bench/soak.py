@@ -8,6 +8,7 @@ and prints a backtrace of every thread of each core (gdb), so a rare abort can b
     python bench/soak.py --runs 50 --target "tests/test_early_push.py tests/test_prefetch.py"
     python bench/soak.py --runs 20 --target hosts          # bench/sparse_step.py on 2 emulated
                                                            # hosts (root, network namespaces)
+    python bench/soak.py --runs 100 --target hosts --systems hybrid-ahead hybrid   # ours alone
 
 Outcomes: passed, failed (the target's own failure: an assertion, a refusal), crashed (a
 process ended by a signal, or glibc / the C++ runtime reported a corruption or a terminate),
@@ -47,13 +48,15 @@ def _busy(stop) -> None:
             x = (x * 31 + 7) % 1_000_003
 
 
-def _command(target: str) -> list[str]:
+def _command(target: str, systems: list[str] | None = None) -> list[str]:
     if target == "hosts":
         # Where the intermittent abort was seen (docs/benchmarks-analysis.md): every system
-        # side by side on emulated hosts, TorchRec's too where it is installed.
-        systems = ["hybrid-ahead", "hybrid", "ddp-sparse"]
-        if importlib.util.find_spec("torchrec") is not None:
-            systems.append("torchrec")
+        # side by side on emulated hosts, TorchRec's too where it is installed; `systems` to
+        # tell a crash in tilework's from one in a peer's.
+        if systems is None:
+            systems = ["hybrid-ahead", "hybrid", "ddp-sparse"]
+            if importlib.util.find_spec("torchrec") is not None:
+                systems.append("torchrec")
         return [sys.executable, str(ROOT / "bench" / "sparse_step.py"), "recommender",
                 "--hosts", "2", "--rounds", "2", "--steps", "10", "--systems", *systems]
     # Test paths made absolute: the run's cwd is its own directory, where cores land.
@@ -84,14 +87,15 @@ def classify(rc: int | None, output: str) -> str:
     return "passed" if rc == 0 else "failed"
 
 
-def run_once(i: int, target: str, out: Path, timeout: float) -> dict:
+def run_once(i: int, target: str, out: Path, timeout: float,
+             systems: list[str] | None = None) -> dict:
     where = out / f"run-{i:03d}"
     where.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     start = time.perf_counter()
     # cwd: the run's directory, where a core_pattern of "core" puts every rank's core file.
     try:
-        r = subprocess.run(_command(target), cwd=where,
+        r = subprocess.run(_command(target, systems), cwd=where,
                            capture_output=True, text=True, timeout=timeout, env=env,
                            preexec_fn=_cores_on)
         rc, output = r.returncode, r.stdout + r.stderr
@@ -119,6 +123,8 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=2, help="busy loops beside the runs")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--out", default=str(ROOT / "runs" / "soak"))
+    parser.add_argument("--systems", nargs="+", help="--target hosts: the systems each run "
+                        "compares (default: tilework's two, DDP's, TorchRec's where installed)")
     args = parser.parse_args()
     if args.runs < 1 or args.load < 0:
         parser.error("--runs must be >= 1 and --load >= 0")
@@ -134,7 +140,7 @@ def main() -> None:
     counts: dict[str, int] = {}
     try:
         for i in range(args.runs):
-            results.append(run_once(i, args.target, out, args.timeout))
+            results.append(run_once(i, args.target, out, args.timeout, args.systems))
             counts = {k: sum(r["outcome"] == k for r in results)
                       for k in ("passed", "failed", "crashed", "timeout")}
             print(f"run {i + 1}/{args.runs}: {results[-1]['outcome']} "

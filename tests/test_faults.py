@@ -139,7 +139,7 @@ def test_restart_resumes_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tm
 
 WRITER = textwrap.dedent("""
     import os, sys, time, torch
-    from tilework.train import checkpoint
+    from tilework.checkpoint import file as checkpoint
     directory, kill_at = sys.argv[1], int(sys.argv[2])
     checkpoint.save(directory, 1, {"w": torch.full((1 << 20,), 1.0)}, {"f": 1})
     calls = 0

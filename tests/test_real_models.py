@@ -139,9 +139,9 @@ def test_zero3_keeps_tied_weights_whole_through_state_save_load_and_unparalleliz
 
 
 def _on_mesh(rank, world_size, family, options, path):
-    """Train under `options` (tp, cp, pp ...), then read the parameters back three ways: the
-    state dict, a checkpoint loaded into a fresh parallelized model, and the checkpoint loaded
-    into a plain model (single-device layout). unparallelize on a mesh is issue 25's."""
+    """Train under `options` (tp, cp, pp ...), then read the parameters back four ways: the
+    state dict, a checkpoint loaded into a fresh parallelized model, the checkpoint loaded
+    into a plain model (single-device layout), and the model `unparallelize` gives back."""
     model = build(family)
     opt = optimizer_for(model)
     model, opt = tilework.parallelize(model, opt, log=False, **options)
@@ -157,9 +157,12 @@ def _on_mesh(rank, world_size, family, options, path):
     plain = build(family)
     plain.load_state_dict(checkpoint.load(path)["state"]["model"])
     sent = {axis: t["sent"] for axis, t in tilework.stats(model)["total"].items()}
+    whole, _ = tilework.unparallelize(model, opt)
     return {"losses": losses, "dp": dp, "state": state, "loaded": loaded, "sent": sent,
             "plain": {k: v.detach().clone() for k, v in plain.state_dict().items()},
-            "ties_kept": tied_names(plain) == tied_names(build(family))}
+            "unparallelized": {k: v.detach().clone() for k, v in whole.state_dict().items()},
+            "ties_kept": tied_names(plain) == tied_names(build(family))
+            and tied_names(whole) == tied_names(build(family))}
 
 
 def _on_mesh_batch(rank, world_size, runs, directory):
@@ -201,7 +204,7 @@ def check_mesh_run(family, options, world_size, tmp_path) -> list[dict]:
     got_losses = [t[~t.isnan()].mean().item() for t in got_losses]
     assert_close(torch.tensor(got_losses), torch.tensor(want_losses), "losses")
     for r in results:
-        for what in ("state", "loaded", "plain"):
+        for what in ("state", "loaded", "plain", "unparallelized"):
             assert_same_state(r[what], want, f"{family} {options} {what}")
         assert r["ties_kept"]
     return results

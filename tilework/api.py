@@ -17,6 +17,8 @@ from .comm.groups import Groups, build_groups, init_from_env
 from .config.parallel import ParallelConfig
 from .errors import CheckpointError, PlanError
 from .plans.plan import Plan
+from .runtime.apply import apply
+from .runtime.handle import runtime_of
 
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -24,7 +26,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 cluster: Cluster | None = None, density: dict[str, float] | None = None,
                 traffic: dict | None = None, plan: Plan | None = None, log: bool = True,
                 **options):
-    """Make `model` and `optimizer` train data-parallel; returns the same two objects.
+    """Make `model` and `optimizer` train in parallel by a plan; returns the model and the
+    optimizer (the same objects, except under pp: a pipeline whose `step(...)` runs the
+    schedule, `tilework.unparallelize` giving the model back).
 
     Gradients follow DistributedDataParallel's rules: when `backward()` returns every dense
     `.grad` is the average over ranks; `model.no_sync()` / `model.require_backward_grad_sync`
@@ -35,7 +39,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     traffic)` on the world's discovered topology: `cluster` adds the links of a cluster file,
     `density` measured touched-row fractions of dense-layout tables, `traffic` expected rows per
     step (hybrid mode then chooses each table by cost). `groups` defaults to the world torchrun
-    describes (one process: no group at all); `plan` skips planning.
+    describes (one process: no group at all); `plan` (from `tilework.plan`, on any axes) skips
+    planning: it is applied as it is.
     """
     config = _config(config, options)
     if groups is None:
@@ -47,47 +52,36 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         raise PlanError("this model is already parallelized")
     if plan is not None and plan.parallel is not None:
         config = _config_of_mesh_plan(config, plan)
-    if config.model_parallel:
-        from .runtime.mesh import parallelize_on_mesh
+    elif plan is not None and config.model_parallel:
+        raise PlanError(f"plan=: a data-parallel plan, but the config asks for tp={config.tp}, "
+                        f"pp={config.pp}, cp={config.cp}: pass a plan made with them "
+                        "(tilework.plan(model, config, cluster)), or leave plan out")
+    if plan is None:
+        plan = _plan(model, optimizer, config, groups, cluster, density, traffic)
+    if plan.world_size != groups.world_size:
+        raise PlanError(f"plan is for {plan.world_size} ranks, the world has {groups.world_size}")
+    return apply(model, optimizer, plan, config, groups, log)
 
-        if plan is None:
-            plan = planner.plan(model, config, cluster, density, traffic,
-                                topology=groups.topology)
-        elif plan.parallel is None:
-            raise PlanError(f"plan=: a data-parallel plan, but the config asks for tp={config.tp}"
-                            f", pp={config.pp}, cp={config.cp}: pass a plan made with them "
-                            "(tilework.plan(model, config, cluster)), or leave plan out")
-        if plan.world_size != groups.world_size:
-            raise PlanError(f"plan is for {plan.world_size} ranks, the world has "
-                            f"{groups.world_size}")
-        return parallelize_on_mesh(model, optimizer, config, groups, plan, log)
+
+def _plan(model, optimizer, config: ParallelConfig, groups: Groups, cluster, density,
+          traffic) -> Plan:
+    """The plan parallelize runs: `tilework.plan`'s on the discovered topology; without an
+    optimizer (a hand-written update) everything all-reduced, since no server could apply an
+    update."""
     if optimizer is None and config.zero:
         raise PlanError(f"zero={config.zero} runs the optimizer on each rank's shard: pass the "
                         "optimizer (parallelize(model, opt, zero=...)), or zero=0 for a "
                         "hand-written update")
-    if optimizer is None and plan is None:
-        if config.mode == "ps" or "ps" in (config.overrides or {}).values():
-            raise PlanError("the parameter server applies the optimizer's update: pass the "
-                            "optimizer (parallelize(model, opt)), or use mode='allreduce'")
-        everything = dataclasses.replace(config, mode="allreduce", overrides=None)
-        plan = planner.plan(model, everything, cluster, density, topology=groups.topology)
-        plan = dataclasses.replace(plan, params=tuple(
-            dataclasses.replace(p, reason="no optimizer: the servers could not apply updates")
-            for p in plan.params))
-    if plan is None:
-        plan = planner.plan(model, config, cluster, density, traffic, topology=groups.topology)
-    if plan.world_size != groups.world_size:
-        raise PlanError(f"plan is for {plan.world_size} ranks, the world has {groups.world_size}")
-    from .runtime.engine import Engine
-    from .runtime.recompute import apply_recompute
-
-    engine = Engine(model, optimizer, groups, plan, config.check_inputs)
-    apply_recompute(model, plan.recompute, engine.changes)
-    if log and groups.rank == 0:
-        from .report.tables import print_plan
-
-        print_plan(plan)
-    return model, optimizer
+    if optimizer is not None or config.model_parallel:
+        return planner.plan(model, config, cluster, density, traffic, topology=groups.topology)
+    if config.mode == "ps" or "ps" in (config.overrides or {}).values():
+        raise PlanError("the parameter server applies the optimizer's update: pass the "
+                        "optimizer (parallelize(model, opt)), or use mode='allreduce'")
+    everything = dataclasses.replace(config, mode="allreduce", overrides=None)
+    plan = planner.plan(model, everything, cluster, density, topology=groups.topology)
+    return dataclasses.replace(plan, params=tuple(
+        dataclasses.replace(p, reason="no optimizer: the servers could not apply updates")
+        for p in plan.params))
 
 
 def _config(config: ParallelConfig | None, options: dict) -> ParallelConfig:
@@ -120,11 +114,11 @@ def _config_of_mesh_plan(config: ParallelConfig, plan: Plan) -> ParallelConfig:
         stages_per_rank=parallel.stages_per_rank)
 
 
-def _engine(model):
-    engine = getattr(model, "_tilework_engine", None)
-    if engine is None:
+def _runtime(model):
+    run = runtime_of(model)
+    if run is None:
         raise PlanError("this model was not parallelized by tilework.parallelize")
-    return engine
+    return run
 
 
 def unparallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
@@ -133,15 +127,10 @@ def unparallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     the optimizer, every hook and attribute tilework added removed; on a mesh the split
     modules whole again). A collective: every rank calls it, between steps. Returns (model,
     optimizer): under pp the whole model, not the pipeline `parallelize` returned."""
-    engine = _engine(model)
-    if optimizer is not None and optimizer is not engine.optimizer:
+    run = _runtime(model)
+    if optimizer is not None and optimizer is not run.engine.optimizer:
         raise PlanError("unparallelize: this optimizer is not the one parallelize was given")
-    if getattr(engine, "mesh", None) is not None:
-        from .checkpoint.mesh_state import unparallelize_mesh
-
-        return unparallelize_mesh(engine, engine.optimizer)
-    engine.undo()
-    return model, engine.optimizer
+    return run.unparallelize(model)
 
 
 def data_parallel_rank(model: nn.Module) -> tuple[int, int]:
@@ -149,11 +138,7 @@ def data_parallel_rank(model: nn.Module) -> tuple[int, int]:
     `ShardedBatches(n, batch, *tilework.data_parallel_rank(model))`. Without tp, pp or cp it
     is (rank, world size); on a mesh every rank of a replica (its tp, cp and pp peers) must
     take the same batch, so it is the dp coordinate."""
-    engine = _engine(model)
-    mesh = getattr(engine, "mesh", None)
-    if mesh is None:
-        return engine.groups.rank, engine.groups.world_size
-    return mesh.groups.coord("dp"), mesh.mesh.size_of("dp")
+    return _runtime(model).data_parallel_rank()
 
 
 def full_parameters(model: nn.Module):
@@ -170,36 +155,21 @@ def full_parameters(model: nn.Module):
 def stats(model: nn.Module) -> dict[str, Any]:
     """Bytes this rank sent and received, per method: in total and in the last step (on a
     mesh also "tp", "cp" and "pipeline": the model-parallel axes' bytes)."""
-    engine = _engine(model)
-    out = engine.stats_dict()
-    mesh = getattr(engine, "mesh", None)
-    if mesh is not None:
-        extra = mesh.stats.as_dict()
-        for key in ("total", "last_step"):
-            out[key] = {**out[key], **extra[key]}
-    return out
+    return _runtime(model).stats()
 
 
 def state_dict(model, optimizer) -> dict[str, Any]:
     """World-size-independent state in single-device layout (tables complete on rank 0 only)."""
-    engine = getattr(model, "_tilework_engine", None)
-    if getattr(engine, "mesh", None) is not None:
-        from .checkpoint.mesh_state import full_state
-
-        return full_state(engine)
-    if engine is not None:
-        return engine.state_dict()
+    run = runtime_of(model)
+    if run is not None:
+        return run.state_dict()
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
 
 def load_state_dict(model, optimizer, state: dict[str, Any]) -> None:
-    engine = getattr(model, "_tilework_engine", None)
-    if getattr(engine, "mesh", None) is not None:
-        from .checkpoint.mesh_state import load_full_state
-
-        return load_full_state(engine, state)
-    if engine is not None:
-        return engine.load_state_dict(state)
+    run = runtime_of(model)
+    if run is not None:
+        return run.load_state_dict(state)
     from .checkpoint.state import state_mismatch
 
     problem = state_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
@@ -225,16 +195,9 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
     the gradients of its tables on the parameter server too (which are not parameters), so
     the norm and the clipping are one process's. A plain or DDP-wrapped module, or an iterable
     of parameters, goes to torch's own. Every rank calls it."""
-    engine = getattr(model, "_tilework_engine", None)
-    if getattr(engine, "mesh", None) is not None:
-        from .runtime.mesh_clip import clip_norm_on_mesh
-
-        with engine.guard.call("tilework.clip_grad_norm_()"):
-            return clip_norm_on_mesh(engine, float(max_norm), float(norm_type),
-                                     error_if_nonfinite, foreach)
-    if engine is not None:
-        return engine.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite,
-                                      foreach)
+    run = runtime_of(model)
+    if run is not None:
+        return run.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite, foreach)
     params = list(model.parameters() if isinstance(model, nn.Module) else model)
     if not _sparse_grads(params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
@@ -270,12 +233,8 @@ def _sparse_grads(params) -> bool:
 def state_to_write(model, optimizer) -> dict[str, Any] | None:
     """`state_dict`'s content where a checkpoint is written (rank 0): on a mesh gathered there
     alone (None elsewhere), so that no other rank assembles the whole model and optimizer."""
-    engine = getattr(model, "_tilework_engine", None)
-    if getattr(engine, "mesh", None) is not None:
-        from .checkpoint.mesh_state import full_state
-
-        return full_state(engine, dst=0)
-    return state_dict(model, optimizer)
+    run = runtime_of(model)
+    return run.state_to_write() if run is not None else state_dict(model, optimizer)
 
 
 def save(path: str | Path, model, optimizer) -> None:
@@ -284,15 +243,12 @@ def save(path: str | Path, model, optimizer) -> None:
     from .checkpoint import file as checkpoint
 
     state = state_to_write(model, optimizer)
-    engine = getattr(model, "_tilework_engine", None)
-    # On a mesh the engine's groups are one dp group's: the world is the mesh's.
-    world = None if engine is None else \
-        engine.groups if getattr(engine, "mesh", None) is None else engine.mesh.world
-    if engine is None or world.rank == 0:
+    run = runtime_of(model)
+    if run is None or run.world.rank == 0:
         checkpoint.write(path, state)
-    if engine is not None and world.world_size > 1:
-        with engine.guard.call("tilework.save()"):
-            torch.distributed.barrier(group=world.world)
+    if run is not None and run.world.world_size > 1:
+        with run.engine.guard.call("tilework.save()"):
+            torch.distributed.barrier(group=run.world.world)
 
 
 def load(path: str | Path, model, optimizer) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..cluster.topology import Cluster, Host, Link, Links, Topology
+from ..cluster.topology import Link, Links, Topology
 from ..comm.wire import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ID_BYTES, ring_allreduce_bytes
 from ..estimate.cost import (
     TableTraffic,
@@ -113,10 +113,6 @@ def fitted_link(points: list[tuple[int, float]], collective: str, n: int) -> Lin
     alpha, beta = fit_alpha_beta([p[0] for p in points], [p[1] for p in points])
     return Link(bandwidth_gbps=beta * 8 / 1e9,
                 latency_us=alpha * 1e6 / WIRE[collective].messages(n))
-
-
-def one_rank_hosts(n: int) -> Cluster:
-    return Cluster(hosts=[Host(f"h{i}", 1) for i in range(n)])
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,13 @@ class Links:
     intra: Link = field(default_factory=lambda: Link(bandwidth_gbps=100.0, latency_us=5.0))
     inter: Link = field(default_factory=Link)
 
+    def crossed(self, *groups_hosts) -> Link:
+        """The one link rule: the slowest link a collective crosses, given the hosts of each of
+        its groups' ranks (one collection per group that runs it at once): the inter-host
+        link if any group spans two hosts, else the intra-host one."""
+        spans = any(len(set(hosts)) > 1 for hosts in groups_hosts)
+        return self.inter if spans else self.intra
+
 
 @dataclass(frozen=True)
 class Host:
@@ -210,9 +217,6 @@ class Topology:
         more than one rank; the runtime and the cost model both ask here."""
         sizes = {len(h) for h in self.hosts}
         return self.num_hosts > 1 and len(sizes) == 1 and sizes != {1}
-
-    def leaders(self) -> tuple[int, ...]:
-        return tuple(h[0] for h in self.hosts)
 
 
 __all__ = ["Cluster", "Host", "Link", "Links", "Topology"]

@@ -12,8 +12,16 @@ from typing import Literal
 
 from .files import check
 
+# The vocabulary of a configuration and of the plan made from it, declared once (the plan's
+# types in plans/plan.py and the planner read these).
 Mode = Literal["hybrid", "allreduce", "ps"]
 Method = Literal["allreduce", "ps"]
+RowMap = Literal["contiguous", "hashed"]
+RowMapChoice = Literal["auto", "contiguous", "hashed"]   # "auto": the planner chooses per table
+SparseReduce = Literal["mean", "sum"]
+ZeroScope = Literal["world", "host"]
+Offload = Literal["none", "optimizer", "all"]
+RecomputePolicy = Literal["full", "selective"]
 Recompute = Literal["none", "full", "selective"]
 ScheduleName = Literal["1f1b", "gpipe", "interleaved"]
 
@@ -24,7 +32,7 @@ class ParallelConfig:
     """hybrid: dense parameters all-reduced, sparse tables on the parameter server (chosen by
     cost where the tables' traffic is known); allreduce or ps: everything one way."""
 
-    sparse_reduce: Literal["mean", "sum"] = "mean"
+    sparse_reduce: SparseReduce = "mean"
     """How server tables combine the ranks' gradient rows (mean: as DDP averages)."""
 
     local_aggregation: bool = True
@@ -44,7 +52,7 @@ class ParallelConfig:
     """Server partitions per table (one number for all, or by name); default one per rank, or
     the cost search's choice."""
 
-    row_map: Literal["auto", "contiguous", "hashed"] = "auto"
+    row_map: RowMapChoice = "auto"
     """Which rows a partition holds: contiguous ranges, or row % partitions ("hashed"). "auto":
     the planner chooses per table by the busiest server's load where the traffic is modelled,
     else hashed, since contiguous ranges of a frequency-sorted vocabulary put the popular rows
@@ -55,12 +63,12 @@ class ParallelConfig:
     0 replicated, 1 optimizer state sharded, 2 also gradients, 3 also the values
     (parallel/data/zero.py)."""
 
-    zero_scope: Literal["world", "host"] = "world"
+    zero_scope: ZeroScope = "world"
     """Over which ranks ZeRO shards: all of them, or each host's (sharded inside a host,
     replicated across hosts, as FSDP2's HSDP: the gathers stay on the fast links and only a
     chunk's all-reduce crosses hosts)."""
 
-    offload: Literal["none", "optimizer", "all"] = "none"
+    offload: Offload = "none"
     """Where ZeRO's shards and optimizer state live (parallel/data/offload.py), with zero >= 1:
     "optimizer" moves the optimizer state off the compute device (on a GPU to pinned host
     memory, the step running on the CPU; on a CPU host to memory-mapped files in
@@ -74,7 +82,7 @@ class ParallelConfig:
     """A dense-layout table whose measured touched-row fraction is below this goes to the
     servers (where no traffic model decides by cost)."""
 
-    recompute: Recompute | dict[str, Literal["full", "selective"]] = "none"
+    recompute: Recompute | dict[str, RecomputePolicy] = "none"
     """Activation recompute: "full" keeps only a block's inputs and recomputes the rest in
     backward, "selective" keeps the matmul-family outputs and recomputes the cheap ops; given
     as one policy for the model's repeated blocks (`analysis.recompute_units`), or per module
@@ -108,11 +116,6 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Under tp > 1, also split the sequence between the split layers (norms, dropout):
     all-gather / reduce-scatter in place of all-reduce, activations tp times smaller."""
-
-    @property
-    def mesh_axes(self) -> dict[str, int]:
-        """The model-parallel axes' sizes; data parallelism takes the ranks they leave."""
-        return {"pp": self.pp, "cp": self.cp, "tp": self.tp}
 
     @property
     def model_parallel(self) -> bool:

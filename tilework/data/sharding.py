@@ -53,6 +53,3 @@ class ShardedBatches:
     def indices(self, step: int) -> np.ndarray:
         """This rank's samples at `step` (a short last batch is split as evenly as possible)."""
         return np.array_split(self.global_indices(step), self.world_size)[self.rank]
-
-    def epoch_of(self, step: int) -> int:
-        return step // self.batches_per_epoch

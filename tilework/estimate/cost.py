@@ -35,7 +35,8 @@ from ..plans.rows import TableLayout, routes
 
 
 def link_for(topology: Topology, links: Links) -> Link:
-    return links.inter if topology.num_hosts > 1 else links.intra
+    """The link a collective over `topology`'s ranks runs on (`Links.crossed`)."""
+    return links.crossed([topology.host_of(r) for r in range(topology.world_size)])
 
 
 def seconds(nbytes: float, link: Link, messages: int) -> float:

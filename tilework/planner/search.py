@@ -84,17 +84,18 @@ def _link(cluster: Cluster, groups: list[tuple[int, ...]]) -> tuple[Link, bool]:
     """The link a collective over `groups` runs on: the inter-host one if any group spans
     hosts."""
     topo = cluster.topology()
-    spans = any(len({topo.host_of(r) for r in g}) > 1 for g in groups)
-    return (cluster.links.inter if spans else cluster.links.intra), spans
+    hosts = [[topo.host_of(r) for r in g] for g in groups]
+    link = cluster.links.crossed(*hosts)
+    return link, any(len(set(h)) > 1 for h in hosts)
 
 
 def _pp_link(cluster: Cluster, mesh) -> tuple[Link, bool]:
     """Where a pipeline's neighbours talk: inter-host if any neighbours are on two hosts (the
     simulator takes one link for every hop)."""
     topo = cluster.topology()
-    crossing = any(topo.host_of(a) != topo.host_of(b)
-                   for g in mesh.groups("pp") for a, b in zip(g, g[1:]))
-    return (cluster.links.inter if crossing else cluster.links.intra), crossing
+    pairs = [(topo.host_of(a), topo.host_of(b))
+             for g in mesh.groups("pp") for a, b in zip(g, g[1:])]
+    return cluster.links.crossed(*pairs), any(a != b for a, b in pairs)
 
 
 def allreduce_seconds(sent: int, n: int, link: Link, bucket_mb: float,

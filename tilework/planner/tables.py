@@ -15,17 +15,14 @@ dense anyway; sending it to the servers by mode="ps" or an override is refused.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 from ..cluster.mesh import Mesh
 from ..cluster.topology import Cluster, Links, Topology
-from ..config.parallel import ParallelConfig
+from ..config.parallel import Method, Mode, ParallelConfig, RowMap, RowMapChoice, SparseReduce
 from ..errors import PlanError
 from ..estimate.cost import TableTraffic, predict, ps_expected, ps_split, ring_allreduce
 from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
-from ..plans.plan import Method, ParamPlan, Plan, RowMap, RowMapChoice, bucket_bytes
-
-Mode = Literal["hybrid", "allreduce", "ps"]
+from ..plans.plan import ParamPlan, Plan, bucket_bytes
 
 
 def recompute_choices_in(model, part, recompute) -> tuple[tuple[str, str], ...]:
@@ -65,7 +62,7 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
 def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               overrides: dict[str, Method] | None = None,
               partitions: int | dict[str, int] | None = None, row_map: RowMapChoice = "auto",
-              sparse_reduce: Literal["mean", "sum"] = "mean", local_aggregation: bool = True,
+              sparse_reduce: SparseReduce = "mean", local_aggregation: bool = True,
               bucket_bytes: int = 25 * 2**20, density_threshold: float = 0.1,
               topology: Topology | None = None, links: Links | None = None,
               traffic: dict[str, TableTraffic] | None = None, zero: int = 0,

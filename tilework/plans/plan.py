@@ -23,11 +23,8 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from ..cluster.mesh import Mesh
+from ..config.parallel import Method, Mode, Offload, RowMap, SparseReduce, ZeroScope
 
-Method = Literal["allreduce", "ps"]
-RowMap = Literal["contiguous", "hashed"]
-# What a configuration asks for: "auto" lets the planner choose per table (planner.py).
-RowMapChoice = Literal["auto", "contiguous", "hashed"]
 Kind = Literal["sparse", "embedding", "dense"]
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
@@ -100,7 +97,7 @@ class ParamPlan(TensorFacts):
     zero: int = 0   # allreduce parameters: ZeRO stage (1: optimizer state sharded, 2: and
     #                 gradients, 3: and values; parallel/data/zero.py)
     unit: str | None = None   # stage 3: the module whose forward gathers it ("": the model's)
-    zero_scope: Literal["world", "host"] = "world"   # shards over all ranks, or each host's
+    zero_scope: ZeroScope = "world"   # shards over all ranks, or each host's
     # On a mesh (Plan.parallel): how the tp axis splits it (parallel/tensor/shards.py's spec as
     # text: "0", "1", "fused:3", "qkv"; "" replicated; `shape` is then one tp rank's), and the pp
     # ranks whose stages hold it (() without pipeline stages: every rank).
@@ -176,14 +173,14 @@ class ParallelPlan:
 class Plan:
     params: tuple[ParamPlan, ...]
     world_size: int
-    mode: Literal["hybrid", "allreduce", "ps"] = "hybrid"
-    sparse_reduce: Literal["mean", "sum"] = "mean"
+    mode: Mode = "hybrid"
+    sparse_reduce: SparseReduce = "mean"
     local_aggregation: bool = True
     bucket_bytes: int = 25 * 2**20
     mesh: Mesh | None = None   # default: one "world" axis
     # Activation recompute: (module name, "full" | "selective"), applied by runtime/recompute.py.
     recompute: tuple[tuple[str, str], ...] = ()
-    offload: Literal["none", "optimizer", "all"] = "none"   # ZeRO's shards
+    offload: Offload = "none"   # ZeRO's shards
     #                                                         (parallel/data/offload.py)
     offload_dir: str | None = None
     # tp, pp and cp: None for a data-parallel run (mesh: host x local); on a mesh (dp, pp, cp,

@@ -141,12 +141,6 @@ class DenseSync:
         bucket.work = all_reduce_async(bucket.buffer, self.group, self.stats, "allreduce",
                                        self.successor_remote)
 
-    def finish_backward(self) -> None:
-        """At the end of a synchronised backward: every bucket reduced, gradients averaged in
-        place. A no-op when this backward reduced nothing."""
-        self.launch_rest()
-        self.wait()
-
     def launch_rest(self, riders=(), push: bool = False) -> bool:
         """Launch the buckets not yet launched (the last one carrying the input checks' words);
         `wait` finishes them, and other work can go on between the two. `riders` (hot heads:

@@ -67,11 +67,6 @@ class Schedule:
             raise ValueError(f"a schedule for {self.pp} ranks needs {self.pp} action lists, "
                              f"got {len(self.ranks)}")
 
-    @property
-    def virtual(self) -> int:
-        """Stages per rank."""
-        return self.stages // self.pp
-
     def rank_of(self, stage: int) -> int:
         return stage % self.pp
 
