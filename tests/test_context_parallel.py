@@ -31,7 +31,6 @@ from tilework.parallel.context import (
 )
 from tilework.parallel.context.ring import _block
 from tilework.parallel.tensor import average_gradients, build_mesh_groups
-from tilework.testing import spawn
 
 # Relative to each tensor's largest magnitude. The blocks' softmax sums run in another order
 # than SDPA's (seen: <= 4.4e-7 on the primitive at cp=2 and 4; after 3 GPT steps <= 5.4e-7 on
@@ -276,12 +275,3 @@ def test_one_rank_is_the_model_itself():
 def _suite(rank, world_size):
     return {"primitives": _primitives(rank, world_size), "gpt": _gpt_rank(rank, world_size, 2)}
 
-
-@pytest.fixture(scope="module")
-def two_ranks():
-    return spawn(_suite, 2, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def four_ranks():
-    return spawn(_suite, 4, timeout=120)

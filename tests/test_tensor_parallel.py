@@ -27,7 +27,6 @@ from tilework.parallel.tensor import (
 )
 from tilework.parallel.tensor.loss import ShardedLogits
 from tilework.parallel.tensor.shards import unshard
-from tilework.testing import spawn
 
 
 def test_parallel_mesh_puts_tp_inside_a_host():
@@ -339,12 +338,3 @@ def _suite(rank, world_size):
             "primitives": _primitives(rank, world_size, ["heads", "mlp"]),
             "gpt": {True: _gpt_rank(rank, world_size, 2, True)}}
 
-
-@pytest.fixture(scope="module")
-def two_ranks():
-    return spawn(_suite, 2, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def four_ranks():
-    return spawn(_suite, 4, timeout=120)

@@ -125,9 +125,10 @@ class Prediction:
 
 def predict_hybrid(plan, traffic: dict[str, TableTraffic], n: int,
                    links: dict[str, Link]) -> Prediction:
-    """`report.step_seconds` for `plan` on n one-rank hosts, with the dense bucketed all-reduce
-    on the all_reduce link and each server table (`cost.predict`: ps_expected, its head) on the
-    all_to_all link. Tables are costed one by one, as the planner does."""
+    """`estimate/plan_cost.comm_seconds` for `plan` on n one-rank hosts, with the dense
+    bucketed all-reduce on the all_reduce link and each server table (`cost.predict`:
+    ps_expected, its head) on the all_to_all link. Tables are costed one by one, as the planner
+    does."""
     topo = Topology.from_sizes([1] * n)
 
     def run(ar: Link, a2a: Link):

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from ..cluster.topology import Cluster
 from ..errors import PlanError
-from ..estimate.cost import dense_served, predict, ring_allreduce, sparse_allgather
+from ..estimate.cost import ring_allreduce, sparse_allgather
 from ..estimate.memory import with_budget
+from ..estimate.plan_cost import comm_seconds, entry_costs
 from ..plans.analysis import analyze
 from ..plans.plan import Plan
 from ..train.job import Job
@@ -31,29 +32,16 @@ class Row:
 
 
 def param_costs(plan: Plan, traffic, cluster: Cluster) -> list[Row]:
-    """Each entry's predicted step on `cluster` (a served table without traffic: every row)."""
-    topo, links = cluster.topology(), cluster.links
+    """Each entry's row of the report: its predicted step (estimate/plan_cost.entry_costs)
+    beside what it is and how its rows are read."""
     rows = []
-    for pp in plan.params:
+    for pp, c in zip(plan.params, entry_costs(plan, cluster, traffic)):
         t = traffic.get(pp.name)
-        c = predict(pp, t, topo, links, plan.local_aggregation) or dense_served(pp, topo, links)
         method = pp.method if not pp.zero else \
             f"zero-{pp.zero}" + ("/host" if pp.zero_scope == "host" else "")
         rows.append(Row(pp.name, pp.shape, t.per_rank / pp.shape[0] if t else None, method,
                         pp.partitions, c.bytes_sent, c.seconds))
     return rows
-
-
-def step_seconds(plan: Plan, traffic, cluster: Cluster) -> float:
-    """Communication seconds per step: replicated dense parameters bucketed together, tables
-    and ZeRO-sharded parameters one by one."""
-    topo, links = cluster.topology(), cluster.links
-    dense = sum(pp.nbytes for pp in plan.of("allreduce") if not pp.zero)
-    total = 0.0
-    if dense:
-        total += ring_allreduce(dense, topo, links, math.ceil(dense / plan.bucket_bytes)).seconds
-    return total + sum(r.seconds for pp, r in zip(plan.params, param_costs(plan, traffic, cluster))
-                       if pp.method == "ps" or pp.zero)
 
 
 def memory_per_rank(job: Job, cluster: Cluster, chosen: Plan) -> list[dict]:
@@ -83,7 +71,7 @@ def report(job: Job, cluster: Cluster, flops: float | None = None,
     plans = {mode: job_plan(job, cluster, mode) for mode in ("hybrid", "allreduce", "ps")}
     chosen = job_plan(job, cluster)
     rows = param_costs(chosen, traffic, cluster)
-    times = {mode: step_seconds(p, traffic, cluster) for mode, p in plans.items()}
+    times = {mode: comm_seconds(p, cluster, traffic) for mode, p in plans.items()}
     # DDP with sparse gradients: dense parameters all-reduced, tables all-gathered.
     dense_plan = plans["allreduce"]
     dense_bytes = sum(i.nbytes for i in infos if i.name not in traffic)

@@ -1,0 +1,82 @@
+"""`estimate(plan, cluster)`: one step of any Plan from the estimates that exist, read from the
+plan (pure: the meta device, no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilework
+from tilework.cluster.topology import Cluster, Host, Link, Links
+from tilework.estimate import estimate_memory
+from tilework.estimate.mesh_memory import estimate_every_rank
+from tilework.estimate.plan_cost import estimate
+from tilework.models.gpt import TinyGPT
+from tilework.models.recommender import DLRM
+from tilework.planner.mesh import config_of
+from tilework.planner.search import predict
+
+CLUSTER = Cluster(hosts=[Host("a", 4), Host("b", 4)],
+                  links=Links(inter=Link(bandwidth_gbps=10.0, latency_us=50.0)))
+
+
+def meta_gpt() -> TinyGPT:
+    with torch.device("meta"):
+        return TinyGPT(vocab=64, dim=32, heads=4, layers=4, seq_len=16)
+
+
+MESH_CONFIGS = [dict(tp=2), dict(pp=2, microbatches=4), dict(cp=2),
+                dict(tp=2, pp=2, zero=1, microbatches=4),
+                dict(pp=2, microbatches=4, schedule="interleaved", stages_per_rank=2),
+                dict(tp=2, sequence_parallel=True, recompute="full"),
+                dict(tp=2, zero=3, zero_scope="host")]
+
+
+@pytest.mark.parametrize("options", MESH_CONFIGS)
+def test_a_mesh_plan_says_the_configuration_it_runs_under(options):
+    """config_of(plan) plans to the same plan: everything the estimates read is in the Plan."""
+    model = meta_gpt()
+    plan = tilework.plan(model, tilework.ParallelConfig(**options), CLUSTER)
+    assert tilework.plan(model, config_of(plan), CLUSTER) == plan
+
+
+def test_a_mesh_plans_estimate_is_its_parts():
+    model, config = meta_gpt(), tilework.ParallelConfig(tp=2, pp=2, zero=1, microbatches=4)
+    plan = tilework.plan(model, config, CLUSTER)
+    tokens = torch.zeros(8, 16, dtype=torch.long)
+    cost = estimate(plan, CLUSTER, model, (tokens, tokens), flops=1e10, replica_batch=8, seq=16)
+    assert cost.memory == tuple(estimate_every_rank(model, config, (tokens, tokens), 8,
+                                                    cluster=CLUSTER))
+    assert cost.memory[3] == estimate_memory(model, config, (tokens, tokens), CLUSTER, rank=3)
+    step = predict(model, config, CLUSTER, 8, 16, 1e10)
+    assert cost.step_s == step.step_s and cost.compute_s == step.parts["compute"]
+    assert cost.comm_s == sum(step.parts[a] for a in ("tp", "cp", "dp"))
+
+
+def test_a_data_parallel_plans_estimate_is_the_reports_and_the_memory_estimates():
+    from tilework.config.files import from_dict
+    from tilework.estimate.memory import estimate_per_rank
+    from tilework.plans.analysis import analyze
+    from tilework.report.job import report
+    from tilework.train.job import Job
+    from tilework.train.planning import example_batch, job_plan, meta_model, table_traffic
+
+    job = from_dict(Job, {"workload": "recommender",
+                          "recommender": {"table_sizes": [5000, 800], "sparse": True}})
+    cluster = Cluster(hosts=[Host("a", 2), Host("b", 2)])
+    plan, model = job_plan(job, cluster), meta_model(job)
+    traffic = table_traffic(job, analyze(model), cluster)
+    inputs = example_batch(job, cluster)
+    cost = estimate(plan, cluster, model, inputs, traffic=traffic)
+    assert cost.comm_s == report(job, cluster)["step_comm_seconds"]["hybrid"]
+    assert cost.memory == tuple(estimate_per_rank(model, plan, inputs))
+    assert cost.step_s is None and cost.compute_s is None   # no compute model on dp yet
+    assert [e.name for e in cost.entries] == [p.name for p in plan.params]
+
+
+def test_a_plan_for_another_world_is_refused():
+    with torch.device("meta"):
+        model = DLRM([100, 50])
+    plan = tilework.plan(model, tilework.ParallelConfig(), Cluster(hosts=[Host("a", 2)]))
+    with pytest.raises(tilework.errors.PlanError, match="2 ranks, the cluster has 8"):
+        estimate(plan, CLUSTER)

@@ -1,0 +1,116 @@
+"""`estimate(plan, cluster, ...) -> PlanCost`: what one step of a Plan costs, from its parts.
+
+Pure (the meta device, no process group). Its parts are the estimates that exist, each read
+from the plan rather than from a configuration: the bytes each entry sends and their seconds
+on the links its groups cross (cost.py: the planner's own predictions, a served table without
+traffic at every row), the per-rank memory (memory.py on a data-parallel plan, mesh_memory.py
+on a mesh), and on a mesh the step of planner/search.predict (stage compute at a FLOP rate, the
+tp and cp exchanges, the pipeline simulator, the dp all-reduce). A data-parallel plan has no
+compute model yet: its `compute_s` and `step_s` are None, its `comm_s` what the step waits on
+the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..cluster.topology import Cluster
+from ..errors import PlanError
+from ..plans.plan import Plan
+from .cost import dense_served, predict, ring_allreduce
+from .memory import MemoryEstimate, estimate_per_rank
+
+
+@dataclass(frozen=True)
+class EntryCost:
+    name: str
+    bytes_sent: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    comm_s: float                        # seconds per step on the wire (all axes)
+    compute_s: float | None = None       # seconds per step of compute (None: not modelled)
+    step_s: float | None = None          # the step, as the plan overlaps the two (None: unknown)
+    memory: tuple[MemoryEstimate, ...] | None = None   # every rank's (None: no example inputs)
+    entries: tuple[EntryCost, ...] = ()  # the data-parallel axis, per parameter
+    parts: dict = field(default_factory=dict)   # on a mesh: the step's terms, per axis
+
+
+def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> list[EntryCost]:
+    """Each entry's predicted step over its dp group (a served table without traffic: every
+    row)."""
+    topo, links, traffic = _dp_topology(plan, cluster), cluster.links, traffic or {}
+    out = []
+    for p in plan.params:
+        c = predict(p, traffic.get(p.name), topo, links, plan.local_aggregation) \
+            or dense_served(p, topo, links)
+        out.append(EntryCost(p.name, c.bytes_sent, c.seconds))
+    return out
+
+
+def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> float:
+    """Data-parallel communication per step: replicated dense parameters bucketed together,
+    tables and ZeRO-sharded parameters one by one."""
+    topo, links = _dp_topology(plan, cluster), cluster.links
+    dense = sum(p.nbytes for p in plan.of("allreduce") if not p.zero)
+    total = 0.0
+    if dense:
+        total += ring_allreduce(dense, topo, links, math.ceil(dense / plan.bucket_bytes)).seconds
+    return total + sum(c.seconds for p, c in zip(plan.params, entry_costs(plan, cluster, traffic))
+                       if p.method == "ps" or p.zero)
+
+
+def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | None = None,
+             *, traffic: dict | None = None, optimizer="adam", flops: float | None = None,
+             replica_batch: int | None = None, seq: int | None = None) -> PlanCost:
+    """One step of `plan` on `cluster`. `model` (meta device will do) with `example_inputs`
+    (one rank's batch; on a mesh one dp replica's) adds every rank's memory; on a mesh,
+    `flops` (FLOP/s per rank) with `replica_batch` sequences of `seq` tokens adds the step."""
+    entries = tuple(entry_costs(plan, cluster, traffic))
+    if plan.parallel is None:
+        memory = None
+        if model is not None and example_inputs is not None:
+            memory = tuple(estimate_per_rank(model, plan, example_inputs, optimizer))
+        return PlanCost(comm_seconds(plan, cluster, traffic), memory=memory, entries=entries)
+    from ..planner.mesh import config_of
+    from .mesh_memory import estimate_every_rank
+
+    config = config_of(plan)
+    memory = None
+    if model is not None and example_inputs is not None:
+        memory = tuple(estimate_every_rank(model, config, example_inputs, plan.world_size,
+                                           optimizer, cluster))
+    if model is None or flops is None or replica_batch is None or seq is None:
+        return PlanCost(comm_seconds(plan.part(0), cluster, traffic), memory=memory,
+                        entries=entries)
+    from ..planner.search import predict as predict_step
+
+    found = predict_step(model, config, cluster, replica_batch, seq, flops)
+    parts = dict(found.parts)
+    comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
+    return PlanCost(comm, parts.get("compute"), found.step_s, memory, entries, parts)
+
+
+def _dp_topology(plan: Plan, cluster: Cluster):
+    """The topology of the group the plan's entries synchronise over: the world's for a
+    data-parallel plan, one dp group's (its host mesh) on a mesh."""
+    if cluster.world_size != plan.world_size:
+        raise PlanError(f"the plan is for {plan.world_size} ranks, the cluster has "
+                        f"{cluster.world_size}")
+    if plan.parallel is None:
+        return cluster.topology()
+    return _from_mesh(plan.parallel.dp_mesh)
+
+
+def _from_mesh(mesh):
+    from ..cluster.topology import Topology
+
+    if mesh.names == ("host", "local"):
+        return Topology.from_sizes([mesh.size_of("local")] * mesh.size_of("host"))
+    return Topology.from_sizes([mesh.size])
+
+
+__all__ = ["EntryCost", "PlanCost", "comm_seconds", "entry_costs", "estimate"]
