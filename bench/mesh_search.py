@@ -31,8 +31,9 @@ import torch.distributed as dist  # noqa: E402
 
 import tilework  # noqa: E402
 from tilework.cluster.topology import Cluster, Host, Links  # noqa: E402
+from tilework.estimate.mesh_step import forward_flops  # noqa: E402
 from tilework.models.gpt import TinyGPT  # noqa: E402
-from tilework.planner.search import forward_flops, search_mesh  # noqa: E402
+from tilework.planner.search import search_mesh  # noqa: E402
 from tilework.testing import spawn  # noqa: E402
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 1024, 256, 8, 8, 64, 16

@@ -10,11 +10,11 @@ import tilework
 from tilework.cluster.topology import Cluster, Host, Link, Links
 from tilework.estimate import estimate_memory
 from tilework.estimate.mesh_memory import estimate_every_rank
+from tilework.estimate.mesh_step import predict
 from tilework.estimate.plan_cost import estimate
 from tilework.models.gpt import TinyGPT
 from tilework.models.recommender import DLRM
-from tilework.planner.mesh import config_of
-from tilework.planner.search import predict
+from tilework.plans.plan import config_of
 
 CLUSTER = Cluster(hosts=[Host("a", 4), Host("b", 4)],
                   links=Links(inter=Link(bandwidth_gbps=10.0, latency_us=50.0)))

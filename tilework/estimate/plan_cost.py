@@ -4,10 +4,10 @@ Pure (the meta device, no process group). Its parts are the estimates that exist
 from the plan rather than from a configuration: the bytes each entry sends and their seconds
 on the links its groups cross (cost.py: the planner's own predictions, a served table without
 traffic at every row), the per-rank memory (memory.py on a data-parallel plan, mesh_memory.py
-on a mesh), and on a mesh the step of planner/search.predict (stage compute at a FLOP rate, the
-tp and cp exchanges, the pipeline simulator, the dp all-reduce). A data-parallel plan has no
-compute model yet: its `compute_s` and `step_s` are None, its `comm_s` what the step waits on
-the wire.
+on a mesh), and on a mesh the step of mesh_step.predict (stage compute at a FLOP rate, the
+tp and cp exchanges, the pipeline simulator, the dp all-reduce; a data-parallel plan is the
+mesh of one stage), given a FLOP rate and the batch. Without them `compute_s` and `step_s`
+are None and `comm_s` is what the step waits on the wire.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 
 from ..cluster.topology import Cluster
 from ..errors import PlanError
-from ..plans.plan import Plan
+from ..plans.plan import Plan, config_of
 from .cost import dense_served, predict, ring_allreduce
 from .memory import MemoryEstimate, estimate_per_rank
+from .mesh_memory import estimate_every_rank
+from .mesh_step import predict as predict_step
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class PlanCost:
     memory: tuple[MemoryEstimate, ...] | None = None   # every rank's (None: no example inputs)
     entries: tuple[EntryCost, ...] = ()  # the data-parallel axis, per parameter
     parts: dict = field(default_factory=dict)   # on a mesh: the step's terms, per axis
+    why: str = ""                        # why the step cannot run (then step_s is None)
 
 
 def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> list[EntryCost]:
@@ -52,46 +55,49 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
 
 
 def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> float:
-    """Data-parallel communication per step: replicated dense parameters bucketed together,
-    tables and ZeRO-sharded parameters one by one."""
-    topo, links = _dp_topology(plan, cluster), cluster.links
-    dense = sum(p.nbytes for p in plan.of("allreduce") if not p.zero)
+    """Data-parallel communication per step (on a mesh: pp rank 0's part over its dp group):
+    replicated dense parameters bucketed together, tables and ZeRO-sharded parameters one by
+    one."""
+    topo, links, part = _dp_topology(plan, cluster), cluster.links, plan.part(0)
+    dense = sum(p.nbytes for p in part.of("allreduce") if not p.zero)
     total = 0.0
     if dense:
-        total += ring_allreduce(dense, topo, links, math.ceil(dense / plan.bucket_bytes)).seconds
+        total += ring_allreduce(dense, topo, links, math.ceil(dense / part.bucket_bytes)).seconds
+    held = {p.name for p in part.params}
     return total + sum(c.seconds for p, c in zip(plan.params, entry_costs(plan, cluster, traffic))
-                       if p.method == "ps" or p.zero)
+                       if p.name in held and (p.method == "ps" or p.zero))
 
 
 def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | None = None,
              *, traffic: dict | None = None, optimizer="adam", flops: float | None = None,
-             replica_batch: int | None = None, seq: int | None = None) -> PlanCost:
+             replica_batch: int | None = None, seq: int | None = None,
+             message_overhead_s: float = 0.0) -> PlanCost:
     """One step of `plan` on `cluster`. `model` (meta device will do) with `example_inputs`
     (one rank's batch; on a mesh one dp replica's) adds every rank's memory; on a mesh,
-    `flops` (FLOP/s per rank) with `replica_batch` sequences of `seq` tokens adds the step."""
+    `flops` (FLOP/s per rank) with `replica_batch` sequences of `seq` tokens adds the step
+    (`message_overhead_s`: LogP's o per message), and a step that cannot run says why and
+    skips the memory."""
     entries = tuple(entry_costs(plan, cluster, traffic))
-    if plan.parallel is None:
-        memory = None
-        if model is not None and example_inputs is not None:
-            memory = tuple(estimate_per_rank(model, plan, example_inputs, optimizer))
-        return PlanCost(comm_seconds(plan, cluster, traffic), memory=memory, entries=entries)
-    from ..planner.mesh import config_of
-    from .mesh_memory import estimate_every_rank
-
     config = config_of(plan)
-    memory = None
-    if model is not None and example_inputs is not None:
-        memory = tuple(estimate_every_rank(model, config, example_inputs, plan.world_size,
-                                           optimizer, cluster))
-    if model is None or flops is None or replica_batch is None or seq is None:
-        return PlanCost(comm_seconds(plan.part(0), cluster, traffic), memory=memory,
-                        entries=entries)
-    from ..planner.search import predict as predict_step
 
-    found = predict_step(model, config, cluster, replica_batch, seq, flops)
+    def memory():
+        if model is None or example_inputs is None:
+            return None
+        if plan.parallel is None:
+            return tuple(estimate_per_rank(model, plan, example_inputs, optimizer))
+        return tuple(estimate_every_rank(model, config, example_inputs, plan.world_size,
+                                         optimizer, cluster))
+
+    comm = comm_seconds(plan, cluster, traffic)
+    if model is None or flops is None or replica_batch is None or seq is None:
+        return PlanCost(comm, memory=memory(), entries=entries)
+    found = predict_step(model, config, cluster, replica_batch, seq, flops,
+                         message_overhead_s=message_overhead_s)
     parts = dict(found.parts)
+    if found.step_s is None:
+        return PlanCost(comm, entries=entries, parts=parts, why=found.why)
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
-    return PlanCost(comm, parts.get("compute"), found.step_s, memory, entries, parts)
+    return PlanCost(comm, parts.get("compute"), found.step_s, memory(), entries, parts)
 
 
 def _dp_topology(plan: Plan, cluster: Cluster):

@@ -62,25 +62,6 @@ def plan_mesh(model: nn.Module, config: ParallelConfig, topology: Topology, clus
                 recompute=whole.recompute, parallel=parallel, **first)
 
 
-def config_of(plan: Plan) -> ParallelConfig:
-    """The configuration a mesh `plan` runs under, as far as the plan says it: the sizes, the
-    layout, the schedule, ZeRO, recompute and the data-parallel settings (what the estimates
-    that take a configuration read)."""
-    par, sizes = plan.parallel, {a: plan.mesh.size_of(a) for a in ("tp", "pp", "cp")}
-    zeros = [p for p in plan.params if p.zero]
-    return ParallelConfig(
-        mode=plan.mode, sparse_reduce=plan.sparse_reduce,
-        local_aggregation=plan.local_aggregation, bucket_mb=plan.bucket_bytes / 2**20,
-        overrides={p.name: p.method for p in plan.params if p.reason == "set by the user"}
-        or None,
-        zero=max((p.zero for p in zeros), default=0),
-        zero_scope=zeros[0].zero_scope if zeros else "world", offload=plan.offload,
-        offload_dir=plan.offload_dir, recompute=dict(plan.recompute) or "none", **sizes,
-        layout=dict(par.layout) or None, sequence_parallel=par.sequence_parallel,
-        schedule=par.schedule or "1f1b", microbatches=par.microbatches or None,
-        stages_per_rank=par.stages_per_rank if par.schedule == "interleaved" else 2)
-
-
 def parts_plan_settings(plan: Plan) -> dict:
     """The plan-wide settings a part's plan carries (the config's, whatever the part)."""
     return {k: getattr(plan, k) for k in ("mode", "sparse_reduce", "local_aggregation",

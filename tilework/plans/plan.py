@@ -23,7 +23,15 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from ..cluster.mesh import Mesh
-from ..config.parallel import Method, Mode, Offload, RowMap, SparseReduce, ZeroScope
+from ..config.parallel import (
+    Method,
+    Mode,
+    Offload,
+    ParallelConfig,
+    RowMap,
+    SparseReduce,
+    ZeroScope,
+)
 
 Kind = Literal["sparse", "embedding", "dense"]
 
@@ -317,6 +325,27 @@ def _entry_from_dict(d: dict) -> ParamPlan:
     predicted = None if d.get("predicted") is None else Cost(**d["predicted"])
     return ParamPlan(**(d | {"shape": tuple(d["shape"]), "predicted": predicted,
                              "pp_ranks": tuple(d.get("pp_ranks", ()))}))
+
+
+def config_of(plan: Plan) -> ParallelConfig:
+    """The configuration `plan` runs under, as far as the plan says it: the mesh's sizes, the
+    layout and the schedule, ZeRO, recompute and the data-parallel settings (what the
+    estimates that take a configuration read; a data-parallel plan's sizes are 1)."""
+    par = plan.parallel or ParallelPlan()
+    sizes = {a: plan.mesh.size_of(a) if plan.parallel is not None else 1
+             for a in ("tp", "pp", "cp")}
+    zeros = [p for p in plan.params if p.zero]
+    return ParallelConfig(
+        mode=plan.mode, sparse_reduce=plan.sparse_reduce,
+        local_aggregation=plan.local_aggregation, bucket_mb=plan.bucket_bytes / 2**20,
+        overrides={p.name: p.method for p in plan.params if p.reason == "set by the user"}
+        or None,
+        zero=max((p.zero for p in zeros), default=0),
+        zero_scope=zeros[0].zero_scope if zeros else "world", offload=plan.offload,
+        offload_dir=plan.offload_dir, recompute=dict(plan.recompute) or "none", **sizes,
+        layout=dict(par.layout) or None, sequence_parallel=par.sequence_parallel,
+        schedule=par.schedule or "1f1b", microbatches=par.microbatches or None,
+        stages_per_rank=par.stages_per_rank if par.schedule == "interleaved" else 2)
 
 
 # -- the row map: pure functions shared by the runtime and the cost model ---------------------

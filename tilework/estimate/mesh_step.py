@@ -1,0 +1,199 @@
+"""The step of a dp x pp x cp x tp run, predicted for its slowest pipeline rank (Megatron-LM's
+reasoning, paper 16); pure (a meta-device model will do). What `estimate(plan)` prices a mesh
+plan's step with, what the mesh search ranks by (planner/search.py), and the step `tilework
+plan` shows for a model-parallel job (report/mesh.py).
+
+- compute: each stage's matmul FLOPs (2 per weight per token forward, twice that backward)
+  and attention scores (causal: seq/2 keys per query, 2 x 2 x dim FLOPs per key forward), on
+  its tokens (batch / dp sequences, seq / cp tokens each), split tp ways, at `flops_per_s`;
+- tp and cp: the bytes `mesh_bytes.mesh_step_bytes` counts, on the link their groups cross
+  (`Links.crossed`), a latency per ring step; on the critical path (Megatron does not overlap
+  them either), spread over forward and backward;
+- pp: `pipeline.simulate` replays the schedule with those per-stage times and the link between
+  stages: bubble and hops included;
+- dp: the gradient all-reduce of the rank's parameters over its dp (x cp) group, in buckets,
+  after the last backward (not overlapped: an upper bound).
+
+A step that cannot run keeps the reason (a layout that does not split, more stages than
+blocks, a batch that does not divide).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..cluster.mesh import parallel_mesh
+from ..cluster.topology import Cluster, Link
+from ..config.parallel import ParallelConfig
+from .cost import seconds
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    config: ParallelConfig
+    step_s: float | None               # None: refused
+    why: str = ""                      # the refusal
+    parts: dict = field(default_factory=dict)   # seconds: compute, tp, cp, pipeline, dp
+
+    @property
+    def label(self) -> str:
+        c = self.config
+        dp = self.parts.get("dp_size", "?")
+        return f"dp{dp} x pp{c.pp} x cp{c.cp} x tp{c.tp}"
+
+
+def _attention(model: nn.Module) -> list[nn.MultiheadAttention]:
+    return [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+
+
+def forward_flops(modules: list[nn.Module], tokens: int, seq: int, tp: int) -> float:
+    """Forward FLOPs of `modules` on `tokens` tokens of sequences `seq` long, split tp ways: 2
+    per matmul weight and bias per token (stages.balance's weights: an embedding is looked
+    up, not multiplied) and the causal attention scores and their weighted sum (2 x 2 x dim
+    per key, seq / 2 keys per query on average)."""
+    from ..parallel.pipeline.stages import matmul_params
+
+    weights = sum(matmul_params(m) for m in modules)
+    scores = sum(4 * a.embed_dim * seq / 2 for m in modules for a in _attention(m))
+    return (2 * weights + scores) * tokens / tp
+
+
+def _link(cluster: Cluster, groups: list[tuple[int, ...]]) -> tuple[Link, bool]:
+    """The link a collective over `groups` runs on: the inter-host one if any group spans
+    hosts."""
+    topo = cluster.topology()
+    hosts = [[topo.host_of(r) for r in g] for g in groups]
+    link = cluster.links.crossed(*hosts)
+    return link, any(len(set(h)) > 1 for h in hosts)
+
+
+def _pp_link(cluster: Cluster, mesh) -> tuple[Link, bool]:
+    """Where a pipeline's neighbours talk: inter-host if any neighbours are on two hosts (the
+    simulator takes one link for every hop)."""
+    topo = cluster.topology()
+    pairs = [(topo.host_of(a), topo.host_of(b))
+             for g in mesh.groups("pp") for a, b in zip(g, g[1:])]
+    return cluster.links.crossed(*pairs), any(a != b for a, b in pairs)
+
+
+def allreduce_seconds(sent: int, n: int, link: Link, bucket_mb: float,
+                      message_overhead_s: float = 0.0) -> float:
+    """A ring all-reduce of what one rank sends (2 (n - 1) / n of the buckets), in buckets;
+    each of its messages costs `message_overhead_s` at each end."""
+    from ..comm.wire import ALL_REDUCE
+    from ..plans.plan import bucket_bytes
+
+    if n == 1 or not sent:
+        return 0.0
+    params = sent * n / (2 * (n - 1))
+    buckets = max(1, -(-int(params) // bucket_bytes(bucket_mb)))
+    messages = ALL_REDUCE.messages(n) * buckets
+    return seconds(sent, link, messages) + message_overhead_s * 2 * messages
+
+
+def _message_ends(model, config: ParallelConfig, stages, schedule) -> dict:
+    """Per stage, the message ends (sends and receives) its tp and cp exchanges make in a
+    step: a ring all-reduce 4 (n - 1), an all-gather or reduce-scatter 2 (n - 1)
+    (tensor.cost.tp_step_calls), and ring attention's shifts, 3 cp - 2 a layer each way."""
+    from ..parallel.tensor import layout_for, plan_layout
+    from ..parallel.tensor.cost import tp_step_calls
+
+    names = {id(m): n for n, m in model.named_modules()}
+    parts = [model] if stages is None else stages
+    out = {"tp": [0] * len(parts), "cp": [0] * len(parts)}
+    layout = plan_layout(model, config.layout or layout_for(model), config.tp,
+                         config.sequence_parallel) if config.tp > 1 else None
+    for k, part in enumerate(parts):
+        held = {names[id(m)] for m in part.modules() if id(m) in names}
+        if layout is not None:
+            reduces, gathers = tp_step_calls(layout, held)
+            out["tp"][k] = (4 * reduces + 2 * gathers) * (config.tp - 1)
+        layers = sum(isinstance(m, nn.MultiheadAttention) for m in part.modules())
+        out["cp"][k] = 2 * layers * (3 * config.cp - 2) if config.cp > 1 else 0
+    return out
+
+
+def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_batch: int,
+            seq: int, flops_per_s: float, itemsize: int = 4,
+            message_overhead_s: float = 0.0) -> MeshCandidate:
+    """One candidate's predicted step (see the module's docstring) for `replica_batch`
+    sequences per dp replica, or why it cannot run. `message_overhead_s`: LogP's o, what each
+    message costs the CPU at each end beside the link's time (pipeline_runs.message_overhead
+    measures it on busy CPU ranks; about 0 where collectives run on their own engines)."""
+    from ..estimate.mesh_bytes import mesh_step_bytes
+    from ..parallel.pipeline import build, simulate, split_stages
+    from ..parallel.pipeline.model import stage_modules
+
+    world, sizes = cluster.world_size, {h.procs for h in cluster.hosts}
+    m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
+    try:
+        mesh = parallel_mesh(world, sizes.pop() if len(sizes) == 1 else None, config.tp,
+                             config.pp, config.cp)
+        if replica_batch % m:
+            raise ValueError(f"each replica's {replica_batch} sequences do not split into {m} "
+                             "microbatches")
+        if seq % (2 * config.cp):
+            raise ValueError(f"a sequence of {seq} does not split into 2 x cp = "
+                             f"{2 * config.cp} chunks")
+        schedule = build(config.schedule if config.pp > 1 else "1f1b", config.pp, m,
+                         config.stages_per_rank)
+        stages = split_stages(model, schedule.stages) if config.pp > 1 else None
+        first = [r for r in range(world) if _first_of_replica(mesh, r)]
+        per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize)
+                    for r in first]
+    except (ValueError, AttributeError, IndexError) as e:
+        # ValueError: a split the layout, the schedule or the batch refuses; the others: a
+        # model without the reference GPT's shape (a head, blocks, attention) under pp or cp.
+        why = str(e) if isinstance(e, ValueError) else \
+            f"the model is not shaped like the reference GPT ({type(e).__name__}: {e})"
+        return MeshCandidate(config, None, why,
+                             {"dp_size": world // (config.tp * config.pp * config.cp)})
+    dp = mesh.size_of("dp")
+    tokens = replica_batch * seq // config.cp
+    modules = [[*model.children()]] if stages is None else [stage_modules(s) for s in stages]
+    links = {"tp": _link(cluster, mesh.groups("tp"))[0], "cp": _link(cluster, mesh.groups("cp"))[0]}
+    ends = _message_ends(model, config, stages, schedule)
+    fwd, bwd, comm, compute, flops = [], [], {"tp": 0.0, "cp": 0.0}, 0.0, []
+    for k, mods in enumerate(modules):
+        flops.append(forward_flops(mods, tokens, seq, config.tp) / m)
+        f = flops[-1] * m / flops_per_s
+        compute = max(compute, 3 * f)
+        sent = per_rank[schedule.rank_of(k)]    # a rank's bytes, over the stages it holds
+        share = len(schedule.stages_of(schedule.rank_of(k)))
+        extra = 0.0
+        for axis, n in (("tp", config.tp), ("cp", config.cp)):
+            if sent.get(axis):
+                took = seconds(sent[axis] / share, links[axis], 2 * (n - 1)) \
+                    + message_overhead_s * ends[axis][k]
+                comm[axis] = max(comm[axis], took)
+                extra += took
+        # A step's exchanges sit on the critical path, a third forward, two thirds backward.
+        fwd.append((f + extra / 3) / m)
+        bwd.append((2 * f + 2 * extra / 3) / m)
+    pp_link, crossing = _pp_link(cluster, mesh)
+    activation = replica_batch // m * (seq // config.cp) * model.head.in_features * itemsize \
+        if config.pp > 1 else 0
+    sim = simulate(schedule, fwd, bwd, pp_link, activation,
+                   message_overhead_s=message_overhead_s)
+    averaged = dp * config.cp   # the ranks that average gradients together
+    dp_link, dp_spans = _link(cluster, mesh.groups(("dp", "cp") if config.cp > 1 else "dp"))
+    dp_s = max(allreduce_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb,
+                                 message_overhead_s) for s in per_rank)
+    parts = {"compute": compute, **comm, "pipeline": sim.step_s, "dp": dp_s, "dp_size": dp,
+             "bubble": sim.bubble, "bubbles": list(sim.bubbles), "microbatches": m,
+             "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_forward_flops": flops,
+             "activation_bytes": activation,
+             "pp_link": pp_link, "pp_between_hosts": crossing, "dp_link": dp_link,
+             "dp_between_hosts": dp_spans, "bytes_per_rank": per_rank}
+    return MeshCandidate(config, sim.step_s + dp_s, "", parts)
+
+
+def _first_of_replica(mesh, rank: int) -> bool:
+    """One rank per pipeline stage of the first replica (tp, cp and dp peers send alike)."""
+    at = mesh.coords(rank)
+    return at["dp"] == 0 and at["cp"] == 0 and at["tp"] == 0
+
+
+__all__ = ["MeshCandidate", "allreduce_seconds", "forward_flops", "predict"]
