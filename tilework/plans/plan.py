@@ -301,9 +301,16 @@ class Plan:
 
 
 def _tp_cell(split: str) -> str:
+    """A tp split (tensor/shards.py's spec) as the table shows it."""
     if not split:
         return "replicated"
-    return f"dim {split} split" if split.isdigit() else split
+    if split.isdigit():
+        return f"dim {split} split"
+    if split == "qkv":
+        return "q, k, v by heads"
+    if split.startswith("fused:"):
+        return f"{split.partition(':')[2]} parts, each split"
+    return split
 
 
 def _pairs(a, b, skip):
