@@ -33,12 +33,13 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import pytest
 import torch
 
 from tests import ddp_patterns as P
-from tilework.testing import spawn
+from tilework.testing import RankFailed, spawn
 
 TOLERANCE = {"sgd": 1e-5, "adagrad": 1e-4, "adam": 1e-4}
 SYSTEMS = ["ddp", *P.TILEWORK]
@@ -97,8 +98,22 @@ def reference(optimizer: str, sparse_tables: bool) -> dict:
 
 @_cached
 def distributed(system: str, optimizer: str) -> list[dict]:
-    return spawn(P.rank_main, 2, args=(system, optimizer, names_for(system, optimizer)),
-                 timeout=60)
+    run = lambda: spawn(P.rank_main, 2, args=(system, optimizer, names_for(system, optimizer)),
+                        timeout=60)
+    if system != "ddp":
+        return run()
+    try:
+        return run()
+    except RankFailed as e:
+        # PyTorch's own DDP with sparse gradients over gloo corrupts the heap now and then
+        # (glibc's "free(): invalid pointer", a SIGSEGV in malloc inside gloo's
+        # AsyncSparseAllreduceWork; docs/faults.md, "Native crashes"): the peer, not the code
+        # under test, so its run is tried once more, and only a signal (never a failed
+        # assertion or a refusal) earns the retry. tilework's runs are never retried.
+        if "exited with code -" not in e.detail:
+            raise
+        warnings.warn(f"DDP's run ended by a signal ({e.detail.splitlines()[0]}); once more")
+        return run()
 
 
 def outcome(results, name):
