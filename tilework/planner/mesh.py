@@ -21,6 +21,7 @@ from ..comm.counted import Stats
 from ..config.parallel import ParallelConfig
 from ..errors import PlanError
 from ..estimate.meta_forward import on_meta
+from ..plans.analysis import recompute_choices
 from ..plans.plan import ParallelPlan, ParamPlan, Plan
 from . import tables
 
@@ -49,23 +50,17 @@ def plan_mesh(model: nn.Module, config: ParallelConfig, topology: Topology, clus
             pp_ranks = (*held.pp_ranks, pp_rank) if held else ((pp_rank,) if cut else ())
             merged[entry.name] = dataclasses.replace(
                 held or entry, tp_split=_spec_text(specs.get(entry.name)), pp_ranks=pp_ranks)
-    whole = tables.plan(meta, _flat(config), cluster, density, traffic,
-                        topology=Topology.from_sizes([1]))
     parallel = ParallelPlan(
         layout=() if layout is None else tuple((p.module, p.style) for p in layout.placements),
         sequence_parallel=config.sequence_parallel and config.tp > 1,
         stack=cut[0] if cut else "", stages=cut[1] if cut else (),
         schedule=config.schedule if cut else "", microbatches=schedule.microbatches if cut else 0,
         stages_per_rank=schedule.stages // config.pp if cut else 1, dp_mesh=dp_mesh)
-    first = parts_plan_settings(whole)
-    return Plan(tuple(merged.values()), topology.world_size, mesh=mesh,
-                recompute=whole.recompute, parallel=parallel, **first)
-
-
-def parts_plan_settings(plan: Plan) -> dict:
-    """The plan-wide settings a part's plan carries (the config's, whatever the part)."""
-    return {k: getattr(plan, k) for k in ("mode", "sparse_reduce", "local_aggregation",
-                                          "bucket_bytes", "offload", "offload_dir")}
+    # The plan-wide settings (mode, buckets, offload) are the config's in every part's plan.
+    return dataclasses.replace(part_plan, params=tuple(merged.values()),
+                               world_size=topology.world_size, mesh=mesh,
+                               recompute=recompute_choices(meta, config.recompute),
+                               parallel=parallel)
 
 
 def plan_part(model: nn.Module, part: nn.Module, config: ParallelConfig, topology: Topology,
