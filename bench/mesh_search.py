@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 import tilework  # noqa: E402
 from tilework.cluster.topology import Cluster, Host, Links  # noqa: E402
-from tilework.estimate.mesh_step import forward_flops  # noqa: E402
+from tilework.estimate.step import forward_flops  # noqa: E402
 from tilework.models.gpt import TinyGPT  # noqa: E402
 from tilework.planner.search import search_mesh  # noqa: E402
 from tilework.testing import spawn  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 
 import tilework
 from tests import tiny_gpt
-from tilework.estimate.mesh_bytes import mesh_step_bytes
+from tilework.estimate.step_bytes import mesh_step_bytes
 from tilework.models.gpt import TinyGPT
 from tilework.testing import spawn
 

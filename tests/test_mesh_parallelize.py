@@ -13,7 +13,7 @@ import tilework
 from tests import tiny_gpt
 from tilework.checkpoint import file as checkpoint
 from tilework.errors import ConfigError, PlanError
-from tilework.estimate.mesh_bytes import mesh_step_bytes
+from tilework.estimate.step_bytes import mesh_step_bytes
 from tilework.models.gpt import TinyGPT
 from tilework.parallel.tensor import GPT_LAYOUT, plan_layout
 from tilework.parallel.tensor.cost import tp_step_calls

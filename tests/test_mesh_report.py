@@ -12,7 +12,7 @@ from tilework.cli import main
 from tilework.cluster.topology import Cluster, Host, Link, Links
 from tilework.config.parallel import ParallelConfig
 from tilework.errors import PlanError
-from tilework.estimate.mesh_bytes import mesh_step_bytes
+from tilework.estimate.step_bytes import mesh_step_bytes
 from tilework.parallel.pipeline import build, simulate, split_stages
 from tilework.report.job import report
 from tilework.report.mesh import format_mesh_report, mesh_report

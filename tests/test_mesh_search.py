@@ -9,7 +9,7 @@ import torch
 from tilework.cluster.topology import Cluster, Host, Link, Links
 from tilework.config.parallel import ParallelConfig
 from tilework.estimate.cost import seconds
-from tilework.estimate.mesh_bytes import mesh_step_bytes
+from tilework.estimate.step_bytes import mesh_step_bytes
 from tilework.models.gpt import TinyGPT
 from tilework.parallel.pipeline import build, simulate
 from tilework.planner.search import candidates, predict, search_mesh

@@ -10,8 +10,8 @@ import tilework
 from tilework.cluster.topology import Cluster, Host, Link, Links
 from tilework.estimate import estimate_memory
 from tilework.estimate.mesh_memory import estimate_every_rank
-from tilework.estimate.mesh_step import predict
 from tilework.estimate.plan_cost import estimate
+from tilework.estimate.step import predict
 from tilework.models.gpt import TinyGPT
 from tilework.models.recommender import DLRM
 from tilework.plans.plan import config_of

@@ -200,7 +200,7 @@ def test_gpt_at_dp2_x_pp2_each_replica_reads_its_slice(tmp_path):
     """4 ranks: each dp replica trains on its half of the global batch (the sampler shards by
     the dp coordinate, a pipeline's two ranks reading the same half), so the losses are one
     process's on the whole batch; the bytes rank 0 logs are the cost model's."""
-    from tilework.estimate.mesh_bytes import mesh_step_bytes
+    from tilework.estimate.step_bytes import mesh_step_bytes
     from tilework.testing import spawn
     from tilework.train.planning import meta_model
 

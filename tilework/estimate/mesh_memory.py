@@ -2,7 +2,7 @@
 pure, on the meta device, without a process group.
 
 The model is transformed on a meta copy as `parallelize` transforms it on the rank
-(runtime/mesh.py), with stand-ins for the collectives that only make tensors of the right shapes:
+(runtime/apply.py), with stand-ins for the collectives that only make tensors of the right shapes:
 the layout applied for this rank's tp coordinate (`tensor.regions.ShapeOnlyTP`), ring attention for
 its cp coordinate (`context.comm.ShapeOnlyRing`), the blocks cut into the schedule's stages and this
 rank's kept (parallel/pipeline/model.local_part). Then:
@@ -93,7 +93,7 @@ def _transformed(model: nn.Module, config, at: dict[str, int]) -> nn.Module:
     from ..comm.counted import Stats
 
     meta = on_meta(model)
-    if config.tp > 1:   # tp first, then cp: parallelize's order (runtime/mesh.py)
+    if config.tp > 1:   # tp first, then cp: parallelize's order (runtime/apply.py)
         from ..parallel.tensor import apply_layout, layout_for
 
         tp = ShapeOnlyTP(None, at["tp"], config.tp, config.sequence_parallel)
@@ -128,7 +128,7 @@ def _pipeline_part(meta: nn.Module, config, pp_rank: int):
 def _dp_plan(model: nn.Module, part: nn.Module, config, cluster, dp_ranks: tuple[int, ...]):
     """The data-parallel plan parallelize makes for the part over the rank's dp group."""
     from ..cluster.topology import Topology
-    from ..planner.mesh import plan_part
+    from ..planner.model_parallel import plan_part
 
     if cluster is not None:
         hosts = cluster.topology()

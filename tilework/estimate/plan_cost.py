@@ -4,7 +4,7 @@ Pure (the meta device, no process group). Its parts are the estimates that exist
 from the plan rather than from a configuration: the bytes each entry sends and their seconds
 on the links its groups cross (cost.py: the planner's own predictions, a served table without
 traffic at every row), the per-rank memory (memory.py on a data-parallel plan, mesh_memory.py
-on a mesh), and on a mesh the step of mesh_step.predict (stage compute at a FLOP rate, the
+on a mesh), and on a mesh the step of step.predict (stage compute at a FLOP rate, the
 tp and cp exchanges, the pipeline simulator, the dp all-reduce; a data-parallel plan is the
 mesh of one stage), given a FLOP rate and the batch. Without them `compute_s` and `step_s`
 are None and `comm_s` is what the step waits on the wire.
@@ -21,7 +21,7 @@ from ..plans.plan import Plan, config_of
 from .cost import dense_served, predict, ring_allreduce
 from .memory import MemoryEstimate, estimate_per_rank
 from .mesh_memory import estimate_every_rank
-from .mesh_step import predict as predict_step
+from .step import predict as predict_step
 
 
 @dataclass(frozen=True)

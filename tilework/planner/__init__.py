@@ -1,9 +1,10 @@
 """The planner: `plan(model, config, cluster)` returns the one Plan a run executes, pure.
 
-report/tables.py plans the data-parallel axis, parameter by parameter (all-reduce, ZeRO, the servers
+tables.py plans the data-parallel axis, parameter by parameter (all-reduce, ZeRO, the servers
 with their partitions and hot rows, chosen by cost where a table's traffic is known);
-cluster/mesh.py plans a dp x pp x cp x tp run: the tp layout, the pipeline cut and schedule, and
-each pipeline rank's part planned by report/tables.py over its dp group.
+model_parallel.py plans a dp x pp x cp x tp run: the tp layout, the pipeline cut and schedule,
+and each pipeline rank's part planned by tables.py over its dp group; search.py ranks mesh
+splits by `estimate(plan)`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from ..cluster.topology import Cluster, Topology
 from ..config.parallel import ParallelConfig
 from ..plans.plan import Plan
-from . import mesh, tables
+from . import model_parallel, tables
 from .tables import Mode, make_plan, partition_candidates, search
 
 
@@ -35,7 +36,7 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
         topology = cluster.topology() if cluster is not None else Topology.from_sizes(
             [config.tp * config.pp * config.cp])
     if config.model_parallel:
-        return mesh.plan_mesh(model, config, topology, cluster, density, traffic)
+        return model_parallel.plan_mesh(model, config, topology, cluster, density, traffic)
     return tables.plan(model, config, cluster, density, traffic, topology=topology)
 
 

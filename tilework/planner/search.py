@@ -1,5 +1,5 @@
 """Choose the mesh: every dp x pp x cp x tp that can run the model on a cluster's ranks,
-planned (`tilework.plan`) and priced by `estimate(plan)` (its step: estimate/mesh_step.py),
+planned (`tilework.plan`) and priced by `estimate(plan)` (its step: estimate/step.py),
 fastest first. Pure (a meta-device model will do). Refused candidates keep the reason (a
 layout that does not split, more stages than blocks, a batch that does not divide, a peak over
 the memory budget), so a user sees why the mesh they expected is absent.
@@ -11,7 +11,7 @@ from torch import nn
 
 from ..cluster.topology import Cluster
 from ..config.parallel import ParallelConfig
-from ..estimate.mesh_step import MeshCandidate, predict  # noqa: F401 - the search's record
+from ..estimate.step import MeshCandidate, predict  # noqa: F401 - the search's record
 
 
 def _divisors(n: int) -> list[int]:

@@ -7,7 +7,7 @@ process group is made. Where each figure comes from:
     mesh      mesh.parallel_mesh (dp x pp x cp x tp, tp fastest: inside a host when it fits)
     stages    pipeline.split_stages, balanced by stages.balance on each block's matmul weights
     schedule  pipeline.build, printed by its own printer (schedule.format_schedule)
-    step      estimate/mesh_step.predict, the one step model (the mesh search ranks candidates by
+    step      estimate/step.predict, the one step model (the mesh search ranks candidates by
               it): per stage the forward FLOPs of a microbatch over tp and cp at `flops` FLOP/s
               per rank (backward 2x), tp's and cp's exchanges on their links, the schedule
               replayed by pipeline.simulate, then the dp all-reduce, not overlapped
@@ -24,8 +24,8 @@ from ..cluster.mesh import Mesh, parallel_mesh
 from ..cluster.topology import Cluster
 from ..config.parallel import ParallelConfig
 from ..errors import PlanError
-from ..estimate.mesh_bytes import mesh_step_bytes
-from ..estimate.mesh_step import predict
+from ..estimate.step import predict
+from ..estimate.step_bytes import mesh_step_bytes
 from ..parallel.pipeline.stages import matmul_params
 
 
@@ -104,7 +104,7 @@ def _replica_batch(job, dp: int) -> int:
 
 def _stages(model: nn.Module, schedule) -> list[dict]:
     """Each stage: its pp rank, the modules it holds (blocks as a range) and its share of the
-    balance's cost (its time is estimate/mesh_step.predict's)."""
+    balance's cost (its time is estimate/step.predict's)."""
     from ..parallel.pipeline import split_stages
 
     try:

@@ -72,7 +72,7 @@ class Engine:
         self.step_ended: list = []  # called where a step without an optimizer ends (a mesh's)
         self.lookups = Batch(self._pull)   # server-table lookups waiting for their rows
         self.changes = Changes()   # every change to the user's objects, with its undo
-        # On a dp x pp x cp x tp mesh, runtime/mesh.MeshParallel (set by parallelize_on_mesh):
+        # On a dp x pp x cp x tp mesh, runtime/apply.MeshParallel (set by runtime/apply.apply_dp):
         # the mesh, its groups and what was applied before this engine over one dp group.
         self.mesh = None
         self.guard = CallGuard(groups.store, groups.rank, groups.world_size, groups.env.error_file)

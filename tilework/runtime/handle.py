@@ -2,7 +2,7 @@
 methods, so `api.py` asks the run and never which kind it is.
 
 `DataParallelRuntime` is a data-parallel plan's: the engine over the world. `MeshRuntime` a
-mesh plan's: the engine over this rank's dp group, and the mesh (`runtime/mesh.MeshParallel`:
+mesh plan's: the engine over this rank's dp group, and the mesh (`runtime/apply.MeshParallel`:
 its groups, the layout applied, the pipeline) whose axes add to each answer (tp and pp gathers
 for the state, the parts' norms for clipping, the axes' bytes for the stats).
 """

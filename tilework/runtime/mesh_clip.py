@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..comm.counted import all_reduce
 from .clip import clip_by_total_norm, coalesced_grads, head_gradients, norm_dtype
-from .mesh_checks import plain
+from .replica import plain
 
 # Where a gradient's parts are spread besides tp: over the dp group (server rows), over the
 # ranks that shard ZeRO's chunks (a host's under zero_scope="host"), or nowhere (replicated).

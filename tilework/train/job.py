@@ -9,7 +9,7 @@
     [parallel.layout] "blocks.layers.*.linear1" = "colwise", ...
 
 Only the selected workload's table is read. Every key is checked; unknown keys are refused by name.
-tp, pp and cp split the model itself (tilework/runtime/mesh.py): only the gpt workload, a TinyGPT,
+tp, pp and cp split the model itself (tilework/runtime/apply.py): only the gpt workload, a TinyGPT,
 has the blocks they split, so the others refuse them here, before any worker starts.
 """
 

@@ -46,7 +46,7 @@ class _Session:
         self.groups = groups
         self.rank = groups.rank
         self.world_size = groups.world_size
-        self.mesh = None   # meshed.MeshParallel under tp, pp or cp > 1
+        self.mesh = None   # runtime/apply.MeshParallel under tp, pp or cp > 1
 
     @property
     def pipelined(self) -> bool:

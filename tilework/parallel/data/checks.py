@@ -64,7 +64,7 @@ class InputChecks:
         self.dirty = False  # something was recorded since those words were taken
         # On a tp mesh: the ranks that hold the other shards of this rank's replica (its tp
         # group). Each dp group agrees on its own; the verdict then crosses this group so that
-        # every rank of the world drops the step together (runtime/mesh.py sets it).
+        # every rank of the world drops the step together (runtime/apply.py sets it).
         self.across = None
 
     def install(self, model, embeddings: dict, changes) -> None:

@@ -5,7 +5,7 @@ cp, then the pipeline cut), with stand-ins for the collectives that only make te
 right shapes (`tensor.regions.ShapeOnlyTP`, `context.comm.ShapeOnlyRing`); each pipeline
 coordinate's part is then planned as data parallelism over its dp group (tables.plan), and the
 parts' entries become one Plan: every parameter as one rank holds it, with its tp split and
-the pp ranks that hold it. The runtime applies this Plan (runtime/mesh.py) and runs `plan.part(pp)`
+the pp ranks that hold it. The runtime applies this Plan (runtime/apply.py) and runs `plan.part(pp)`
 on each rank's engine, so what `tilework.plan` returns is what runs.
 """
 
@@ -89,7 +89,7 @@ def shape_only_copy(model: nn.Module, config: ParallelConfig, at: dict[str, int]
     cp), before the pipeline cut; and the layout it applied (None without tp)."""
     meta = on_meta(model)
     layout = None
-    if config.tp > 1:   # tp first, then cp: the runtime's order (runtime/mesh.py)
+    if config.tp > 1:   # tp first, then cp: the runtime's order (runtime/apply.py)
         from ..parallel.tensor import apply_layout, layout_for
         from ..parallel.tensor.regions import ShapeOnlyTP
 

@@ -6,7 +6,7 @@ plan` shows for a model-parallel job (report/mesh.py).
 - compute: each stage's matmul FLOPs (2 per weight per token forward, twice that backward)
   and attention scores (causal: seq/2 keys per query, 2 x 2 x dim FLOPs per key forward), on
   its tokens (batch / dp sequences, seq / cp tokens each), split tp ways, at `flops_per_s`;
-- tp and cp: the bytes `mesh_bytes.mesh_step_bytes` counts, on the link their groups cross
+- tp and cp: the bytes `step_bytes.mesh_step_bytes` counts, on the link their groups cross
   (`Links.crossed`), a latency per ring step; on the critical path (Megatron does not overlap
   them either), spread over forward and backward;
 - pp: `pipeline.simulate` replays the schedule with those per-stage times and the link between
@@ -122,9 +122,9 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     sequences per dp replica, or why it cannot run. `message_overhead_s`: LogP's o, what each
     message costs the CPU at each end beside the link's time (pipeline_runs.message_overhead
     measures it on busy CPU ranks; about 0 where collectives run on their own engines)."""
-    from ..estimate.mesh_bytes import mesh_step_bytes
     from ..parallel.pipeline import build, simulate, split_stages
     from ..parallel.pipeline.model import stage_modules
+    from .step_bytes import mesh_step_bytes
 
     world, sizes = cluster.world_size, {h.procs for h in cluster.hosts}
     m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
