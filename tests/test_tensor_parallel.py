@@ -11,7 +11,7 @@ from torch import nn
 from tests import tiny_gpt
 from tilework.cluster.mesh import parallel_mesh
 from tilework.comm.counted import Stats
-from tilework.comm.mesh_groups import build_mesh_groups
+from tilework.comm.groups import build_mesh_groups
 from tilework.models.gpt import TinyGPT
 from tilework.parallel.tensor import (
     GPT_LAYOUT,

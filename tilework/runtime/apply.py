@@ -26,7 +26,7 @@ from torch import nn
 from ..cluster.mesh import Mesh
 from ..comm import counted
 from ..comm.counted import Stats
-from ..comm.groups import Groups
+from ..comm.groups import Groups, data_parallel_groups
 from ..config.parallel import ParallelConfig
 from ..errors import PlanError
 from ..parallel.context.layout import SequenceCut
@@ -155,8 +155,6 @@ def apply_dp(target, optimizer, config: ParallelConfig, plan: Plan, world: Group
     tokens) with the plan's part for this rank's pipeline coordinate."""
     if found is None:
         return Engine(target, optimizer, world, plan, config.check_inputs)
-    from ..comm.mesh_groups import data_parallel_groups
-
     dp = data_parallel_groups(found.groups, found.world,
                               ("dp", "cp") if config.cp > 1 else ("dp",))
     # The pipeline's stages never run the part's own forward, where the input checks and the

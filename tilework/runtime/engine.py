@@ -46,7 +46,7 @@ from ..parallel.rows.sparse import DenseServed, PSTable, ShardedEmbedding
 from ..plans.analysis import embedding_modules
 from ..plans.plan import Plan
 from .changes import Changes, leave_optimizer, replace_module
-from .clip import clip_norm_with_servers, clip_value_with_servers
+from .clip import clip_norm, clip_value_with_servers
 from .hooks import PicklesAsNoop, plain_no_sync
 from .preflight import (
     check_device,
@@ -383,10 +383,10 @@ class Engine:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool,
                         foreach) -> torch.Tensor:
-        """torch.nn.utils.clip_grad_norm_ over the model's parameters and the server tables'
-        gradients (each row held by its owner: one scalar all-reduce combines them)."""
+        """torch.nn.utils.clip_grad_norm_ over the model's parameters and the gradients the
+        servers, ZeRO's chunks and the mesh's other ranks hold (runtime/clip.py)."""
         with self.guard.call("tilework.clip_grad_norm_()"):
-            return clip_norm_with_servers(self, max_norm, norm_type, error_if_nonfinite, foreach)
+            return clip_norm(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def clip_grad_value_(self, clip_value: float, foreach) -> None:
         with self.guard.call("tilework.clip_grad_value_()"):

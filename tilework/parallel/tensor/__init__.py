@@ -12,7 +12,7 @@ docs/tensor-parallel.md says what each piece does and why it is built on our own
 autograd functions rather than DTensor.
 """
 
-from ...comm.mesh_groups import MeshGroups, build_mesh_groups
+from ...comm.groups import MeshGroups, build_mesh_groups
 from .apply import apply_layout, average_gradients, full_state_dict, load_full_state_dict
 from .cost import dp_step_bytes, step_bytes, tp_step_bytes
 from .layout import GPT_LAYOUT, STYLES, LayoutPlan, Placement, layout_for, plan_layout
