@@ -1,16 +1,17 @@
-"""What one rank holds on a dp x pp x cp x tp mesh (`estimate_memory` with tp, pp or cp > 1):
+"""What each rank holds under a Plan (`plan_memory`; `estimate_memory` plans, then asks it):
 pure, on the meta device, without a process group.
 
-The model is transformed on a meta copy as `parallelize` transforms it on the rank
-(runtime/apply.py), with stand-ins for the collectives that only make tensors of the right shapes:
-the layout applied for this rank's tp coordinate (`tensor.regions.ShapeOnlyTP`), ring attention for
-its cp coordinate (`context.comm.ShapeOnlyRing`), the blocks cut into the schedule's stages and this
-rank's kept (parallel/pipeline/model.local_part). Then:
+A data-parallel plan is memory.py's rules on the model. On a mesh, the plan is read, not made
+again: the model is transformed on a meta copy as `parallelize` transforms it on the rank
+(planner/model_parallel.shape_only_copy, the one the planner planned on, at this rank's tp and
+cp coordinates: the layout with shape-only tp collectives, ring attention with a shape-only
+ring), the blocks are cut at the plan's stages under the plan's schedule and this rank's kept
+(parallel/pipeline/model.local_part), and the rank runs `plan.part(pp)`. Then:
 
 - parameters, gradients, optimizer state, buckets, the step's temporaries: estimate/memory.py's
   rules on that part (its parameters are the layout's local shapes, only this rank's stages'),
-  planned over the rank's dp group (dp x cp under context parallelism) as parallelize plans
-  it, ZeRO included.
+  as the plan places them over the rank's dp group (dp x cp under context parallelism),
+  ZeRO included.
 - activations: measured by the meta forward of the transformed model, so tensor parallelism's
   split regions, sequence parallelism's slices (and the all-gathered inputs the column-parallel
   layers save), the vocabulary-parallel loss's saved exponentials, and ring attention's saved
@@ -33,32 +34,75 @@ import dataclasses
 
 from torch import nn
 
-from ..parallel.context.comm import ShapeOnlyRing
-from ..parallel.tensor.regions import ShapeOnlyTP
+from ..errors import PlanError
+from ..plans.plan import Plan, config_of
 from .memory import MemoryEstimate, estimate_per_rank
-from .meta_forward import ForwardFacts, meta_forward, on_meta
+from .meta_forward import ForwardFacts, meta_forward
+
+
+def plan_memory(model: nn.Module, plan: Plan, example_inputs: tuple, optimizer="adam",
+                ranks=None) -> list[MemoryEstimate]:
+    """Bytes each of `ranks` (default: every rank) holds training `model` under `plan` with
+    `optimizer` (a torch optimizer, its class or its name). `example_inputs`: one rank's batch
+    for a data-parallel plan; on a mesh one dp replica's (whole sequences, as the script passes
+    them: every tp, pp and cp rank of a replica gets the same). On a mesh a rank's figures
+    depend on its (pp, cp, tp) coordinates only (dp replicas mirror each other): each is
+    computed once."""
+    ranks = range(plan.world_size) if ranks is None else ranks
+    for rank in ranks:
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank: expected 0..{plan.world_size - 1}, got {rank}")
+    if plan.parallel is None:
+        return estimate_per_rank(model, plan, example_inputs, optimizer, ranks)
+    seen: dict[tuple, MemoryEstimate] = {}
+    out = []
+    for rank in ranks:
+        at = plan.mesh.coords(rank)
+        key = (at["pp"], at["cp"], at["tp"])
+        if key not in seen:
+            seen[key] = _on_mesh(model, plan, example_inputs, optimizer, rank)
+        out.append(dataclasses.replace(seen[key], rank=rank))
+    return out
 
 
 def estimate_mesh_memory(model: nn.Module, config, example_inputs: tuple, world_size: int,
                          rank: int = 0, optimizer="adam", cluster=None) -> MemoryEstimate:
-    """Bytes rank `rank` of `world_size` holds training `model` under `config` (tp, pp, cp, and
-    dp = what they leave), `example_inputs` being one data-parallel replica's batch: whole
-    sequences, as the script passes them to `parallelize`'s model (every tp, pp and cp rank of
-    a replica gets the same). `cluster` gives the ranks' hosts (default: one host)."""
-    from ..cluster.mesh import parallel_mesh
+    """`plan_memory` of rank `rank` under the plan `tilework.plan` makes for `config` on
+    `world_size` ranks (`cluster` gives their hosts; default: one host)."""
+    return plan_memory(model, plan_for(model, config, world_size, cluster), example_inputs,
+                       optimizer, [rank])[0]
 
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank: expected 0..{world_size - 1}, got {rank}")
-    per_host = _ranks_per_host(cluster)
-    mesh = parallel_mesh(world_size, per_host, tp=config.tp, pp=config.pp, cp=config.cp)
-    at = mesh.coords(rank)
-    meta = _transformed(model, config, at)
+
+def estimate_every_rank(model: nn.Module, config, example_inputs: tuple, world_size: int,
+                        optimizer="adam", cluster=None) -> list[MemoryEstimate]:
+    """`estimate_mesh_memory` of every rank."""
+    return plan_memory(model, plan_for(model, config, world_size, cluster), example_inputs,
+                       optimizer)
+
+
+def plan_for(model: nn.Module, config, world_size: int, cluster) -> Plan:
+    from ..cluster.topology import Topology
+    from ..planner import plan
+
+    topology = cluster.topology() if cluster is not None else Topology.from_sizes([world_size])
+    if topology.world_size != world_size:
+        raise ValueError(f"world_size: {world_size}, but the cluster has "
+                         f"{topology.world_size} ranks")
+    return plan(model, config, cluster, topology=topology)
+
+
+def _on_mesh(model: nn.Module, plan: Plan, example_inputs: tuple, optimizer,
+             rank: int) -> MemoryEstimate:
+    from ..planner.model_parallel import shape_only_copy
+
+    config, at = config_of(plan), plan.mesh.coords(rank)
+    meta, _ = shape_only_copy(model, config, at)
     part, stages, schedule = meta, None, None
     if config.pp > 1:
-        part, stages, schedule = _pipeline_part(meta, config, at["pp"])
+        part, stages, schedule = _pipeline_part(meta, plan, at["pp"])
     axes = ("dp", "cp") if config.cp > 1 else ("dp",)
-    dp_ranks = next(g for g in mesh.groups(axes) if rank in g)
-    dp_plan = _dp_plan(meta, part, config, cluster, dp_ranks)
+    dp_ranks = next(g for g in plan.mesh.groups(axes) if rank in g)
+    dp_plan = plan.part(at["pp"])
     inputs = _cut_sequence(example_inputs, at["cp"], config.cp)
     if stages is None:
         facts = meta_forward(meta, inputs, dp_plan.recompute)
@@ -68,81 +112,24 @@ def estimate_mesh_memory(model: nn.Module, config, example_inputs: tuple, world_
                       dp_ranks.index(rank), rank)
 
 
-def estimate_every_rank(model: nn.Module, config, example_inputs: tuple, world_size: int,
-                        optimizer="adam", cluster=None) -> list[MemoryEstimate]:
-    """`estimate_mesh_memory` of every rank, computed once per (pp, cp, tp) coordinate: a
-    rank's figures depend on nothing else (dp replicas mirror each other)."""
-    from ..cluster.mesh import parallel_mesh
-
-    mesh = parallel_mesh(world_size, _ranks_per_host(cluster), tp=config.tp, pp=config.pp,
-                         cp=config.cp)
-    seen: dict[tuple, MemoryEstimate] = {}
-    out = []
-    for rank in range(world_size):
-        at = mesh.coords(rank)
-        key = (at["pp"], at["cp"], at["tp"])
-        if key not in seen:
-            seen[key] = estimate_mesh_memory(model, config, example_inputs, world_size, rank,
-                                             optimizer, cluster)
-        out.append(dataclasses.replace(seen[key], rank=rank))
-    return out
-
-
-def _transformed(model: nn.Module, config, at: dict[str, int]) -> nn.Module:
-    """A meta copy of `model` as parallelize leaves it on the rank at `at` (pp aside)."""
-    from ..comm.counted import Stats
-
-    meta = on_meta(model)
-    if config.tp > 1:   # tp first, then cp: parallelize's order (runtime/apply.py)
-        from ..parallel.tensor import apply_layout, layout_for
-
-        tp = ShapeOnlyTP(None, at["tp"], config.tp, config.sequence_parallel)
-        apply_layout(meta, config.layout or layout_for(model), tp)
-    if config.cp > 1:
-        from ..parallel.context import apply_context_parallel
-
-        apply_context_parallel(meta, None, Stats())
-        ring = ShapeOnlyRing(at["cp"], config.cp)
-        for m in meta.modules():
-            if hasattr(m, "ring"):
-                m.ring = ring
-    return meta
-
-
-def _pipeline_part(meta: nn.Module, config, pp_rank: int):
-    """This rank's stages of the schedule parallelize builds, and the module tree of them."""
+def _pipeline_part(meta: nn.Module, plan: Plan, pp_rank: int):
+    """This rank's stages of the plan's cut and schedule, and the module tree of them."""
     from ..parallel.pipeline import build, split_stages
-    from ..parallel.pipeline.model import local_part, stage_modules
+    from ..parallel.pipeline.model import is_reference_gpt, local_part, stage_modules
 
-    m = config.microbatches or 2 * config.pp
-    schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
-    stages = split_stages(meta, schedule.stages)
-    if config.sequence_parallel and config.tp > 1:   # boundaries carry sequence slices
+    parallel = plan.parallel
+    if not is_reference_gpt(meta):
+        raise PlanError(f"pp: the estimate of pipeline stages is built for the reference GPT "
+                        f"only, not {type(meta).__name__} yet (training with pp cuts it)")
+    pp = plan.mesh.size_of("pp")
+    schedule = build(parallel.schedule, pp, parallel.microbatches, parallel.stages_per_rank)
+    stages = split_stages(meta, schedule.stages, blocks=[range(a, b) for a, b in parallel.stages])
+    if parallel.sequence_parallel:   # boundaries carry sequence slices
         for stage in stages:
-            stage.sequence_parts = config.tp
+            stage.sequence_parts = plan.mesh.size_of("tp")
     mine = {s: stages[s] for s in schedule.stages_of(pp_rank)}
     part = local_part(meta, [mod for s in mine.values() for mod in stage_modules(s)])
     return part, mine, schedule
-
-
-def _dp_plan(model: nn.Module, part: nn.Module, config, cluster, dp_ranks: tuple[int, ...]):
-    """The data-parallel plan parallelize makes for the part over the rank's dp group."""
-    from ..cluster.topology import Topology
-    from ..planner.model_parallel import plan_part
-
-    if cluster is not None:
-        hosts = cluster.topology()
-        topology = Topology.from_host_ids([hosts.host_of(r) for r in dp_ranks])
-    else:
-        topology = Topology.from_sizes([len(dp_ranks)])
-    return plan_part(model, part, config, topology, cluster)
-
-
-def _ranks_per_host(cluster) -> int | None:
-    if cluster is None:
-        return None
-    sizes = {h.procs for h in cluster.hosts}
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _cut_sequence(inputs: tuple, cp_rank: int, cp: int) -> tuple:

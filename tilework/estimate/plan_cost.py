@@ -1,13 +1,13 @@
 """`estimate(plan, cluster, ...) -> PlanCost`: what one step of a Plan costs, from its parts.
 
-Pure (the meta device, no process group). Its parts are the estimates that exist, each read
-from the plan rather than from a configuration: the bytes each entry sends and their seconds
-on the links its groups cross (cost.py: the planner's own predictions, a served table without
-traffic at every row), the per-rank memory (memory.py on a data-parallel plan, mesh_memory.py
-on a mesh), and on a mesh the step of step.predict (stage compute at a FLOP rate, the
-tp and cp exchanges, the pipeline simulator, the dp all-reduce; a data-parallel plan is the
-mesh of one stage), given a FLOP rate and the batch. Without them `compute_s` and `step_s`
-are None and `comm_s` is what the step waits on the wire.
+Pure (the meta device, no process group). Its parts are the estimates that exist, each read from
+the plan rather than from a configuration: the bytes each entry sends and their seconds on the
+links its groups cross (cost.py: the planner's own predictions, a served table without traffic
+at every row), the per-rank memory (mesh_memory.plan_memory, read from the plan), and on a mesh
+the step of step.predict (stage compute at a FLOP rate, the tp and cp exchanges, the pipeline
+simulator, the dp all-reduce; a data-parallel plan is the mesh of one stage), given a FLOP rate
+and the batch. Without them `compute_s` and `step_s` are None and `comm_s` is what the step
+waits on the wire.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from ..cluster.topology import Cluster
 from ..errors import PlanError
 from ..plans.plan import Plan, config_of
 from .cost import dense_served, predict, ring_allreduce
-from .memory import MemoryEstimate, estimate_per_rank
-from .mesh_memory import estimate_every_rank
+from .memory import MemoryEstimate
+from .mesh_memory import plan_memory
 from .step import predict as predict_step
 
 
@@ -83,10 +83,7 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
     def memory():
         if model is None or example_inputs is None:
             return None
-        if plan.parallel is None:
-            return tuple(estimate_per_rank(model, plan, example_inputs, optimizer))
-        return tuple(estimate_every_rank(model, config, example_inputs, plan.world_size,
-                                         optimizer, cluster))
+        return tuple(plan_memory(model, plan, example_inputs, optimizer))
 
     comm = comm_seconds(plan, cluster, traffic)
     if model is None or flops is None or replica_batch is None or seq is None:
