@@ -1,6 +1,7 @@
-"""`tilework plan` for a tp/pp/cp job (tilework/report/mesh.py): the mesh and its groups, the
-stages as split_stages cuts them, the schedule's own printout, the simulator's step and bubble,
-and every rank's bytes per axis equal to mesh_step_bytes. Pure: no process group."""
+"""`tilework plan` for a tp/pp/cp job (tilework/report/job.py, printed by report/tables.py): the
+mesh and its groups, the stages as split_stages cuts them, the schedule's own printout, the
+simulator's step and bubble, and every rank's bytes per axis equal to mesh_step_bytes. Pure: no
+process group."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tilework.errors import PlanError
 from tilework.estimate.step_bytes import mesh_step_bytes
 from tilework.parallel.pipeline import build, simulate, split_stages
 from tilework.report.job import report
-from tilework.report.mesh import format_mesh_report, mesh_report
+from tilework.report.tables import format_report
 from tilework.train.job import DataJob, GPTJob, Job
 from tilework.train.planning import meta_model
 
@@ -43,7 +44,7 @@ def gpt_job(batch=8, **parallel) -> Job:
 
 def test_pp2_x_tp2_report_holds_the_mesh_stages_schedule_and_bytes():
     job = gpt_job(tp=2, pp=2, microbatches=4)
-    out = mesh_report(job, Cluster.local(4), FLOPS)
+    out = report(job, Cluster.local(4), FLOPS)
     assert out["mesh"]["axes"] == {"dp": 1, "pp": 2, "cp": 1, "tp": 2}
     assert out["mesh"]["groups"]["tp"] == [(0, 1), (2, 3)]
     assert out["mesh"]["groups"]["pp"] == [(0, 2), (1, 3)]
@@ -71,7 +72,7 @@ def test_stage_compute_is_its_blocks_flops_over_tp():
     """2 FLOPs per matmul weight and bias per token, and causal attention (half the scores);
     the stage's time per microbatch adds its share of tp's exchanges (mesh_search.predict)."""
     job = gpt_job(tp=2, pp=2, microbatches=4)
-    out = mesh_report(job, Cluster.local(4), FLOPS)
+    out = report(job, Cluster.local(4), FLOPS)
     dim, seq, micro = 16, 8, 2
     block = 2 * (3 * dim * dim + 3 * dim + dim * dim + dim + 2 * 4 * dim * dim + 4 * dim + dim
                  + 4 * dim) * micro * seq + 2 * micro * seq * seq * dim
@@ -84,8 +85,8 @@ def test_stage_compute_is_its_blocks_flops_over_tp():
 
 def test_printed_report_shows_groups_stages_schedule_and_bytes():
     job = gpt_job(tp=2, pp=2, microbatches=4)
-    out = mesh_report(job, Cluster.local(4), FLOPS)
-    text = format_mesh_report(out, "job.toml on 4 ranks")
+    out = report(job, Cluster.local(4), FLOPS)
+    text = format_report(out, "job.toml on 4 ranks")
     assert "mesh dp=1 x pp=2 x cp=1 x tp=2" in text
     assert "tp groups: (0, 1) (2, 3)" in text and "pp groups: (0, 2) (1, 3)" in text
     assert "dp groups: none (size 1)" in text
@@ -99,7 +100,7 @@ def test_printed_report_shows_groups_stages_schedule_and_bytes():
 def test_dp_across_hosts_times_the_all_reduce_on_the_inter_host_link():
     links = Links(intra=Link(100.0, 5.0), inter=Link(1.0, 100.0))
     cluster = Cluster(hosts=[Host("a", 2), Host("b", 2)], links=links)
-    out = mesh_report(gpt_job(tp=2), cluster, FLOPS)
+    out = report(gpt_job(tp=2), cluster, FLOPS)
     assert out["mesh"]["groups"]["tp"] == [(0, 1), (2, 3)]      # tp inside each host
     assert out["mesh"]["groups"]["dp"] == [(0, 2), (1, 3)]
     sent = out["bytes_per_rank"][0]["allreduce"]
@@ -110,9 +111,9 @@ def test_dp_across_hosts_times_the_all_reduce_on_the_inter_host_link():
 
 def test_mesh_plan_refuses_what_cannot_run():
     with pytest.raises(PlanError, match="does not divide the world of 6"):
-        mesh_report(gpt_job(tp=2, pp=2), Cluster.local(6), FLOPS)
+        report(gpt_job(tp=2, pp=2), Cluster.local(6), FLOPS)
     with pytest.raises(PlanError, match="do not split into 3 equal microbatches"):
-        mesh_report(gpt_job(pp=2, microbatches=3), Cluster.local(2), FLOPS)
+        report(gpt_job(pp=2, microbatches=3), Cluster.local(2), FLOPS)
     with pytest.raises(PlanError, match="--gflops"):
         report(gpt_job(pp=2), Cluster.local(2))
 
@@ -126,8 +127,8 @@ def test_cli_prints_the_mesh_plan_and_its_json(tmp_path, capsys):
     assert "tp groups: (0, 1) (2, 3)" in text and "1f1b: pp=2 stages=2 m=4" in text
     assert main([*args, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    expected = json.loads(json.dumps(mesh_report(Job.load(path), Cluster.local(4), 10e9,
-                                                 "--gflops")))
+    expected = json.loads(json.dumps(report(Job.load(path), Cluster.local(4), 10e9,
+                                            "--gflops")))
     assert printed == expected
     assert main(["plan", "--job", str(path), "--world-size", "0"]) == 2
     assert "--world-size: expected at least 1 process per host, got 0" in capsys.readouterr().err
@@ -141,7 +142,7 @@ def test_memory_per_rank_is_the_estimate_with_its_budget():
 
     job = gpt_job(tp=2, pp=2, microbatches=4)
     cluster = Cluster([Host("a", 2, memory_gb=1e-5), Host("b", 2, memory_gb=1.0)])
-    out = mesh_report(job, cluster, FLOPS)
+    out = report(job, cluster, FLOPS)
     ids = torch.zeros(out["batch_per_replica"], job.gpt.seq_len, dtype=torch.long)
     for m in out["memory"]:
         e = estimate_mesh_memory(meta_model(job), job.parallel, (ids, ids), 4, m["rank"],
@@ -150,7 +151,7 @@ def test_memory_per_rank_is_the_estimate_with_its_budget():
     # Host a's ranks (0, 1) get 80% of 10 kB: over; host b's fit.
     assert [m["over_budget"] for m in out["memory"]] == [True, True, False, False]
     assert out["memory"][2]["budget"] == pytest.approx(0.8e9)
-    text = format_mesh_report(out, "job")
+    text = format_report(out, "job")
     assert "OVER its budget" in text and "estimated memory per rank" in text
 
 

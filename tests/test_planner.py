@@ -182,16 +182,16 @@ def test_the_plan_printed_by_parallelize_never_cuts_a_name():
 def test_the_plan_printed_by_tilework_plan_never_cuts_a_name():
     from pathlib import Path
 
-    from tilework.cli import _print_report
     from tilework.cluster.topology import Cluster
     from tilework.report.job import report
+    from tilework.report.tables import print_report
     from tilework.train.job import Job
 
     examples = Path(__file__).parent.parent / "docs" / "examples"
     out = report(Job.load(examples / "demo-job.toml"), Cluster.load(examples / "demo-2hosts.toml"))
     out["params"][0]["name"] = LONG_NAME
     console = _narrow_console()
-    _print_report(out, "demo-job.toml on demo-2hosts.toml", console)
+    print_report(out, "demo-job.toml on demo-2hosts.toml", console)
     text = console.export_text()
     assert LONG_NAME in text and "…" not in text, text
     assert "allreduce" in text and "partitions" in text, text

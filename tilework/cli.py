@@ -174,17 +174,9 @@ def _cmd_plan(a, argv, env) -> int:
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
-    from rich.console import Console
+    from .report.tables import print_report
 
-    if out["mode"] == "mesh":
-        from .plans.plan import Plan
-        from .report.mesh import format_mesh_report
-        from .report.tables import print_plan
-
-        print_plan(Plan.from_dict(out["plan"]), Console(soft_wrap=True))
-        print(format_mesh_report(out, f"{a.job} on {where}"))
-        return 0
-    _print_report(out, f"{a.job} on {where}", Console(soft_wrap=True))
+    print_report(out, f"{a.job} on {where}")
     return 0
 
 
@@ -248,53 +240,6 @@ def _plan_flops(a, job) -> tuple[float | None, str]:
         return found[0], f"tilework calibrate: {found[1]}"
     return matmul_flops(), ("measured here: one thread's fp32 matmul; `tilework calibrate` "
                             "or --gflops to set it")
-
-
-def _print_report(out: dict, title: str, console) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    from .report.tables import add_name_column, name_cell, print_table
-
-    # Text, not markup: a path may hold "[/b]", which rich would take for a closing tag.
-    table = Table(title=Text(f"{title}: {out['hosts']} hosts, {out['world_size']} ranks"))
-    add_name_column(table)
-    for col in ("shape", "rows/step", "method", "partitions", "MB/step", "ms/step", "why"):
-        table.add_column(col,
-                         justify="right" if col in ("MB/step", "ms/step", "rows/step") else "left")
-    for p in out["params"]:
-        table.add_row(name_cell(p["name"]), "x".join(map(str, p["shape"])),
-                      "-" if p["density"] is None else f"{p['density']:.2%}", p["method"],
-                      str(p["partitions"]) if p["method"] == "ps" else "-",
-                      f"{p['bytes_sent'] / 1e6:.3f}", f"{p['seconds'] * 1e3:.3f}", p["why"])
-    print_table(table, console)
-    console.print(out["recompute"], markup=False)
-    t, speedup = out["step_comm_seconds"], out["hybrid_speedup_over_allreduce"]
-    console.print(f"predicted communication per step: hybrid {t['hybrid'] * 1e3:.2f} ms, "
-                  f"all-AllReduce {t['allreduce'] * 1e3:.2f} ms, all-PS {t['ps'] * 1e3:.2f} ms, "
-                  f"DDP-style sparse all-gather {t['ddp_sparse_allgather'] * 1e3:.2f} ms"
-                  # None where nothing is sent (one rank): no ratio to give
-                  + ("" if speedup is None else
-                     f"; hybrid speed-up over all-AllReduce {speedup:.2f}x"))
-    _print_memory(out["memory"], console)
-
-
-def _print_memory(memory: list[dict], console) -> None:
-    """The busiest rank's estimated memory, and every rank over its budget."""
-    top = max(memory, key=lambda m: m["peak"])
-    mb = lambda key: f"{top[key] / 1e6:,.1f}"   # noqa: E731
-    parts = ", ".join(f"{key.replace('_', ' ')} {mb(key)}" for key in (
-        "parameters", "optimizer_state", "activations", "temporaries", "gradients", "buckets",
-        "step_temporaries", "recompute"))
-    console.print(f"estimated memory, busiest rank ({top['rank']}): peak {mb('peak')} MB "
-                  f"({parts}; docs/memory.md says how they combine)")
-    over = [m for m in memory if m["over_budget"]]
-    for m in over[:5]:
-        console.print(f"[bold red]rank {m['rank']}: estimated peak {m['peak'] / 1e9:.2f} GB is "
-                      f"over its budget {m['budget'] / 1e9:.2f} GB[/] (80% of the cluster "
-                      "file's memory_gb for its host)")
-    if len(over) > 5:
-        console.print(f"... and {len(over) - 5} more ranks over budget")
 
 
 def _cmd_calibrate(a, argv, env) -> int:
