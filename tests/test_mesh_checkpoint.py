@@ -1,6 +1,6 @@
 """Saving a meshed model: the one-process state is assembled on rank 0 alone, where
-tilework.save writes it (mesh_state.full_state(dst=0)), equal to what every rank assembles
-for tilework.state_dict."""
+tilework.save writes it (checkpoint.gather.gathered_state(dst=0)), equal to what every rank
+assembles for tilework.state_dict."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from tilework.testing import spawn
 
 
 def _gathered_to_rank_0(rank, world_size):
-    """full_state(dst=0), what tilework.save writes, against every rank's full_state: whole on
-    rank 0 alone; the other ranks receive no checkpoint bytes."""
-    from tilework.checkpoint.mesh_state import full_state
+    """gathered_state(dst=0), what tilework.save writes, against every rank's gathered_state
+    (dst=None): whole on rank 0 alone; the other ranks receive no checkpoint bytes."""
+    from tilework.checkpoint.gather import gathered_state
 
     out = []
     for options in ({"tp": 2, "pp": 2, "microbatches": 2}, {"tp": 2}):   # dp 1, and dp 2
@@ -24,9 +24,9 @@ def _gathered_to_rank_0(rank, world_size):
         mesh = model._tilework_engine.mesh
         dp, at = mesh.mesh.size_of("dp"), mesh.groups.coord("dp")
         _steps(model, opt, 1, at, dp, options.get("pp", 1) > 1)
-        everywhere = full_state(model._tilework_engine)
+        everywhere = gathered_state(model._tilework_engine, None)
         received = mesh.stats.total["checkpoint"].received
-        first = full_state(model._tilework_engine, dst=0)
+        first = gathered_state(model._tilework_engine, dst=0)
         received = mesh.stats.total["checkpoint"].received - received
         same = first is not None and all(
             torch.equal(first["model"][k], v) for k, v in everywhere["model"].items()) and all(

@@ -137,7 +137,7 @@ def test_cli_prints_the_mesh_plan_and_its_json(tmp_path, capsys):
 def test_memory_per_rank_is_the_estimate_with_its_budget():
     import torch
 
-    from tilework.estimate.mesh_memory import estimate_mesh_memory
+    from tilework.estimate.plan_memory import estimate_mesh_memory
     from tilework.train.planning import meta_model
 
     job = gpt_job(tp=2, pp=2, microbatches=4)

@@ -86,7 +86,7 @@ def test_a_slow_network_between_hosts_moves_the_choice_to_pipeline_across_them()
 def test_candidates_that_would_not_fit_are_refused_with_their_peak():
     """Paper 4's pruning: with 80% of memory_gb below what data parallelism holds (every rank
     the whole model, its gradients and Adam's two moments), only the splits fit."""
-    from tilework.estimate.mesh_memory import estimate_mesh_memory
+    from tilework.estimate.plan_memory import estimate_mesh_memory
 
     model = gpt()
     ids = torch.zeros(BATCH // 4, SEQ, dtype=torch.long)

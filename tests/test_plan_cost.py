@@ -9,8 +9,8 @@ import torch
 import tilework
 from tilework.cluster.topology import Cluster, Host, Link, Links
 from tilework.estimate import estimate_memory
-from tilework.estimate.mesh_memory import estimate_every_rank
 from tilework.estimate.plan_cost import estimate
+from tilework.estimate.plan_memory import estimate_every_rank
 from tilework.estimate.step import predict
 from tilework.models.gpt import TinyGPT
 from tilework.models.recommender import DLRM

@@ -130,7 +130,7 @@ def unparallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     run = _runtime(model)
     if optimizer is not None and optimizer is not run.engine.optimizer:
         raise PlanError("unparallelize: this optimizer is not the one parallelize was given")
-    return run.unparallelize(model)
+    return run.unparallelize()
 
 
 def data_parallel_rank(model: nn.Module) -> tuple[int, int]:

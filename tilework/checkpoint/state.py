@@ -1,13 +1,16 @@
-"""Checkpoints of a parallelized model in single-device layout: checked before anything is
-loaded (a mismatch never half-loads), and loaded at any world size and plan. Optimizer state is
-keyed by parameter name; the server tables' row-wise state is gathered and scattered by rows."""
+"""Checkpoints in single-device layout, checked and loaded: into any engine (`load_state`),
+at any world size, plan and mesh, and into the parallelized optimizer from a plain one's state
+dict (`parallel_optimizer_state`). Everything a load would touch is checked before anything is
+loaded: a mismatch never half-loads. Optimizer state is keyed by parameter name; the server
+tables' row-wise state is scattered by rows (checkpoint/gather.py assembles the state)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import CheckpointError
-from ..optim.own import OwnRowOptimizer, take_rows
+from ..optim.own import take_rows
+from .gather import _own, gathered_model_state, own_hooks_aside, split_specs
 
 
 def state_mismatch(expected: dict[str, tuple], given) -> str | None:
@@ -27,8 +30,8 @@ def state_mismatch(expected: dict[str, tuple], given) -> str | None:
 
 
 def check_state(engine, state: dict) -> None:
-    """Everything a load would touch, checked before anything is: a mismatch never
-    half-loads."""
+    """Everything a load into the engine would touch (this rank's part of the state, on a
+    mesh), checked before anything is: a mismatch never half-loads."""
     expected = {k: tuple(v.shape)
                 for k, v in gathered_model_state(engine, gather_to="meta").items()}
     opt = state.get("optimizer") if isinstance(state, dict) else None
@@ -54,7 +57,7 @@ def check_state(engine, state: dict) -> None:
             problem = f"no row-wise optimizer state for {name}"
             continue
         for key, value in saved.items():
-            if key == "step" or (key == "state" and _own(part)):   # see gathered_state
+            if key == "step" or (key == "state" and _own(part)):   # see gather._over_dp
                 continue
             if tuple(value.shape)[:1] != (part.layout.rows,):
                 problem = (f"optimizer {key} of {name} has {tuple(value.shape)[:1]} rows, "
@@ -68,26 +71,70 @@ def check_state(engine, state: dict) -> None:
 
 
 def load_state(engine, state: dict) -> None:
-    check_state(engine, state)
-    engine.model.load_state_dict(state["model"])  # tables and served rows take their shards
-    engine.discard_server_gradients()
-    opt_state = state["optimizer"]
-    by_name = {n: p for n, p in engine.model.named_parameters()}
-    by_name |= {s.name: s.shard for s in engine.zero.shards}
-    if engine.optimizer is not None:
-        for name, s in opt_state["dense"].items():
-            engine.optimizer.state[by_name[name]] = _sharded(engine, name, {
-                k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()})
-        for group, saved in zip(engine.optimizer.param_groups, opt_state["groups"]):
-            group.update(saved)
-    for name, part in [*engine.tables.items(), *engine.served.items()]:
-        saved = dict(opt_state["rows"][name])
-        step = saved.pop("step")
-        _load_rows(part, step, saved.get("state", {}) if _own(part) else saved)
+    """The one-process state (`gathered_state`'s, from any plan) into any engine: on a mesh
+    each rank takes its stages' keys and its tp shards of them; then, checked, the engine's
+    own layout (tables and served rows their shards, ZeRO its chunks, optimizer state by
+    name)."""
+    with own_hooks_aside(engine, "load") as taken, own_hooks_aside(engine, "save"):
+        state = _this_ranks_part(engine, state, taken)
+        check_state(engine, state)
+        engine.model.load_state_dict(state["model"])  # tables and served rows take their shards
+        engine.discard_server_gradients()
+        opt_state = state["optimizer"]
+        by_name = {n: p for n, p in engine.model.named_parameters()}
+        by_name |= {s.name: s.shard for s in engine.zero.shards}
+        if engine.optimizer is not None:
+            for name, s in opt_state["dense"].items():
+                engine.optimizer.state[by_name[name]] = _sharded(engine, name, {
+                    k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()})
+            for group, saved in zip(engine.optimizer.param_groups, opt_state["groups"]):
+                group.update(saved)
+        for name, part in [*engine.tables.items(), *engine.served.items()]:
+            saved = dict(opt_state["rows"][name])
+            step = saved.pop("step")
+            _load_rows(part, step, saved.get("state", {}) if _own(part) else saved)
 
 
-def _own(part) -> bool:
-    return isinstance(part.optimizer, OwnRowOptimizer)
+def _this_ranks_part(engine, state: dict, taken: list) -> dict:
+    """On a mesh, this rank's stages' keys of the one-process state and its tp shards of them
+    (the model's own load hooks, set aside in `taken`, run on the whole state first); data
+    parallel alone, the state as it is."""
+    mesh = engine.mesh
+    if mesh is None:
+        return state
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict):
+        raise CheckpointError("checkpoint has no 'model' state dict")
+    if taken:
+        from ..parallel.tensor.own_hooks import replay_load
+
+        model = replay_load(taken, model)
+    mine = gathered_model_state(engine, "meta")   # keys only: no gather
+    missing = sorted(set(mine) - set(model))
+    if missing:
+        raise CheckpointError(f"checkpoint does not match the model: missing {missing[:3]}")
+    specs, tp = split_specs(mesh), mesh.tp
+
+    def local(key, value):
+        spec = specs.get(key)
+        if spec is None or tp is None or not torch.is_tensor(value):
+            return value
+        from ..parallel.tensor.shards import shard
+
+        full_shape = tuple(model[key].shape)
+        if tuple(value.shape) != full_shape:
+            return value
+        return shard(value, spec, tp.rank, tp.size).clone()
+
+    names = {n for n, _ in engine.model.named_parameters()}
+    opt = state.get("optimizer") or {}
+    return {"model": {k: local(k, model[k]) for k in mine},
+            "optimizer": {**opt,
+                          "dense": {n: {k: local(n, v) for k, v in per.items()}
+                                    for n, per in (opt.get("dense") or {}).items()
+                                    if n in names},
+                          "rows": {n: v for n, v in (opt.get("rows") or {}).items()
+                                   if n in names}}}
 
 
 def _load_rows(part, step: int, full: dict) -> None:
@@ -104,73 +151,13 @@ def _sharded(engine, name: str, state: dict) -> dict:
     return engine.zero.shard_state(name, state) if name in engine.zero.by_name else state
 
 
-def _unshard(engine, by_name: dict) -> None:
-    """ZeRO shards' optimizer state, by parameter name, gathered whole in place (a collective:
-    every rank, the same order)."""
-    for name in engine.zero.by_name:
-        if by_name.get(name) is not None:
-            by_name[name] = engine.zero.full_state(name, by_name[name])
-
-
-# -- the user's own optimizer.state_dict() / load_state_dict(): the plain optimizer's layout ------
-
-def plain_optimizer_state(engine, state: dict) -> dict:
-    """torch's state_dict of the parallelized optimizer (the server parameters removed from its
-    groups) turned into the plain optimizer's: every parameter back at its index, the servers'
-    row-wise state gathered (a collective: every rank calls optimizer.state_dict())."""
-    optimizer = engine.optimizer
-    now = [engine.param_names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    by_name = {now[i]: s for i, s in state["state"].items()}
-    with engine.guard.call("optimizer.state_dict(), which gathers the servers' rows"):
-        for name, part in [*engine.tables.items(), *engine.served.items()]:
-            by_name[name] = _torch_row_state(optimizer, part)
-        _unshard(engine, by_name)
-    plain, groups, index = {}, [], 0
-    for saved, names in zip(state["param_groups"], engine.original_groups):
-        ids = []
-        for name in names:
-            if by_name.get(name) is not None:
-                plain[index] = by_name[name]
-            ids.append(index)
-            index += 1
-        groups.append({**saved, "params": ids})
-    return {"state": plain, "param_groups": groups}
-
-
-def plain_row_state(optimizer, entry: dict) -> dict | None:
-    """A server table's gathered row-wise state (`gathered_state`'s "rows" entry) as the plain
-    `optimizer` keeps it for the whole table."""
-    if "state" in entry and len(entry) == 2:   # a user's own optimizer: its plain entry
-        return entry["state"] or None
-    tensors = {k: v for k, v in entry.items() if k != "step"}
-    if not tensors:
-        return None
-    step = entry["step"]
-    return {**tensors, "step": step if isinstance(optimizer, torch.optim.SparseAdam)
-            else torch.tensor(float(step), device="cpu")}
-
-
-def _torch_row_state(optimizer, part) -> dict | None:
-    """A server parameter's state as its torch optimizer keeps it (SGD without momentum: none)."""
-    if _own(part):
-        return _own_state(part, None) or None
-    tensors = part.optimizer.state_tensors()
-    if not tensors:
-        return None
-    step = part.optimizer.step_count
-    state = {k: part.gather(v, None) for k, v in tensors.items()}
-    # SparseAdam counts in a Python int; Adam, AdamW and Adagrad in a float32 tensor.
-    # On the CPU, as torch keeps a step that is neither capturable nor fused.
-    state["step"] = step if isinstance(optimizer, torch.optim.SparseAdam) else \
-        torch.tensor(float(step), device="cpu")
-    return state
-
+# -- the user's own optimizer.load_state_dict(): from the plain optimizer's layout -------------
 
 def parallel_optimizer_state(engine, state: dict) -> dict | None:
-    """The inverse, for optimizer.load_state_dict(): a plain optimizer's state dict (from one
-    process, DDP, or this optimizer's state_dict()) split into the servers' rows, loaded here,
-    and the rest, renumbered for torch's own load. Anything else goes to torch unchanged (its
-    own checks name what does not match)."""
+    """The inverse of gather.plain_optimizer_state, for optimizer.load_state_dict(): a plain
+    optimizer's state dict (from one process, DDP, or this optimizer's state_dict()) split into
+    the servers' rows, loaded here, and the rest, renumbered for torch's own load. Anything
+    else goes to torch unchanged (its own checks name what does not match)."""
     groups = state.get("param_groups") if isinstance(state, dict) else None
     original = engine.original_groups
     if not isinstance(groups, list) or len(groups) != len(original) or \
@@ -215,14 +202,6 @@ def _checked_rows(name: str, part, saved_state: dict, name_of: dict):
         {k: v.reshape(part.layout.rows, -1) for k, v in tensors.items()}
 
 
-def _own_state(part, dst: int | None) -> dict:
-    """A user's optimizer's state of a server parameter in its plain layout: per-row tensors
-    gathered into the table's rows, the rest (step counts, scalars) as this rank holds them."""
-    optimizer = part.optimizer
-    return {**optimizer.scalars(),
-            **{k: part.gather(v, dst) for k, v in optimizer.state_tensors().items()}}
-
-
 def _own_rows(entry: dict):
     """(step, whole-table state) for a user's optimizer, from its plain state: whatever the
     class keeps, unchecked, as its own load_state_dict takes it in one process."""
@@ -232,36 +211,3 @@ def _own_rows(entry: dict):
     except (TypeError, ValueError, RuntimeError):   # a class's own kind of step: not ours
         step = 0
     return step, dict(entry)
-
-
-def gathered_state(engine, dst: int | None) -> dict:
-    """The model and optimizer in single-device layout, server rows and their row-wise state
-    gathered to rank `dst` (every rank when None); optimizer state keyed by parameter name."""
-    model_state = gathered_model_state(engine, gather_to=dst)
-    rows: dict[str, dict] = {}
-    for name, part in [*engine.tables.items(), *engine.served.items()]:
-        if _own(part):   # its own keys may hold a "step": the plain entry goes whole, nested
-            rows[name] = {"step": part.optimizer.step_count, "state": _own_state(part, dst)}
-            continue
-        state = {k: part.gather(v, dst) for k, v in part.optimizer.state_tensors().items()}
-        rows[name] = {"step": part.optimizer.step_count, **state}
-    optimizer = engine.optimizer
-    dense_state = {} if optimizer is None else {
-        engine.param_names[id(p)]: {k: v for k, v in s.items()} for p, s in optimizer.state.items()}
-    _unshard(engine, dense_state)
-    groups = [] if optimizer is None else [
-        {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"model": model_state,
-            "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
-
-
-def gathered_model_state(engine, gather_to) -> dict:
-    """model.state_dict() with the tables gathered to rank `gather_to` (None: every rank;
-    "meta": shapes only, no communication)."""
-    for module in [*engine.table_modules.values(), engine.zero]:
-        module.gather_to = gather_to
-    try:
-        return dict(engine.model.state_dict())
-    finally:
-        for module in [*engine.table_modules.values(), engine.zero]:
-            module.gather_to = None

@@ -1,6 +1,6 @@
 """Pure estimates of a plan: bytes (an exact replay equal to the counters, and expected costs),
 compute, and memory on the meta device. `estimate(plan, cluster)` (plan_cost.py) prices a Plan;
-`estimate_memory` is the public entry point of memory: mesh_memory.plan_memory reads any Plan
+`estimate_memory` is the public entry point of memory: plan_memory.plan_memory reads any Plan
 (memory.py holds the per-rank rules, run on the model or on a mesh rank's transformed part).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .memory import MemoryEstimate, estimate_per_rank
-from .mesh_memory import estimate_mesh_memory, plan_for, plan_memory
+from .plan_memory import estimate_mesh_memory, plan_for, plan_memory
 
 
 def estimate_memory(model: nn.Module, config=None, example_inputs: tuple = (), cluster=None,

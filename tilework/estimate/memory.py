@@ -41,7 +41,7 @@ gathered) at the end of forward, gradients + the larger of (gathered + the large
 and recompute) and the last flight in backward, and (gradients + the step's temporaries)
 during the step.
 
-With tp, pp or cp > 1, `estimate_memory` hands over to estimate/mesh_memory.py: the same rules on
+With tp, pp or cp > 1, `estimate_memory` hands over to estimate/plan_memory.py: the same rules on
 one rank's part of a model transformed as `parallelize` transforms it, its forward measured on the
 meta device.
 """
@@ -189,7 +189,7 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
                       ranks=None, facts=None) -> list[MemoryEstimate]:
     """`estimate_memory` for `ranks` (default: every rank) of a given plan: the forward runs
     once, each table's layout is built once. `facts`: the forward's, when the caller ran it
-    (estimate/mesh_memory.py, on a transformed model)."""
+    (estimate/plan_memory.py, on a transformed model)."""
     from ..plans.rows import TableLayout
 
     kind = optimizer_kind(optimizer)

@@ -3,7 +3,7 @@
 Pure (the meta device, no process group). Its parts are the estimates that exist, each read from
 the plan rather than from a configuration: the bytes each entry sends and their seconds on the
 links its groups cross (cost.py: the planner's own predictions, a served table without traffic
-at every row), the per-rank memory (mesh_memory.plan_memory, read from the plan), and on a mesh
+at every row), the per-rank memory (plan_memory.plan_memory, read from the plan), and on a mesh
 the step of step.predict (stage compute at a FLOP rate, the tp and cp exchanges, the pipeline
 simulator, the dp all-reduce; a data-parallel plan is the mesh of one stage), given a FLOP rate
 and the batch. Without them `compute_s` and `step_s` are None and `comm_s` is what the step
@@ -20,7 +20,7 @@ from ..errors import PlanError
 from ..plans.plan import Plan, config_of
 from .cost import dense_served, predict, ring_allreduce
 from .memory import MemoryEstimate
-from .mesh_memory import plan_memory
+from .plan_memory import plan_memory
 from .step import predict as predict_step
 
 

@@ -1,7 +1,7 @@
 """The step of a dp x pp x cp x tp run, predicted for its slowest pipeline rank (Megatron-LM's
 reasoning, paper 16); pure (a meta-device model will do). What `estimate(plan)` prices a mesh
 plan's step with, what the mesh search ranks by (planner/search.py), and the step `tilework
-plan` shows for a model-parallel job (report/mesh.py).
+plan` shows for a model-parallel job (report/job.py).
 
 - compute: each stage's matmul FLOPs (2 per weight per token forward, twice that backward)
   and attention scores (causal: seq/2 keys per query, 2 x 2 x dim FLOPs per key forward), on

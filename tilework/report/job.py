@@ -17,7 +17,7 @@ sections instead. Where those come from:
               per rank (backward 2x), tp's and cp's exchanges on their links, the schedule
               replayed by pipeline.simulate, then the dp all-reduce, not overlapped
     bytes     mesh_cost.mesh_step_bytes for every rank: what tilework.stats counts in a step
-    memory    estimate/memory.py (estimate/mesh_memory.py on a mesh), with each rank's budget
+    memory    estimate/memory.py (estimate/plan_memory.py on a mesh), with each rank's budget
 """
 
 from __future__ import annotations
@@ -68,22 +68,19 @@ def report(job: Job, cluster: Cluster, flops: float | None = None,
 def memory_per_rank(job: Job, cluster: Cluster, chosen: Plan) -> list[dict]:
     """Each rank's estimated memory under the job's plan, with its budget (80% of the cluster
     file's memory per process, where it says) and whether the estimate's peak exceeds it. On a
-    tp/pp/cp mesh, estimate/mesh_memory's figures for each rank's part."""
-    from ..estimate.memory import estimate_per_rank
-    from ..estimate.mesh_memory import estimate_every_rank
+    tp/pp/cp mesh each rank's part (estimate/plan_memory.py reads the plan either way)."""
+    from ..estimate.plan_memory import plan_memory
 
-    model = meta_model(job)
     if chosen.parallel is None:
-        estimates = estimate_per_rank(model, chosen, example_batch(job, cluster),
-                                      job.train.optimizer)
+        inputs = example_batch(job, cluster)
     else:
         import torch
 
         ids = torch.zeros(_replica_batch(job, chosen.mesh.size_of("dp")), job.gpt.seq_len,
                           dtype=torch.long, device="cpu")   # shapes only
-        estimates = estimate_every_rank(model, job.parallel, (ids, ids), cluster.world_size,
-                                        job.train.optimizer, cluster)
-    return [with_budget(e, cluster) for e in estimates]
+        inputs = (ids, ids)
+    return [with_budget(e, cluster)
+            for e in plan_memory(meta_model(job), chosen, inputs, job.train.optimizer)]
 
 
 # -- a data-parallel job: each entry's traffic and cost, the step under each mode ---------------

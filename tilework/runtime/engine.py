@@ -23,13 +23,8 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from ..checkpoint.state import (
-    gathered_model_state,
-    gathered_state,
-    load_state,
-    parallel_optimizer_state,
-    plain_optimizer_state,
-)
+from ..checkpoint.gather import gathered_state, plain_optimizer_state
+from ..checkpoint.state import load_state, parallel_optimizer_state
 from ..comm.counted import Stats, broadcast
 from ..comm.guard import CallGuard
 from ..comm.wire import ring_allreduce_bytes
@@ -210,21 +205,6 @@ class Engine:
         changes.hook("optimizer: load_state_dict pre-hook (plain layout)",
                      optimizer.register_load_state_dict_pre_hook(
                          lambda opt, state: parallel_optimizer_state(self, state)))
-
-    def undo(self) -> None:
-        """Every change undone, newest first, the servers' rows and row-wise state gathered
-        back into the plain model and optimizer (a collective: every rank calls it). Between
-        steps: gradients not yet applied are dropped."""
-        with self.guard.call("tilework.unparallelize()"):
-            self.lookups.flush()
-            model_state = gathered_model_state(self, gather_to=None)
-            optimizer_state = None if self.optimizer is None else self.optimizer.state_dict()
-        self.discard_server_gradients()
-        self.changes.undo()
-        self.guard.stop()
-        self.model.load_state_dict(model_state)
-        if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
 
     def __reduce__(self):  # torch.save(model): the saved model is a plain one
         return (_no_engine, ())

@@ -3,20 +3,26 @@ methods, so `api.py` asks the run and never which kind it is.
 
 `DataParallelRuntime` is a data-parallel plan's: the engine over the world. `MeshRuntime` a
 mesh plan's: the engine over this rank's dp group, and the mesh (`runtime/apply.MeshParallel`:
-its groups, the layout applied, the pipeline) whose axes add to each answer (tp and pp gathers
-for the state, the parts' norms for clipping, the axes' bytes for the stats).
+its groups, the layout applied, the pipeline) whose axes add to some answers (the world, the
+replica's coordinate, the axes' bytes for the stats). Clipping is one path for both
+(runtime/clip.py). Checkpoints are one path for both: the engine's
+state_dict and load_state_dict, and `checkpoint.unparallelize`, take the mesh's steps (tp and
+pp gathers) where the engine has one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..checkpoint import mesh_state
+from ..checkpoint.unparallelize import unparallelize
 from ..comm.groups import Groups
-from .mesh_clip import clip_norm_on_mesh
 
 
 class DataParallelRuntime:
+    # Where `tilework.state_dict` gathers what is spread over ranks: data parallel alone, the
+    # tables and ZeRO state to rank 0 (every rank keeps the rest).
+    state_dict_dst: int | None = 0
+
     def __init__(self, engine):
         self.engine = engine
 
@@ -31,12 +37,12 @@ class DataParallelRuntime:
         return self.engine.stats_dict()
 
     def state_dict(self) -> dict:
-        """`tilework.state_dict`: single-device layout, server tables complete on rank 0."""
-        return self.engine.state_dict()
+        """`tilework.state_dict`: single-device layout (checkpoint/gather.py)."""
+        return self.engine.state_dict(dst=self.state_dict_dst)
 
     def state_to_write(self) -> dict | None:
         """What rank 0 writes to a checkpoint (None where a rank holds nothing to write)."""
-        return self.engine.state_dict()
+        return self.engine.state_dict(dst=0)
 
     def load_state_dict(self, state: dict) -> None:
         self.engine.load_state_dict(state)
@@ -45,12 +51,14 @@ class DataParallelRuntime:
                         foreach) -> torch.Tensor:
         return self.engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
-    def unparallelize(self, model):
-        self.engine.undo()
-        return model, self.engine.optimizer
+    def unparallelize(self):
+        return unparallelize(self.engine, self.engine.optimizer)
 
 
 class MeshRuntime(DataParallelRuntime):
+    # Assembled on every rank: gathered to rank 0, a mesh's state is None on the others.
+    state_dict_dst = None
+
     def __init__(self, engine):
         super().__init__(engine)
         self.mesh = engine.mesh
@@ -68,24 +76,6 @@ class MeshRuntime(DataParallelRuntime):
         for key in ("total", "last_step"):
             out[key] = {**out[key], **extra[key]}
         return out
-
-    def state_dict(self) -> dict:
-        return mesh_state.full_state(self.engine)   # assembled on every rank
-
-    def state_to_write(self) -> dict | None:
-        return mesh_state.full_state(self.engine, dst=0)   # on rank 0 alone
-
-    def load_state_dict(self, state: dict) -> None:
-        mesh_state.load_full_state(self.engine, state)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool,
-                        foreach) -> torch.Tensor:
-        with self.engine.guard.call("tilework.clip_grad_norm_()"):
-            return clip_norm_on_mesh(self.engine, max_norm, norm_type, error_if_nonfinite,
-                                     foreach)
-
-    def unparallelize(self, model):
-        return mesh_state.unparallelize_mesh(self.engine, self.engine.optimizer)
 
 
 def runtime_of(model) -> DataParallelRuntime | None:
