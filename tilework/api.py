@@ -24,8 +24,8 @@ from .runtime.handle import runtime_of
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 config: ParallelConfig | None = None, *, groups: Groups | None = None,
                 cluster: Cluster | None = None, density: dict[str, float] | None = None,
-                traffic: dict | None = None, plan: Plan | None = None, log: bool = True,
-                **options):
+                traffic: dict | None = None, plan: Plan | str | None = None, log: bool = True,
+                example_inputs: tuple | None = None, **options):
     """Make `model` and `optimizer` train in parallel by a plan; returns the model and the
     optimizer (the same objects, except under pp: a pipeline whose `step(...)` runs the
     schedule, `tilework.unparallelize` giving the model back).
@@ -41,7 +41,20 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     step (hybrid mode then chooses each table by cost). `groups` defaults to the world torchrun
     describes (one process: no group at all); `plan` (from `tilework.plan`, on any axes) skips
     planning: it is applied as it is.
+
+    `plan="auto"` (or `ParallelConfig(plan="auto")`) lets the planner choose the ZeRO stage
+    and scope, recompute and each table's placement (and tp, cp, pp where given as "auto") by
+    predicted step within 80% of each rank's memory, priced on `example_inputs` (one rank's
+    batch, as the model takes it); the choice and its runner-up are printed.
     """
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise PlanError(f"plan: a Plan from tilework.plan, or 'auto', got {plan!r}")
+        if config is not None:
+            config = dataclasses.replace(config, plan="auto")
+        else:
+            options["plan"] = "auto"
+        plan = None
     config = _config(config, options)
     if groups is None:
         # Called from a user's script, this is its entry point into tilework: read the
@@ -56,6 +69,11 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         raise PlanError(f"plan=: a data-parallel plan, but the config asks for tp={config.tp}, "
                         f"pp={config.pp}, cp={config.cp}: pass a plan made with them "
                         "(tilework.plan(model, config, cluster)), or leave plan out")
+    if plan is None and config.plan == "auto":
+        from .runtime.auto import choose_live
+
+        config = choose_live(model, optimizer, config, groups, cluster, example_inputs, traffic,
+                             log)
     if plan is None:
         plan = _plan(model, optimizer, config, groups, cluster, density, traffic)
     if plan.world_size != groups.world_size:

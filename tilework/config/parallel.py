@@ -24,6 +24,8 @@ Offload = Literal["none", "optimizer", "all"]
 RecomputePolicy = Literal["full", "selective"]
 Recompute = Literal["none", "full", "selective"]
 ScheduleName = Literal["1f1b", "gpipe", "interleaved"]
+PlanChoice = Literal["config", "auto"]
+Auto = Literal["auto"]
 
 
 @dataclass(kw_only=True)
@@ -88,16 +90,29 @@ class ParallelConfig:
     as one policy for the model's repeated blocks (`analysis.recompute_units`), or per module
     as {glob pattern over module names: policy}, e.g. {"blocks.layers.*": "selective"}."""
 
-    tp: int = 1
+    tp: int | Auto = 1
     """Tensor-parallel ranks per model replica (Megatron's t): the layers `layout` names are
-    split over them (tilework/parallel/tensor/); kept inside a host."""
+    split over them (tilework/parallel/tensor/); kept inside a host. "auto": the planner's
+    choice (with plan="auto"; the loop must then shard the data by
+    tilework.data_parallel_rank(model), as every rank of a replica takes one batch)."""
 
-    pp: int = 1
+    pp: int | Auto = 1
     """Pipeline stages' ranks (Megatron's p): the model's blocks cut into balanced stages; the
-    runtime then owns the step, `model.step(inputs, targets)` (tilework/parallel/pipeline/)."""
+    runtime then owns the step, `model.step(inputs, targets)` (tilework/parallel/pipeline/).
+    "auto": the planner's choice (with plan="auto"), so the loop must call model.step."""
 
-    cp: int = 1
-    """Context-parallel ranks: the sequence split over them, attention as a ring."""
+    cp: int | Auto = 1
+    """Context-parallel ranks: the sequence split over them, attention as a ring. "auto": the
+    planner's choice (with plan="auto"; the data sharded by replica, as for tp)."""
+
+    plan: PlanChoice = "config"
+    """"config": this configuration is the plan's. "auto": the planner chooses, by predicted
+    step within 80% of each rank's memory (planner/search.py, docs/planner.md), the ZeRO stage
+    and scope, recompute, and each table's placement; and tp, cp or pp where they are "auto".
+    The user's loop stays as it is: the mesh axes only where asked for."""
+
+    auto_axes: list[str] | None = None
+    """The mesh axes plan="auto" may choose (set from tp/cp/pp = "auto")."""
 
     microbatches: int | None = None
     """Microbatches per pipeline step (default: 2 x pp); the batch must split into them."""
@@ -122,6 +137,18 @@ class ParallelConfig:
         return self.tp * self.pp * self.cp > 1
 
     def __post_init__(self):
+        check(self.plan in ("config", "auto"), "plan",
+              f"'config' or 'auto', got {self.plan!r}")
+        for axis in ("tp", "pp", "cp"):
+            if getattr(self, axis) == "auto":
+                check(self.plan == "auto", axis,
+                      f"a whole number >= 1; {axis}='auto' is the planner's choice, which "
+                      "needs plan='auto'")
+                setattr(self, axis, 1)
+                self.auto_axes = sorted({*(self.auto_axes or ()), axis})
+        for axis in self.auto_axes or ():
+            check(axis in ("tp", "pp", "cp"), "auto_axes",
+                  f"'tp', 'pp' or 'cp', got {axis!r}")
         check(self.mode in ("hybrid", "allreduce", "ps"), "mode",
               f"'hybrid', 'allreduce' or 'ps', got {self.mode!r}")
         check(self.sparse_reduce in ("mean", "sum"), "sparse_reduce",

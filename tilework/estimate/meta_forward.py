@@ -40,7 +40,7 @@ def meta_forward(model: nn.Module, example_inputs: tuple, recompute=()) -> Forwa
                for name, m in embedding_modules(meta_model).items()]
     inputs = tuple(x.to("meta") if torch.is_tensor(x) else x for x in example_inputs)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(seen.add, lambda t: t), _WorstCaseUnique(), \
+        with torch.autograd.graph.saved_tensors_hooks(seen.add, lambda t: t), WorstCaseUnique(), \
                 _FusedAttention():
             out = meta_model(*inputs)
     finally:
@@ -143,7 +143,7 @@ class _FusedAttention:
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
-class _WorstCaseUnique(TorchDispatchMode):
+class WorstCaseUnique(TorchDispatchMode):
     """torch.unique on the meta device, which has no kernel for it (its output's length
     depends on the values): every element distinct, the upper bound."""
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ..cluster.topology import Cluster
 from ..errors import PlanError
 from ..plans.plan import Plan, config_of
+from .compute import step_flops
 from .cost import dense_served, predict, ring_allreduce
 from .memory import MemoryEstimate
 from .plan_memory import plan_memory
@@ -71,23 +72,37 @@ def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> f
 def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | None = None,
              *, traffic: dict | None = None, optimizer="adam", flops: float | None = None,
              replica_batch: int | None = None, seq: int | None = None,
-             message_overhead_s: float = 0.0) -> PlanCost:
+             message_overhead_s: float = 0.0, with_memory: bool = True) -> PlanCost:
     """One step of `plan` on `cluster`. `model` (meta device will do) with `example_inputs`
-    (one rank's batch; on a mesh one dp replica's) adds every rank's memory; on a mesh,
-    `flops` (FLOP/s per rank) with `replica_batch` sequences of `seq` tokens adds the step
-    (`message_overhead_s`: LogP's o per message), and a step that cannot run says why and
-    skips the memory."""
+    (one rank's batch; on a mesh one dp replica's) adds every rank's memory; `flops` (FLOP/s
+    per rank) adds the step: the reference GPT's step model (estimate/step.py) for it, with
+    `replica_batch` sequences of `seq` tokens (default: the inputs' shape), any other model's
+    counted FLOPs (estimate/compute.py) plus its data-parallel exchanges. `message_overhead_s`:
+    LogP's o per message; a step that cannot run says why and skips the memory (as
+    `with_memory=False` does: a search prices memory only where the step could win)."""
     entries = tuple(entry_costs(plan, cluster, traffic))
     config = config_of(plan)
 
     def memory():
-        if model is None or example_inputs is None:
+        if model is None or example_inputs is None or not with_memory:
             return None
         return tuple(plan_memory(model, plan, example_inputs, optimizer))
 
     comm = comm_seconds(plan, cluster, traffic)
-    if model is None or flops is None or replica_batch is None or seq is None:
+    if model is None or flops is None:
         return PlanCost(comm, memory=memory(), entries=entries)
+    if plan.parallel is None and not _steps_like_the_reference_gpt(model):
+        if example_inputs is None:
+            return PlanCost(comm, memory=memory(), entries=entries)
+        # Any model: its counted FLOPs at the rate, then the data-parallel exchanges (not
+        # overlapped: the bound the step cannot exceed).
+        compute = step_flops(model, example_inputs, plan.recompute).seconds(flops)
+        return PlanCost(comm, compute, compute + comm, memory(), entries,
+                        {"compute": compute, "dp": comm})
+    if replica_batch is None or seq is None:
+        if example_inputs is None:
+            return PlanCost(comm, memory=memory(), entries=entries)
+        replica_batch, seq = example_inputs[0].shape[:2]
     found = predict_step(model, config, cluster, replica_batch, seq, flops,
                          message_overhead_s=message_overhead_s)
     parts = dict(found.parts)
@@ -95,6 +110,14 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
         return PlanCost(comm, entries=entries, parts=parts, why=found.why)
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
     return PlanCost(comm, parts.get("compute"), found.step_s, memory(), entries, parts)
+
+
+def _steps_like_the_reference_gpt(model) -> bool:
+    """The step model of estimate/step.py (stages, tp and cp exchanges) is the reference
+    GPT's; every other model is priced by its counted FLOPs."""
+    from ..parallel.pipeline.model import is_reference_gpt
+
+    return is_reference_gpt(model)
 
 
 def _dp_topology(plan: Plan, cluster: Cluster):

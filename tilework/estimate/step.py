@@ -12,7 +12,8 @@ plan` shows for a model-parallel job (report/job.py).
 - pp: `pipeline.simulate` replays the schedule with those per-stage times and the link between
   stages: bubble and hops included;
 - dp: the gradient all-reduce of the rank's parameters over its dp (x cp) group, in buckets,
-  after the last backward (not overlapped: an upper bound).
+  after the last backward (not overlapped: an upper bound); ZeRO-3's second gather 1.5x that;
+- recompute: "full" runs each recomputed block's forward again in its stage's backward.
 
 A step that cannot run keeps the reason (a layout that does not split, more stages than
 blocks, a batch that does not divide).
@@ -155,11 +156,14 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     modules = [[*model.children()]] if stages is None else [stage_modules(s) for s in stages]
     links = {"tp": _link(cluster, mesh.groups("tp"))[0], "cp": _link(cluster, mesh.groups("cp"))[0]}
     ends = _message_ends(model, config, stages, schedule)
+    recomputed = _recomputed(model, config)
     fwd, bwd, comm, compute, flops = [], [], {"tp": 0.0, "cp": 0.0}, 0.0, []
     for k, mods in enumerate(modules):
         flops.append(forward_flops(mods, tokens, seq, config.tp) / m)
         f = flops[-1] * m / flops_per_s
-        compute = max(compute, 3 * f)
+        # Full recompute runs the stage's recomputed blocks' forward again in backward.
+        again = forward_flops(_inside(mods, recomputed), tokens, seq, config.tp) / flops_per_s
+        compute = max(compute, 3 * f + again)
         sent = per_rank[schedule.rank_of(k)]    # a rank's bytes, over the stages it holds
         share = len(schedule.stages_of(schedule.rank_of(k)))
         extra = 0.0
@@ -171,7 +175,7 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
                 extra += took
         # A step's exchanges sit on the critical path, a third forward, two thirds backward.
         fwd.append((f + extra / 3) / m)
-        bwd.append((2 * f + 2 * extra / 3) / m)
+        bwd.append((2 * f + again + 2 * extra / 3) / m)
     pp_link, crossing = _pp_link(cluster, mesh)
     activation = replica_batch // m * (seq // config.cp) * model.head.in_features * itemsize \
         if config.pp > 1 else 0
@@ -179,8 +183,11 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
                    message_overhead_s=message_overhead_s)
     averaged = dp * config.cp   # the ranks that average gradients together
     dp_link, dp_spans = _link(cluster, mesh.groups(("dp", "cp") if config.cp > 1 else "dp"))
+    # ZeRO-1/2 move an all-reduce's bytes (reduce-scatter, then all-gather); ZeRO-3 gathers the
+    # values again for backward: three half-ring passes for two.
     dp_s = max(allreduce_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb,
-                                 message_overhead_s) for s in per_rank)
+                                 message_overhead_s) for s in per_rank) \
+        * (1.5 if config.zero == 3 else 1.0)
     parts = {"compute": compute, **comm, "pipeline": sim.step_s, "dp": dp_s, "dp_size": dp,
              "bubble": sim.bubble, "bubbles": list(sim.bubbles), "microbatches": m,
              "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_forward_flops": flops,
@@ -188,6 +195,20 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
              "pp_link": pp_link, "pp_between_hosts": crossing, "dp_link": dp_link,
              "dp_between_hosts": dp_spans, "bytes_per_rank": per_rank}
     return MeshCandidate(config, sim.step_s + dp_s, "", parts)
+
+
+def _recomputed(model: nn.Module, config: ParallelConfig) -> list[nn.Module]:
+    """The modules full recompute runs twice (selective keeps the matmuls' outputs: ~0)."""
+    from ..plans.analysis import recompute_choices
+
+    return [model.get_submodule(name) for name, policy
+            in recompute_choices(model, config.recompute) if policy == "full"]
+
+
+def _inside(modules: list[nn.Module], chosen: list[nn.Module]) -> list[nn.Module]:
+    """The chosen modules that sit inside `modules` (a stage's)."""
+    held = {id(m) for top in modules for m in top.modules()}
+    return [m for m in chosen if id(m) in held]
 
 
 def _first_of_replica(mesh, rank: int) -> bool:

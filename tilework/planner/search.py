@@ -1,17 +1,63 @@
-"""Choose the mesh: every dp x pp x cp x tp that can run the model on a cluster's ranks,
-planned (`tilework.plan`) and priced by `estimate(plan)` (its step: estimate/step.py),
-fastest first. Pure (a meta-device model will do). Refused candidates keep the reason (a
-layout that does not split, more stages than blocks, a batch that does not divide, a peak over
-the memory budget), so a user sees why the mesh they expected is absent.
+"""The planner's search over every dimension: pure (a meta-device model will do), in TorchRec's
+planner's roles, each small and tested alone:
+
+    enumerate  `configs`: every ParallelConfig the `Space` allows on the cluster (dp x pp x cp
+               x tp with tp inside a host; ZeRO stage and scope; recompute; microbatches and
+               schedule under pp); each table's placement is chosen inside `tilework.plan` by
+               cost (all-reduce or the servers, partitions, hot rows), as always
+    estimate   `price`: the Plan `tilework.plan` makes for a config, every rank's memory
+               (estimate/plan_memory.py) against the budget (80% of each rank's memory, paper
+               4's margin), and the step: on a mesh `estimate/step.predict` (stages, pipeline
+               simulator, tp/cp/dp exchanges), else the counted FLOPs (estimate/compute.py) at
+               the rank's rate plus the data-parallel communication (`comm_seconds`)
+    propose    `search`: every candidate priced, fastest first, the refused after with why
+    choose     `choose`: the fastest that fits, and the runner-up with why it lost
+
+Refused candidates keep the reason (a layout that does not split, more stages than blocks, a
+batch that does not divide, a peak over the budget), so a user sees why the plan they expected
+is absent.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
 from ..cluster.topology import Cluster
 from ..config.parallel import ParallelConfig
+from ..errors import PlanError
 from ..estimate.step import MeshCandidate, predict  # noqa: F401 - the search's record
+
+Candidate = MeshCandidate
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may change; everything else is the base config's."""
+
+    axes: tuple[str, ...] = ()          # of "tp", "cp", "pp": the mesh axes it may split
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    zero_scopes: tuple[str, ...] = ("world", "host")
+    recompute: tuple[str, ...] = ("none", "full")
+    schedules: tuple[str, ...] = ("1f1b",)
+    microbatch_factors: tuple[int, ...] = (1, 2, 4)   # microbatches = factor x pp
+
+    @classmethod
+    def mesh_only(cls) -> Space:
+        """The mesh split alone (tilework plan --search): ZeRO and recompute as configured."""
+        return cls(axes=("tp", "cp", "pp"), zero=(), zero_scopes=(), recompute=(),
+                   microbatch_factors=(2,))
+
+    @classmethod
+    def of(cls, config: ParallelConfig) -> Space:
+        """What plan="auto" may choose for `config`: ZeRO, its scope, recompute and the
+        tables' placements always; the mesh axes the config gives as "auto" (the user's loop
+        stays as written: tp and cp need data sharded by replica, pp a loop calling
+        model.step)."""
+        return cls(axes=tuple(config.auto_axes or ()))
 
 
 def _divisors(n: int) -> list[int]:
@@ -20,72 +66,258 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(world_size: int, ranks_per_host: int | None, layers: int) -> list[ParallelConfig]:
     """Every split of the world into pp x cp x tp (dp the rest) with tp inside a host."""
-    out = []
-    for tp in _divisors(world_size):
+    return [ParallelConfig(tp=tp, pp=pp, cp=cp, microbatches=2 * pp if pp > 1 else None)
+            for tp, pp, cp in _meshes(world_size, ranks_per_host, layers, ("tp", "pp", "cp"))]
+
+
+def _meshes(world: int, ranks_per_host: int | None, layers: int, axes: tuple[str, ...]):
+    for tp in _divisors(world) if "tp" in axes else [1]:
         if ranks_per_host and ranks_per_host % tp and tp % ranks_per_host:
             continue
-        for pp in _divisors(world_size // tp):
+        for pp in _divisors(world // tp) if "pp" in axes else [1]:
             if pp > layers:
                 continue
-            for cp in _divisors(world_size // (tp * pp)):
-                out.append(ParallelConfig(tp=tp, pp=pp, cp=cp,
-                                          microbatches=2 * pp if pp > 1 else None))
+            for cp in _divisors(world // (tp * pp)) if "cp" in axes else [1]:
+                yield tp, pp, cp
+
+
+def configs(base: ParallelConfig, space: Space, cluster: Cluster,
+            layers: int) -> list[ParallelConfig]:
+    """Enumerate: every config the space allows on `cluster` (`layers`: the model's blocks, the
+    most pipeline stages)."""
+    sizes = {h.procs for h in cluster.hosts}
+    per_host = sizes.pop() if len(sizes) == 1 else None
+    hosts = len(cluster.hosts)
+    out = []
+    for tp, pp, cp in _meshes(cluster.world_size, per_host, layers, space.axes):
+        for zero in space.zero or (base.zero,):
+            scopes = (space.zero_scopes or (base.zero_scope,)) if zero and hosts > 1 \
+                else ("world",)
+            for scope in scopes:
+                for recompute in space.recompute or (base.recompute,):
+                    for schedule, microbatches in _pipelines(base, space, pp):
+                        out.append(dataclasses.replace(
+                            base, plan="config", auto_axes=None, tp=tp, pp=pp, cp=cp,
+                            zero=zero, zero_scope=scope,
+                            offload=base.offload if zero else "none", recompute=recompute,
+                            schedule=schedule, microbatches=microbatches,
+                            mode="hybrid" if pp * tp * cp > 1 and base.mode == "ps"
+                            else base.mode))
     return out
+
+
+def _pipelines(base: ParallelConfig, space: Space, pp: int):
+    if pp == 1:
+        return [(base.schedule, None)]
+    return [(s, f * pp) for s in space.schedules or (base.schedule,)
+            for f in space.microbatch_factors]
+
+
+def price(model: nn.Module, config: ParallelConfig, cluster: Cluster, example_inputs: tuple,
+          flops_per_s: float, optimizer="adam", traffic: dict | None = None,
+          budget_bytes: float | None = None, message_overhead_s: float = 0.0,
+          replica: bool = False) -> Candidate:
+    """Estimate: one config's plan, priced by `estimate(plan)`: its step, and every rank's
+    memory against its budget. `example_inputs`: one rank's batch under plain data
+    parallelism (a replica of tp x pp x cp ranks takes as many of them), or with `replica`
+    one replica's batch."""
+    found = price_step(model, config, cluster, example_inputs, flops_per_s, traffic,
+                       message_overhead_s, replica)
+    return price_memory(model, found, cluster, example_inputs, optimizer, budget_bytes,
+                        replica)
+
+
+def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
+               example_inputs: tuple, flops_per_s: float, traffic: dict | None = None,
+               message_overhead_s: float = 0.0, replica: bool = False) -> Candidate:
+    """The plan and its predicted step, memory not yet estimated."""
+    from ..estimate.plan_cost import estimate
+    from . import plan as make_plan
+
+    ways = config.tp * config.pp * config.cp
+    dp = cluster.world_size // ways
+    inputs = tuple(example_inputs) if replica else _replica_inputs(example_inputs, ways)
+    batch = inputs[0].shape[0] if inputs and torch.is_tensor(inputs[0]) else 0
+    if config.pp > 1 and batch % config.microbatches:
+        return Candidate(config, None, f"each replica's {batch} sequences do not split into "
+                                       f"{config.microbatches} microbatches", {"dp_size": dp})
+    try:
+        plan = make_plan(model, config, cluster, traffic=traffic)
+        cost = estimate(plan, cluster, model, inputs, traffic=traffic, flops=flops_per_s,
+                        message_overhead_s=message_overhead_s, with_memory=False)
+    except (PlanError, ValueError) as e:   # a layout that does not split, more stages than blocks
+        return Candidate(config, None, str(e), {"dp_size": dp})
+    if cost.step_s is None:
+        return Candidate(config, None, cost.why or "its step cannot be priced", {"dp_size": dp})
+    return Candidate(config, cost.step_s, "", cost.parts | {"dp_size": dp, "plan": plan})
+
+
+def price_memory(model: nn.Module, found: Candidate, cluster: Cluster, example_inputs: tuple,
+                 optimizer="adam", budget_bytes: float | None = None,
+                 replica: bool = False) -> Candidate:
+    """A priced candidate's memory on every rank, refused where a peak is over its budget."""
+    from ..estimate.plan_memory import plan_memory
+
+    if found.step_s is None:
+        return found
+    config, plan = found.config, found.parts["plan"]
+    ways = config.tp * config.pp * config.cp
+    inputs = tuple(example_inputs) if replica else _replica_inputs(example_inputs, ways)
+    try:
+        memory = plan_memory(model, plan, inputs, optimizer)
+    except (PlanError, ValueError) as e:   # stages the memory estimate cannot cut yet
+        return Candidate(config, None, str(e), {"dp_size": found.parts["dp_size"]})
+    budget = _budget(cluster, budget_bytes)
+    over = next((e for e in memory if budget[e.rank] is not None and e.peak > budget[e.rank]),
+                None)
+    if over is not None:
+        return Candidate(config, None, f"rank {over.rank}'s estimated peak "
+                         f"{over.peak / 1e9:.3f} GB exceeds its budget of "
+                         f"{budget[over.rank] / 1e9:.3f} GB (80% of its memory)",
+                         {"dp_size": found.parts["dp_size"], "peak_bytes": over.peak,
+                          "predicted_step_s": found.step_s})
+    return dataclasses.replace(found, parts=found.parts | {
+        "peak_bytes": max(e.peak for e in memory)})
+
+
+def _replica_inputs(inputs: tuple, ways: int) -> tuple:
+    """One replica's batch: `ways` ranks' batches along dim 0 (shapes only: on meta)."""
+    if ways == 1:
+        return tuple(inputs)
+    return tuple(torch.cat([x.to("meta")] * ways) if torch.is_tensor(x) and x.dim() else x
+                 for x in inputs)
+
+
+def _budget(cluster: Cluster, budget_bytes: float | None) -> list[float | None]:
+    """Each rank's budget: 80% of the cluster file's memory per process, else of
+    `budget_bytes` (what the machine has), else none."""
+    out = []
+    for h in cluster.hosts:
+        gb = h.memory_gb
+        out += [0.8 * gb * 1e9 if gb is not None else
+                (0.8 * budget_bytes if budget_bytes is not None else None)] * h.procs
+    return out
+
+
+def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_s: float,
+           optimizer="adam", base: ParallelConfig | None = None, space: Space | None = None,
+           traffic: dict | None = None, budget_bytes: float | None = None,
+           message_overhead_s: float = 0.0, every: bool = False) -> list[Candidate]:
+    """Propose: every candidate of `space` around `base`, its step priced, fastest first
+    (ties: the simpler: fewer ranks per replica, lower ZeRO stage, no recompute), then the
+    refused with why. Memory is estimated in that order until two candidates fit (the choice
+    and its runner-up; `every`: for all): a slower plan's memory cannot change the choice.
+    Those not examined have no "peak_bytes" in their parts."""
+    base = base or ParallelConfig()
+    space = space or Space()
+    priced = sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
+                                message_overhead_s)
+                     for c in configs(base, space, cluster, _layers(model))), key=_order)
+    out, fits = [], 0
+    for c in priced:
+        if c.step_s is not None and (every or fits < 2):
+            c = price_memory(model, c, cluster, example_inputs, optimizer, budget_bytes)
+            fits += c.step_s is not None
+        out.append(c)
+    return sorted(out, key=_order)
+
+
+def _order(c: Candidate) -> tuple:
+    return (c.step_s is None, c.step_s or 0.0, _complexity(c))
+
+
+def _complexity(c: Candidate) -> tuple:
+    cfg = c.config
+    return (cfg.tp * cfg.pp * cfg.cp, cfg.zero, cfg.zero_scope != "world",
+            cfg.recompute != "none", cfg.microbatches or 0)
+
+
+def _layers(model: nn.Module) -> int:
+    from ..plans.analysis import recompute_units
+
+    return max(1, len(recompute_units(model)))
+
+
+@dataclass(frozen=True)
+class Choice:
+    chosen: Candidate
+    runner_up: Candidate | None
+    candidates: tuple[Candidate, ...]
+
+    def why(self) -> str:
+        """The chosen plan, and why the runner-up lost: the predicted step and peak of both."""
+        c = self.chosen
+        line = f"chose {label(c)}: predicted step {_ms(c.step_s)}, peak {_mb(c)}"
+        if self.runner_up is None:
+            return line + " (the only candidate that fits)"
+        r = self.runner_up
+        lost = "the same predicted step: the simpler plan wins" if r.step_s == c.step_s \
+            else f"{(r.step_s / c.step_s - 1) * 100:.1f}% slower"
+        return f"{line}; runner-up {label(r)}: {_ms(r.step_s)}, peak {_mb(r)} ({lost})"
+
+
+def choose(found: list[Candidate]) -> Choice:
+    """Choose: the fastest candidate that fits. Raises PlanError naming why each was refused
+    when none fits."""
+    runnable = [c for c in found if c.step_s is not None and "peak_bytes" in c.parts]
+    if not runnable:
+        reasons = "; ".join(f"{label(c)}: {c.why}" for c in found[:6])
+        raise PlanError(f"plan='auto': no candidate fits ({reasons})")
+    return Choice(runnable[0], runnable[1] if len(runnable) > 1 else None, tuple(found))
+
+
+def auto(model: nn.Module, config: ParallelConfig, cluster: Cluster, example_inputs: tuple,
+         flops_per_s: float, optimizer="adam", traffic: dict | None = None,
+         budget_bytes: float | None = None, space: Space | None = None) -> Choice:
+    """plan="auto": the search over what `config` leaves to the planner (`Space.of`, unless
+    `space` says otherwise), the rest of `config` kept, and the choice."""
+    return choose(search(model, cluster, example_inputs, flops_per_s, optimizer, config,
+                         space or Space.of(config), traffic, budget_bytes))
+
+
+def label(c: Candidate) -> str:
+    cfg = c.config
+    out = f"dp{c.parts.get('dp_size', '?')}"
+    for axis in ("pp", "cp", "tp"):
+        if getattr(cfg, axis) > 1:
+            out += f" x {axis}{getattr(cfg, axis)}"
+    if cfg.zero:
+        out += f", zero={cfg.zero}" + (f" ({cfg.zero_scope})" if cfg.zero_scope != "world"
+                                       else "")
+    if cfg.recompute != "none":
+        out += f", recompute={cfg.recompute}"
+    if cfg.pp > 1:
+        out += f", {cfg.microbatches} microbatches {cfg.schedule}"
+    return out
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.3f} ms"
+
+
+def _mb(c: Candidate) -> str:
+    peak = c.parts.get("peak_bytes")
+    return "-" if peak is None else f"{peak / 1e6:,.1f} MB"
 
 
 def search_mesh(model: nn.Module, cluster: Cluster, batch: int, seq: int,
                 flops_per_s: float, optimizer="adam",
-                message_overhead_s: float = 0.0) -> list[MeshCandidate]:
-    """Every candidate for a global batch of `batch` sequences, planned (`tilework.plan`) and
-    ranked by `estimate(plan)`; runnable ones fastest first, then the refused with why. Where
-    the cluster file gives hosts' memory, a candidate whose estimated peak exceeds 80% of it on
-    any rank is refused, as paper 4 prunes plans that would not fit."""
-    from ..errors import PlanError
-    from . import plan as make_plan
-
-    sizes = {h.procs for h in cluster.hosts}
-    layers = len(getattr(getattr(model, "blocks", None), "layers", [])) or 1
+                message_overhead_s: float = 0.0) -> list[Candidate]:
+    """`tilework plan --search`: the mesh split alone for a global batch of `batch` sequences
+    of `seq` tokens, priced as `search` prices (the reference GPT's step model)."""
+    world = cluster.world_size
     found = []
-    for c in candidates(cluster.world_size, sizes.pop() if len(sizes) == 1 else None, layers):
-        dp = cluster.world_size // (c.tp * c.pp * c.cp)
+    for c in configs(ParallelConfig(), Space.mesh_only(), cluster, _layers(model)):
+        dp = world // (c.tp * c.pp * c.cp)
         if batch % dp:
-            found.append(MeshCandidate(c, None, f"a batch of {batch} does not split over "
-                                                f"dp = {dp} replicas", {"dp_size": dp}))
+            found.append(Candidate(c, None, f"a batch of {batch} does not split over "
+                                            f"dp = {dp} replicas", {"dp_size": dp}))
             continue
-        try:
-            plan = make_plan(model, c, cluster)
-        except PlanError as e:   # a layout that does not split, more stages than blocks
-            found.append(MeshCandidate(c, None, str(e),
-                                       {"dp_size": dp}))
-            continue
-        found.append(_ranked(model, plan, c, cluster, batch // dp, seq, flops_per_s, optimizer,
-                             message_overhead_s))
-    return sorted(found, key=lambda c: (c.step_s is None, c.step_s or 0.0))
+        ids = torch.zeros(batch // dp, seq, dtype=torch.long, device="meta")
+        found.append(price(model, c, cluster, (ids, ids), flops_per_s, optimizer,
+                           message_overhead_s=message_overhead_s, replica=True))
+    return sorted(found, key=_order)
 
 
-def _ranked(model, plan, config: ParallelConfig, cluster: Cluster, replica_batch: int,
-            seq: int, flops_per_s: float, optimizer, message_overhead_s: float) -> MeshCandidate:
-    """The candidate as `estimate(plan)` prices it: its step, or why it cannot run; refused
-    where a rank's estimated peak exceeds 80% of the memory the cluster file gives it."""
-    import torch
-
-    from ..estimate.memory import with_budget
-    from ..estimate.plan_cost import estimate
-
-    ids = torch.zeros(replica_batch, seq, dtype=torch.long, device="cpu")   # shapes only
-    cost = estimate(plan, cluster, model, (ids, ids), optimizer=optimizer, flops=flops_per_s,
-                    replica_batch=replica_batch, seq=seq, message_overhead_s=message_overhead_s)
-    if cost.step_s is None:
-        return MeshCandidate(config, None, cost.why, cost.parts)
-    figures = [with_budget(e, cluster) for e in cost.memory]
-    over = next((f for f in figures if f["over_budget"]), None)
-    if over is not None:
-        return MeshCandidate(config, None, f"rank {over['rank']}'s estimated peak "
-                             f"{over['peak'] / 1e9:.2f} GB exceeds its budget of "
-                             f"{over['budget'] / 1e9:.2f} GB (80% of memory_gb)",
-                             cost.parts | {"peak_bytes": over["peak"]})
-    worst = max(f["peak"] for f in figures)
-    return MeshCandidate(config, cost.step_s, "", cost.parts | {"peak_bytes": worst})
-
-
-__all__ = ["MeshCandidate", "candidates", "predict", "search_mesh"]
+__all__ = ["Candidate", "Choice", "MeshCandidate", "Space", "auto", "candidates", "choose",
+           "configs", "label", "predict", "price", "search", "search_mesh"]

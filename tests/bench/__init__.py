@@ -1,0 +1,1 @@
+"""Tests of tilework/bench/ and the scripts in bench/."""

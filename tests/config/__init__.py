@@ -1,0 +1,1 @@
+"""Tests of cluster and job files (tilework/config/, tilework/cluster/topology.py)."""

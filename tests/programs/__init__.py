@@ -1,0 +1,1 @@
+"""Tests on public programs and models, adapted as a user would."""
