@@ -17,10 +17,12 @@ from .api import (
     clip_grad_norm_,
     clip_grad_value_,
     data_parallel_rank,
+    estimate_memory,
     full_parameters,
     load,
     load_state_dict,
     parallelize,
+    plan,
     save,
     state_dict,
     stats,
@@ -29,9 +31,7 @@ from .api import (
 from .cluster.topology import Cluster, Host, Link, Topology
 from .config.parallel import ParallelConfig
 from .errors import UserError
-from .estimate import estimate_memory
 from .parallel.rows.ahead import prefetch
-from .planner import plan
 
 __version__ = "0.1.0"
 __all__ = ["parallelize", "unparallelize", "plan", "ParallelConfig", "clip_grad_norm_",

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from . import planner
-from .cluster.topology import Cluster
+from .cluster.topology import Cluster, Host, Topology
 from .cluster.worker_env import WorkerEnv
-from .comm.groups import Groups, build_groups, init_from_env
+from .comm.groups import Groups, build_groups, init_from_env, live_topology
 from .config.parallel import ParallelConfig
 from .errors import CheckpointError, PlanError
 from .plans.plan import Plan
@@ -100,6 +100,36 @@ def _plan(model, optimizer, config: ParallelConfig, groups: Groups, cluster, den
     return dataclasses.replace(plan, params=tuple(
         dataclasses.replace(p, reason="no optimizer: the servers could not apply updates")
         for p in plan.params))
+
+
+def plan(model: nn.Module, config: ParallelConfig | None = None, cluster: Cluster | None = None,
+         density: dict[str, float] | None = None, traffic: dict | None = None, *,
+         topology: Topology | None = None) -> Plan:
+    """`tilework.plan` (planner.plan, pure): the plan for `model` under `config`. Without a
+    cluster or topology it plans for the world this process is part of (inside an
+    initialised process group), else for tp x pp x cp ranks on one host."""
+    if cluster is None and topology is None:
+        topology = live_topology()
+    return planner.plan(model, config, cluster, density, traffic, topology=topology)
+
+
+def estimate_memory(model: nn.Module, config: ParallelConfig | None = None,
+                    example_inputs: tuple = (), cluster: Cluster | None = None,
+                    optimizer="adam", rank: int | None = None, world_size: int | None = None):
+    """`tilework.estimate_memory` (estimate.estimate_memory, pure): bytes rank `rank` holds.
+    Without a cluster or world size it estimates for the world this process is part of
+    (inside an initialised process group: this rank, by default), as `parallelize` would
+    plan it there."""
+    from .estimate import estimate_memory as estimate
+
+    live = live_topology() if cluster is None and world_size is None else None
+    if live is not None:
+        cluster = Cluster(hosts=[Host(f"host{i}", len(h)) for i, h in enumerate(live.hosts)])
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank()
+    return estimate(model, config, example_inputs, cluster, optimizer, rank or 0, world_size)
 
 
 def _config(config: ParallelConfig | None, options: dict) -> ParallelConfig:

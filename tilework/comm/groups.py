@@ -90,6 +90,20 @@ def discover_topology(world: dist.ProcessGroup, group_rank: int | None = None) -
     return Topology.from_host_ids(hosts)
 
 
+def live_topology() -> Topology | None:
+    """The world this process is a rank of, without a collective: inside an initialised
+    process group, its size, its hosts of torchrun's LOCAL_WORLD_SIZE ranks each (one host
+    where that does not divide it); None outside one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_host = int(local) if local.isdigit() and int(local) > 0 else world
+    if world % per_host:
+        per_host = world
+    return Topology.uniform(world // per_host, per_host)
+
+
 def solo() -> Groups:
     """A world of one process, with no process group at all (every collective short-circuits)."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
