@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--search", action="store_true",
                       help="rank every dp x pp x cp x tp for the job's gpt model on this "
                            "cluster by predicted step, pruning those over its memory")
+    plan.add_argument("--auto", action="store_true",
+                      help="let the planner choose (as [parallel] plan = \"auto\"): ZeRO, "
+                           "recompute and table placements by predicted step within 80%% of "
+                           "each rank's memory; tp, cp, pp where the job gives them as \"auto\"")
     plan.add_argument("--message-overhead-ms", type=float, default=0.0, metavar="MS",
                       help="with --search: each message's CPU cost at each end (LogP's o; "
                            "about 0 on GPUs, about 0.7 ms on this repo's CPU ranks: "
@@ -169,15 +173,51 @@ def _cmd_plan(a, argv, env) -> int:
         where = f"{a.world_size} local ranks"
     if a.search:
         return _search(a, job, cluster, where)
+    found = None
+    if a.auto or job.parallel.plan == "auto":
+        job, found = _auto(a, job, cluster)
     flops, source = _plan_flops(a, job)
     out = report(job, cluster, flops, source)
     if a.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out | ({"auto": found} if found else {}), indent=2))
         return 0
     from .report.tables import print_report
 
+    if found:
+        print("\n".join(_auto_lines(found, f"{a.job} on {where}")))
     print_report(out, f"{a.job} on {where}")
     return 0
+
+
+def _auto(a, job, cluster):
+    """`tilework plan --auto`: the planner's search and choice for the job. Returns the job
+    with the chosen configuration (whose plan the report then shows), and what was chosen."""
+    import dataclasses
+
+    from .planner.search import auto, label
+    from .plans.analysis import analyze
+    from .train.planning import example_batch, meta_model, table_traffic
+
+    flops, source = _rate(a)
+    model = meta_model(job)
+    choice = auto(model, dataclasses.replace(job.parallel, plan="auto"), cluster,
+                  example_batch(job, cluster), flops, job.train.optimizer,
+                  table_traffic(job, analyze(model), cluster))
+    found = {"chosen": label(choice.chosen),
+             "runner_up": choice.runner_up and label(choice.runner_up),
+             "why": choice.why(), "flops_per_s": flops, "flops_source": source,
+             "candidates": [{"plan": label(c), "predicted_step_s": c.step_s,
+                             "peak_bytes": c.parts.get("peak_bytes"), "why": c.why}
+                            for c in choice.candidates]}
+    return dataclasses.replace(job, parallel=choice.chosen.config), found
+
+
+def _auto_lines(found: dict, title: str) -> list[str]:
+    refused = [c for c in found["candidates"] if c["predicted_step_s"] is None]
+    lines = [f"plan='auto' for {title}: {len(found['candidates'])} candidates "
+             f"({len(refused)} refused), compute {found['flops_per_s'] / 1e9:,.1f} GFLOP/s "
+             f"per rank ({found['flops_source']})", f"  {found['why']}"]
+    return lines + [f"  refused {c['plan']}: {c['why']}" for c in refused[:3]]
 
 
 def _search(a, job, cluster, where: str) -> int:
@@ -223,9 +263,16 @@ def _search(a, job, cluster, where: str) -> int:
 
 
 def _plan_flops(a, job) -> tuple[float | None, str]:
-    """The compute rate a model-parallel plan times its stages at: --gflops, else what
-    `tilework calibrate` measured for the cluster file, else one thread's matmul here (a
-    data-parallel plan times only communication and needs none)."""
+    """The compute rate a model-parallel plan times its stages at (a data-parallel plan's
+    report times only communication and needs none)."""
+    if a.gflops is None and not job.parallel.model_parallel:
+        return None, ""
+    return _rate(a)
+
+
+def _rate(a) -> tuple[float, str]:
+    """--gflops, else what `tilework calibrate` measured for the cluster file, else one
+    thread's matmul here."""
     from .cluster.calibrate import matmul_flops
     from .cluster.calibration_file import calibrated_flops
 
@@ -233,8 +280,6 @@ def _plan_flops(a, job) -> tuple[float | None, str]:
         if not 0 < a.gflops < float("inf"):
             raise UserError(f"--gflops: expected a positive number, got {a.gflops}")
         return a.gflops * 1e9, "--gflops"
-    if not job.parallel.model_parallel:
-        return None, ""
     found = calibrated_flops(a.cluster) if a.cluster is not None else None
     if found is not None:
         return found[0], f"tilework calibrate: {found[1]}"

@@ -70,14 +70,23 @@ def candidates(world_size: int, ranks_per_host: int | None, layers: int) -> list
             for tp, pp, cp in _meshes(world_size, ranks_per_host, layers, ("tp", "pp", "cp"))]
 
 
-def _meshes(world: int, ranks_per_host: int | None, layers: int, axes: tuple[str, ...]):
-    for tp in _divisors(world) if "tp" in axes else [1]:
-        if ranks_per_host and ranks_per_host % tp and tp % ranks_per_host:
+def _meshes(world: int, ranks_per_host: int | None, layers: int, axes: tuple[str, ...],
+            fixed: ParallelConfig | None = None):
+    """(tp, pp, cp) splits of `world`: every divisor on the `axes` searched (tp inside a host,
+    pp at most one stage per block), the `fixed` config's size on the others."""
+    def sizes(axis: str, left: int) -> list[int]:
+        if axis in axes:
+            return _divisors(left)
+        size = getattr(fixed, axis) if fixed is not None else 1
+        return [size] if left % size == 0 else []
+
+    for tp in sizes("tp", world):
+        if "tp" in axes and ranks_per_host and ranks_per_host % tp and tp % ranks_per_host:
             continue
-        for pp in _divisors(world // tp) if "pp" in axes else [1]:
-            if pp > layers:
+        for pp in sizes("pp", world // tp):
+            if "pp" in axes and pp > layers:
                 continue
-            for cp in _divisors(world // (tp * pp)) if "cp" in axes else [1]:
+            for cp in sizes("cp", world // (tp * pp)):
                 yield tp, pp, cp
 
 
@@ -89,7 +98,7 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
     per_host = sizes.pop() if len(sizes) == 1 else None
     hosts = len(cluster.hosts)
     out = []
-    for tp, pp, cp in _meshes(cluster.world_size, per_host, layers, space.axes):
+    for tp, pp, cp in _meshes(cluster.world_size, per_host, layers, space.axes, base):
         for zero in space.zero or (base.zero,):
             scopes = (space.zero_scopes or (base.zero_scope,)) if zero and hosts > 1 \
                 else ("world",)
@@ -252,7 +261,7 @@ class Choice:
             return line + " (the only candidate that fits)"
         r = self.runner_up
         lost = "the same predicted step: the simpler plan wins" if r.step_s == c.step_s \
-            else f"{(r.step_s / c.step_s - 1) * 100:.1f}% slower"
+            else f"{(r.step_s / c.step_s - 1) * 100:.2g}% slower"
         return f"{line}; runner-up {label(r)}: {_ms(r.step_s)}, peak {_mb(r)} ({lost})"
 
 

@@ -70,7 +70,8 @@ def print_report(out: dict, title: str, console: Console | None = None) -> None:
     groups, stages, schedule, step and bytes per rank), then the memory per rank."""
     console = console or Console(soft_wrap=True)
     # Text, not markup: a path may hold "[/b]", which rich would take for a closing tag.
-    console.print(Text(f"{title}: {out['hosts']} hosts, {out['world_size']} ranks"))
+    hosts = f"{out['hosts']} host" + ("s" if out["hosts"] != 1 else "")
+    console.print(Text(f"{title}: {hosts}, {out['world_size']} ranks"))
     print_table(_params_table(out), console)
     for line in _comm_lines(out) + _mesh_lines(out) + _memory_lines(out["memory"]):
         console.print(Text(line))

@@ -90,7 +90,7 @@ def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
     `tilework plan` plans the job: the job's model of its ids gives each table's traffic, the
     cluster file (when given) the links."""
     from ..api import parallelize
-    from .planning import job_cluster, table_traffic
+    from .planning import example_batch, job_cluster, table_traffic
 
     model = work.model
     opt = optim.make(job.train.optimizer, model.parameters(), job.train.lr)
@@ -99,8 +99,10 @@ def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
 
     traffic = table_traffic(job, analyze(model), cluster)
     # On a mesh with pp > 1 what comes back is another module (a PipelineModel: model.step).
+    # plan="auto" prices its candidates on one rank's batch: its shapes, as the loop makes it.
+    example = example_batch(job, cluster) if job.parallel.plan == "auto" else None
     model, opt = parallelize(model, opt, job.parallel, groups=session.groups, cluster=cluster,
-                             traffic=traffic, log=session.rank == 0)
+                             traffic=traffic, log=session.rank == 0, example_inputs=example)
     session.mesh = getattr(model._tilework_engine, "mesh", None)
     return model, opt
 
