@@ -4,8 +4,10 @@ A native crash is a bug until its cause is found (DEVELOPERS.md): this runs a ta
 times while other processes keep every core busy, keeps each run's output and any core file,
 and prints a backtrace of every thread of each core (gdb), so a rare abort can be read.
 
-    python bench/soak.py --runs 200                       # tests/test_early_push.py, 2 busy loops
-    python bench/soak.py --runs 50 --target "tests/test_early_push.py tests/test_prefetch.py"
+    python bench/soak.py --runs 200                       # tests/parallel/rows/test_early_push.py,
+                                                          # 2 busy loops
+    python bench/soak.py --runs 50 \
+        --target "tests/parallel/rows/test_early_push.py tests/parallel/rows/test_prefetch.py"
     python bench/soak.py --runs 20 --target hosts          # bench/sparse_step.py on 2 emulated
                                                            # hosts (root, network namespaces)
     python bench/soak.py --runs 100 --target hosts --systems hybrid-ahead hybrid   # ours alone
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Two-rank runs of the paths that talk most: the servers' pull and the push leaving early
 # (an asynchronous all-to-all on its own group beside the dense buckets), with clipping and
 # accumulation. About 10 s a run on an idle 2-core machine.
-DEFAULT_TARGET = "tests/test_early_push.py"
+DEFAULT_TARGET = "tests/parallel/rows/test_early_push.py"
 CRASH_MARKS = re.compile(r"Segmentation fault|core dumped|SIGABRT|SIGSEGV|SIGBUS|signal 6|"
                          r"signal 11|terminate called|tcache|double free|corrupted|"
                          r"free\(\): invalid|malloc\(\)|stack smashing")

@@ -1,5 +1,5 @@
 """Single-device training-loop patterns, run unchanged by one plain process, by
-DistributedDataParallel and by tilework's modes (used by tests/test_ddp_semantics.py).
+DistributedDataParallel and by tilework's modes (used by tests/runtime/test_ddp_semantics.py).
 
 `run_patterns(system, optimizer, names, rank, world_size)` builds a fresh tiny model per pattern
 (a 40x4 sparse nn.Embedding, a 30x4 sparse nn.EmbeddingBag, two small Linear layers; same seed

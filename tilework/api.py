@@ -109,7 +109,7 @@ def plan(model: nn.Module, config: ParallelConfig | None = None, cluster: Cluste
     cluster or topology it plans for the world this process is part of (inside an
     initialised process group), else for tp x pp x cp ranks on one host."""
     if cluster is None and topology is None:
-        topology = live_topology()
+        topology = live_topology(WorkerEnv.from_environ())   # a script's entry point
     return planner.plan(model, config, cluster, density, traffic, topology=topology)
 
 
@@ -122,7 +122,8 @@ def estimate_memory(model: nn.Module, config: ParallelConfig | None = None,
     plan it there."""
     from .estimate import estimate_memory as estimate
 
-    live = live_topology() if cluster is None and world_size is None else None
+    live = live_topology(WorkerEnv.from_environ()) if cluster is None and world_size is None \
+        else None   # a script's entry point
     if live is not None:
         cluster = Cluster(hosts=[Host(f"host{i}", len(h)) for i, h in enumerate(live.hosts)])
         if rank is None:

@@ -8,7 +8,7 @@ from tilework.bench.worker import SYSTEMS, TORCHREC_SYSTEMS
 
 def test_every_system_runs_one_step_on_one_host():
     systems = [s for s in SYSTEMS
-               if s not in TORCHREC_SYSTEMS]  # those: tests/test_torchrec_peer.py
+               if s not in TORCHREC_SYSTEMS]  # those: tests/bench/test_torchrec_peer.py
     results = [run_one("cnn", s, Setting("1 host", 1, None), steps=1, warmup=0, timeout=120)
                for s in systems]
     assert [r["system"] for r in results] == systems

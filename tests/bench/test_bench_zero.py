@@ -18,7 +18,7 @@ TINY = Shape(dim=32, layers=2, vocab=4096, seq=16, batch=2)
 
 
 def _bench():
-    path = Path(__file__).resolve().parent.parent / "bench" / "zero_memory.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "zero_memory.py"
     spec = importlib.util.spec_from_file_location("zero_memory_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -11,7 +11,7 @@ import pytest
 
 
 def _soak():
-    path = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
     spec = importlib.util.spec_from_file_location("soak_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

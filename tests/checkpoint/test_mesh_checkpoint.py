@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import tilework
-from tests.test_mesh_parallelize import _steps, new_gpt, new_optimizer
+from tests.runtime.test_mesh_parallelize import _steps, new_gpt, new_optimizer
 from tilework.testing import spawn
 
 

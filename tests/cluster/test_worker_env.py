@@ -90,7 +90,7 @@ def test_the_cli_reports_a_bad_environment_in_one_line(tmp_path):
 # -- workers start through tilework.launch.worker --------------------------------------------------
 
 def test_train_launches_tilework_worker_with_the_checked_job(tmp_path, monkeypatch):
-    job_file = Path(__file__).parent.parent / "docs" / "examples" / "demo-job.toml"
+    job_file = Path(__file__).parents[2] / "docs" / "examples" / "demo-job.toml"
     started = []
     monkeypatch.setattr(launch, "run", lambda spec, args, verbose=False: started.append(args) or 0)
     assert cli.main(["train", str(job_file), "-n", "2", "--resume"]) == 0
@@ -116,7 +116,7 @@ def test_demo_launches_its_changed_job(monkeypatch):
 
 # -- only the entry points read the environment --------------------------------------------------
 
-ROOT = Path(__file__).parent.parent / "tilework"
+ROOT = Path(__file__).parents[2] / "tilework"
 # Modules that touch os.environ, and why: what the environment is read into, or what a child
 # inherits from it.
 ENVIRON_TOUCHED = {
@@ -133,7 +133,8 @@ READERS = {
     ("bench/worker.py", "main"), ("bench/comm_prediction.py", "main"),
     # A user's script calls these bare: they are its entry points into tilework. tilework's
     # own callers pass the WorkerEnv they read.
-    ("api.py", "parallelize"), ("comm/groups.py", "init_from_env"),
+    ("api.py", "parallelize"), ("api.py", "plan"), ("api.py", "estimate_memory"),
+    ("comm/groups.py", "init_from_env"),
     ("comm/groups.py", "build_groups"),
 }
 

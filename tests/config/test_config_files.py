@@ -49,7 +49,7 @@ def test_cluster_file_parses(tmp_path):
     ("[[hosts]]\nprocs = 1\n", "hosts[0].name", "missing"),
     ("hosts = []\n", "hosts", "at least one"),
     ("hosts = [\n", "", "not valid TOML"),
-    # found by tests/test_fuzz_inputs.py
+    # found by tests/config/test_fuzz_inputs.py
     (GOOD.replace('latency_us = 2.0', 'latency_us = inf'), "links.inter.latency_us",
      "expected a finite number, got inf"),
     (GOOD.replace('bandwidth_gbps = 100.0', 'bandwidth_gbps = nan'), "links.inter.bandwidth_gbps",

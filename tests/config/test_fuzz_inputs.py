@@ -34,7 +34,7 @@ from tilework.errors import ConfigError, PlanError
 from tilework.report.job import report
 from tilework.train.job import Job, LMJob
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples"
 CLUSTER_EXAMPLES = [EXAMPLES / "demo-2hosts.toml", EXAMPLES / "parallax-testbed.toml"]
 JOB_EXAMPLES = [EXAMPLES / "demo-job.toml", EXAMPLES / "lm1b.toml", ROOT / "tilework" / "demo.toml"]

@@ -89,7 +89,7 @@ def test_run_names_the_failed_rank(tmp_path):
     (["train", "nope.toml"], "nope.toml: file not found"),
     (["bogus"], "invalid choice"),
     (["demo", "--steps", "0"], "--steps: expected at least 1"),
-    # found by tests/test_fuzz_inputs.py
+    # found by tests/config/test_fuzz_inputs.py
     (["run", "-n", "2", "x" * 5000], "script not found"),  # not OSError: file name too long
     (["run", "--hosts", "", "x.py"], ".: not a file"),  # not local_spec(None)
     (["plan", "--job", "a\nb.toml", "--cluster", "c.toml"], "a\\nb.toml: file not found"),

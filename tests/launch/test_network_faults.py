@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults import JOB
-from tests.test_netns import needs_netns, no_leftovers  # noqa: F401 - a fixture, used by name
+from tests.bench.test_netns import needs_netns, no_leftovers  # noqa: F401 - a fixture, used by name
+from tests.launch.test_faults import JOB
 from tilework.bench.netns import (
     EmulatedCluster,
     LinkShape,
@@ -31,7 +31,7 @@ from tilework.checkpoint import file as checkpoint
 from tilework.launch import launcher as launch
 from tilework.launch.faults import LOST_PEER_EXIT, worker_failure
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RDZV_PORT = 29500  # free: nothing else runs in the namespaces a test has just made
 # How long after its collectives time out a host's command may take to exit: the agent notices
 # its failed workers (0.5 s monitor interval), gives the rendezvous host up to SHUTDOWN_WAIT_S

@@ -144,7 +144,7 @@ def test_tilework_plan_cli(tmp_path):
     import subprocess
     import sys
 
-    root = __import__("pathlib").Path(__file__).parent.parent / "docs" / "examples"
+    root = __import__("pathlib").Path(__file__).parents[2] / "docs" / "examples"
     r = subprocess.run([sys.executable, "-m", "tilework", "plan", "--job", str(root / "lm1b.toml"),
                         "--cluster", str(root / "parallax-testbed.toml"), "--json"],
                        capture_output=True, text=True, timeout=120)
@@ -187,7 +187,7 @@ def test_the_plan_printed_by_tilework_plan_never_cuts_a_name():
     from tilework.report.tables import print_report
     from tilework.train.job import Job
 
-    examples = Path(__file__).parent.parent / "docs" / "examples"
+    examples = Path(__file__).parents[2] / "docs" / "examples"
     out = report(Job.load(examples / "demo-job.toml"), Cluster.load(examples / "demo-2hosts.toml"))
     out["params"][0]["name"] = LONG_NAME
     console = _narrow_console()

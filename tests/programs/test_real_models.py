@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import tilework
+from tests.real_models import FusedLM, NanoGPT, have_transformers, hf_llama, lm_batch
 from tilework.checkpoint import file as checkpoint
 from tilework.testing import spawn
-
-from .real_models import FusedLM, NanoGPT, have_transformers, hf_llama, lm_batch
 
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 8, 64
 TOL = 1e-4

@@ -12,7 +12,7 @@ except ImportError:   # Python 3.10
 
 import tilework
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_declared_floor_is_the_checked_one():

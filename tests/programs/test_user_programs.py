@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SGD_TOL, ADAMW_TOL = 1e-5, 1e-4
 
 

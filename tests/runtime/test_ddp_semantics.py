@@ -12,13 +12,13 @@ Data: each global batch holds 8 rows; rank r takes its contiguous half; the refe
 whole batch and the mean loss over it (= the mean of the ranks' means: halves are equal).
 
 Tolerances, relative to each tensor's (or loss/norm sequence's) largest magnitude, as in
-tests/test_equivalence.py: SGD 1e-5 (the ranks' sums only reorder the reference's); Adagrad and
-Adam 1e-4 (their division by a running norm amplifies the last-bit differences of reordered sums
-in rarely touched rows). Adam's sparse tables are lazy (torch.optim.SparseAdam) in the reference
-and under DDP (optim.for_model's split), as tilework's servers apply a torch.optim.Adam's rule to
-its tables; in mode "allreduce" tables are all-reduced and get dense Adam, so that reference has
-dense tables. Clipping's reference is torch's formula with a sparse gradient's norm that of its
-coalesced rows (torch's clip functions refuse sparse gradients).
+tests/parallel/data/test_equivalence.py: SGD 1e-5 (the ranks' sums only reorder the reference's);
+Adagrad and Adam 1e-4 (their division by a running norm amplifies the last-bit differences of
+reordered sums in rarely touched rows). Adam's sparse tables are lazy (torch.optim.SparseAdam) in
+the reference and under DDP (optim.for_model's split), as tilework's servers apply a
+torch.optim.Adam's rule to its tables; in mode "allreduce" tables are all-reduced and get dense
+Adam, so that reference has dense tables. Clipping's reference is torch's formula with a sparse
+gradient's norm that of its coalesced rows (torch's clip functions refuse sparse gradients).
 
 One spawn per (system, optimizer) runs every pattern in turn on fresh models (spawn costs 1-2 s
 a call); a pattern that fails is reported by its own test.

@@ -22,8 +22,8 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 import tilework
-from tests.test_equivalence import assert_same
-from tests.test_memory import _measure
+from tests.estimate.test_memory import _measure
+from tests.parallel.data.test_equivalence import assert_same
 from tilework import ParallelConfig
 from tilework.bench.workloads import WORKLOADS
 from tilework.errors import ConfigError, PlanError

@@ -220,7 +220,7 @@ def torchrec_bytes(sharding: str, batch_per_rank: int, dims: list[int], dense_by
     feature), then its ids and their lengths (8 bytes each) to each table's owner; as an
     owner, every other rank's pooled rows (batch x dim fp32) back; their gradients to the owner
     in backward; and the DDP ring all-reduce of the dense layers and of any data-parallel
-    table. Equal to torchrec_peer.ByteCounter's count (tests/test_comm_prediction.py). Tables
+    table. Equal to torchrec_peer.ByteCounter's count (tests/bench/test_comm_prediction.py). Tables
     sharded another way are refused: the model has no term for them."""
     owners = torchrec_owners(sharding)
     sent = [float((n - 1) * len(dims) * 8)] * n

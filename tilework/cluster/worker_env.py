@@ -5,7 +5,7 @@
 
 torchrun, `tilework run` and the benchmarks describe each worker with environment variables
 (RANK, WORLD_SIZE, LOCAL_RANK, ...; `tilework run --timeout` adds TILEWORK_TIMEOUT_S). Only the
-entry points read them (tests/test_worker_env.py checks which modules touch os.environ);
+entry points read them (tests/cluster/test_worker_env.py checks which modules touch os.environ);
 everything below receives a `WorkerEnv` or the values from it, so that a bad value fails once,
 in one line naming the variable, not as a ValueError deep inside a worker.
 """

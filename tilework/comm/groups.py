@@ -90,15 +90,14 @@ def discover_topology(world: dist.ProcessGroup, group_rank: int | None = None) -
     return Topology.from_host_ids(hosts)
 
 
-def live_topology() -> Topology | None:
+def live_topology(env: WorkerEnv) -> Topology | None:
     """The world this process is a rank of, without a collective: inside an initialised
     process group, its size, its hosts of torchrun's LOCAL_WORLD_SIZE ranks each (one host
     where that does not divide it); None outside one."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.get_world_size()
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    per_host = int(local) if local.isdigit() and int(local) > 0 else world
+    per_host = env.local_world_size if env.launched else world
     if world % per_host:
         per_host = world
     return Topology.uniform(world // per_host, per_host)

@@ -61,7 +61,8 @@ STATE_PER_ELEMENT = {"sgd": 0, "sgd-momentum": 1, "adagrad": 1, "adam": 2, "adam
 STEP_COUNTER_BYTES = {"adagrad": 4, "adam": 4, "adamw": 4, "rmsprop": 4}
 
 # The servers' row-wise step (optim/rowwise.py) on R rows allocates R x row bytes this many
-# times over, beside the rows' summed gradient it is given (measured, tests/test_memory.py).
+# times over, beside the rows' summed gradient it is given (measured:
+# tests/estimate/test_memory.py).
 # Tables run Adam lazily (SparseAdam's arithmetic); a dense parameter on the servers (mode="ps")
 # runs Adam's, one copy more.
 ROW_STEP_COPIES = {"adagrad": 2, "adam": 6, "adamw": 6, "sparseadam": 6}

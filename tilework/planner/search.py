@@ -133,13 +133,19 @@ def price(model: nn.Module, config: ParallelConfig, cluster: Cluster, example_in
     found = price_step(model, config, cluster, example_inputs, flops_per_s, traffic,
                        message_overhead_s, replica)
     return price_memory(model, found, cluster, example_inputs, optimizer, budget_bytes,
-                        replica)
+                        replica, traffic)
 
 
 def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
                example_inputs: tuple, flops_per_s: float, traffic: dict | None = None,
-               message_overhead_s: float = 0.0, replica: bool = False) -> Candidate:
-    """The plan and its predicted step, memory not yet estimated."""
+               message_overhead_s: float = 0.0, replica: bool = False,
+               cache: dict | None = None) -> Candidate:
+    """The predicted step, memory not yet estimated. A data-parallel candidate is planned and
+    priced by `estimate(plan)`; a mesh candidate by the step model `estimate(plan)` prices a
+    mesh plan with (estimate/step.predict, on the config the plan would say it runs under),
+    its plan made when its memory is priced: the step does not read the placements, and most
+    candidates never get that far. `cache`: the search's, shared by candidates whose step
+    cannot differ (ZeRO 0-2 and their scope move the same bytes)."""
     from ..estimate.plan_cost import estimate
     from . import plan as make_plan
 
@@ -150,6 +156,17 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
     if config.pp > 1 and batch % config.microbatches:
         return Candidate(config, None, f"each replica's {batch} sequences do not split into "
                                        f"{config.microbatches} microbatches", {"dp_size": dp})
+    if config.model_parallel:
+        cache = {} if cache is None else cache
+        key = repr(dataclasses.replace(config, zero=3 if config.zero == 3 else 0,
+                                       zero_scope="world", offload="none"))
+        if key not in cache:
+            cache[key] = predict(model, config, cluster, batch, inputs[0].shape[1], flops_per_s,
+                                 message_overhead_s=message_overhead_s)
+        found = cache[key]
+        if found.step_s is None:
+            return Candidate(config, None, found.why, {"dp_size": dp})
+        return Candidate(config, found.step_s, "", dict(found.parts) | {"dp_size": dp})
     try:
         plan = make_plan(model, config, cluster, traffic=traffic)
         cost = estimate(plan, cluster, model, inputs, traffic=traffic, flops=flops_per_s,
@@ -163,18 +180,22 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
 
 def price_memory(model: nn.Module, found: Candidate, cluster: Cluster, example_inputs: tuple,
                  optimizer="adam", budget_bytes: float | None = None,
-                 replica: bool = False) -> Candidate:
-    """A priced candidate's memory on every rank, refused where a peak is over its budget."""
+                 replica: bool = False, traffic: dict | None = None) -> Candidate:
+    """A priced candidate's plan (if not made yet) and memory on every rank, refused where the
+    plan cannot be made or a peak is over its budget."""
     from ..estimate.plan_memory import plan_memory
+    from . import plan as make_plan
 
     if found.step_s is None:
         return found
-    config, plan = found.config, found.parts["plan"]
+    config = found.config
     ways = config.tp * config.pp * config.cp
     inputs = tuple(example_inputs) if replica else _replica_inputs(example_inputs, ways)
     try:
+        plan = found.parts.get("plan") or make_plan(model, config, cluster, traffic=traffic)
         memory = plan_memory(model, plan, inputs, optimizer)
-    except (PlanError, ValueError) as e:   # stages the memory estimate cannot cut yet
+    except (PlanError, ValueError) as e:   # a layout that does not split; stages the memory
+        # estimate cannot cut yet
         return Candidate(config, None, str(e), {"dp_size": found.parts["dp_size"]})
     budget = _budget(cluster, budget_bytes)
     over = next((e for e in memory if budget[e.rank] is not None and e.peak > budget[e.rank]),
@@ -186,7 +207,7 @@ def price_memory(model: nn.Module, found: Candidate, cluster: Cluster, example_i
                          {"dp_size": found.parts["dp_size"], "peak_bytes": over.peak,
                           "predicted_step_s": found.step_s})
     return dataclasses.replace(found, parts=found.parts | {
-        "peak_bytes": max(e.peak for e in memory)})
+        "peak_bytes": max(e.peak for e in memory), "plan": plan})
 
 
 def _replica_inputs(inputs: tuple, ways: int) -> tuple:
@@ -219,13 +240,15 @@ def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_
     Those not examined have no "peak_bytes" in their parts."""
     base = base or ParallelConfig()
     space = space or Space()
+    cache: dict = {}
     priced = sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
-                                message_overhead_s)
+                                message_overhead_s, cache=cache)
                      for c in configs(base, space, cluster, _layers(model))), key=_order)
     out, fits = [], 0
     for c in priced:
         if c.step_s is not None and (every or fits < 2):
-            c = price_memory(model, c, cluster, example_inputs, optimizer, budget_bytes)
+            c = price_memory(model, c, cluster, example_inputs, optimizer, budget_bytes,
+                             traffic=traffic)
             fits += c.step_s is not None
         out.append(c)
     return sorted(out, key=_order)

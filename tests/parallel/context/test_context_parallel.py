@@ -2,7 +2,7 @@
 backward vs F.scaled_dot_product_attention, the reference GPT trained at cp=2 and dp2 x cp2,
 counted bytes vs the cost functions, and what is refused by name.
 
-    .venv/bin/python -m pytest -p no:warnings tests/test_context_parallel.py -q
+    .venv/bin/python -m pytest -p no:warnings tests/parallel/context/test_context_parallel.py -q
 """
 
 from __future__ import annotations

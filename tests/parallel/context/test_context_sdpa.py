@@ -8,7 +8,7 @@ Every cp rank gets the whole batch; cp cuts each sequence into its load-balanced
 mean of the two ranks' losses is one process's loss. Tolerance 1e-4 relative to each tensor's
 largest magnitude (AdamW; the ring's block sums run in another order than SDPA's).
 
-    .venv/bin/python -m pytest -p no:warnings tests/test_context_sdpa.py -q
+    .venv/bin/python -m pytest -p no:warnings tests/parallel/context/test_context_sdpa.py -q
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tilework
+from tests.real_models import NanoGPT, have_transformers, hf_llama, lm_batch
 from tilework.errors import PlanError
 from tilework.testing import spawn
-
-from .real_models import NanoGPT, have_transformers, hf_llama, lm_batch
 
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 8, 64
 TOL = 1e-4
@@ -180,7 +179,8 @@ def test_trains_as_one_process_at_cp2(family, two_ranks):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("mask", r"^attn: F\.scaled_dot_product_attention at tests/test_context_sdpa\.py:\d+ "
+    # the call site names the file by its folder and name (sdpa.py's call_site)
+    ("mask", r"^attn: F\.scaled_dot_product_attention at context/test_context_sdpa\.py:\d+ "
              r"\(forward\) \(ring attention over cp=2\): this \(4, 4\) torch\.bool attn_mask is "
              r"neither causal nor empty.*pass is_causal=True or no mask"),
     ("dropout", r"^attn: F\.scaled_dot_product_attention at .*: dropout_p=0\.1 .*set the "

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tilework
-from tests.test_lookups import TABLES, Recommender, _one_process_losses, batch
+from tests.parallel.rows.test_lookups import TABLES, Recommender, _one_process_losses, batch
 from tilework.cluster.topology import Topology
 from tilework.comm import build_groups
 from tilework.comm.wire import CHECK_WORDS, RIDE_BYTES, bucket_rides_push, ring_allreduce_bytes

@@ -182,7 +182,7 @@ def test_unparallelize_after_stage_3_gives_back_the_plain_model():
 def test_counted_bytes_by_stage():
     """What one step sends per rank, by stage, on 2 ranks: stage 1 adds an all-gather to DDP's
     all-reduce; 2 is DDP's bytes (a reduce-scatter and an all-gather); 3 adds a gather per
-    block unit (the counters equal the cost model exactly: tests/test_cost.py)."""
+    block unit (the counters equal the cost model exactly: tests/estimate/test_cost.py)."""
     sent = {}
     for zero in (0, 1, 2, 3):
         results = spawn(_rank, 2, args=(zero, "sgd", {"check_inputs": False}), timeout=120)

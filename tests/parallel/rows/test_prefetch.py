@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import tilework
-from tests.test_hot_rows import Model as HotModel
-from tests.test_hot_rows import batch as hot_batch
-from tests.test_hot_rows import hot_plan
-from tests.test_lookups import TABLES, Recommender, _one_process_losses, batch
+from tests.parallel.rows.test_hot_rows import Model as HotModel
+from tests.parallel.rows.test_hot_rows import batch as hot_batch
+from tests.parallel.rows.test_hot_rows import hot_plan
+from tests.parallel.rows.test_lookups import TABLES, Recommender, _one_process_losses, batch
 from tilework.cluster.topology import Topology
 from tilework.errors import PlanError
 from tilework.estimate.cost import ps_step_bytes

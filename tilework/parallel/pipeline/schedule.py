@@ -15,6 +15,7 @@ for). Pure: no torch.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -302,8 +303,11 @@ def split_backward(schedule: Schedule) -> Schedule:
 BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
 
 
+@functools.lru_cache(maxsize=256)
 def build(name: str, pp: int, m: int, v: int = 2) -> Schedule:
-    """A schedule by name ("gpipe", "1f1b", "interleaved" with v stages per rank), validated."""
+    """A schedule by name ("gpipe", "1f1b", "interleaved" with v stages per rank), validated.
+    Schedules are frozen values, so each is built and validated once (the planner's search
+    asks for the same ones for many candidates)."""
     if name not in BUILDERS:
         raise ValueError(f"unknown schedule {name!r} (expected one of {', '.join(BUILDERS)})")
     schedule = interleaved_1f1b(pp, m, v) if name == "interleaved" else BUILDERS[name](pp, m)

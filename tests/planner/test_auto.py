@@ -1,0 +1,258 @@
+"""plan="auto": the search over every dimension chooses right where the numbers force the
+answer, each role of it works alone, and a program parallelized with plan="auto" trains as one
+process does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import tilework
+from tilework import ParallelConfig
+from tilework.cluster.topology import Cluster, Host, Link, Links
+from tilework.estimate import estimate_memory
+from tilework.models.gpt import TinyGPT
+from tilework.planner.search import Space, auto, choose, configs, label, price, search
+
+RATE = 1e10   # FLOP/s per rank: the same for every candidate, so only the plans differ
+
+
+def gpt(layers: int = 4, dim: int = 64, vocab: int = 512) -> TinyGPT:
+    with torch.device("meta"):
+        return TinyGPT(vocab=vocab, dim=dim, heads=4, layers=layers, seq_len=16)
+
+
+def tokens(batch: int = 2, seq: int = 16):
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    return ids, ids
+
+
+def test_enumerate_covers_the_space_and_keeps_the_rest_of_the_config():
+    cluster = Cluster([Host("a", 2), Host("b", 2)])
+    found = configs(ParallelConfig(bucket_mb=5.0), Space(), cluster, layers=4)
+    # ZeRO 0, or 1-3 over the world or each host; recompute none or full
+    assert len(found) == (1 + 3 * 2) * 2
+    assert all(c.bucket_mb == 5.0 and c.tp == c.pp == c.cp == 1 for c in found)
+    assert {(c.zero, c.zero_scope) for c in found} >= {(0, "world"), (3, "host"), (1, "world")}
+    one_host = configs(ParallelConfig(), Space(), Cluster([Host("a", 4)]), layers=4)
+    assert {c.zero_scope for c in one_host} == {"world"}   # a host scope is the world there
+    piped = configs(ParallelConfig(), Space(axes=("pp",), zero=(), recompute=()), cluster,
+                    layers=4)
+    assert {(c.pp, c.microbatches) for c in piped} == {(1, None), (2, 2), (2, 4), (2, 8),
+                                                        (4, 4), (4, 8), (4, 16)}
+
+
+def test_a_tiny_model_stays_plain_data_parallel():
+    """Nothing to save: ZeRO-3 and recompute only cost, ZeRO-1 and 2 tie with plain data
+    parallelism in the step and the simpler plan wins."""
+    choice = auto(gpt(), ParallelConfig(plan="auto"), Cluster([Host("a", 2), Host("b", 2)]),
+                  tokens(), RATE)
+    chosen = choice.chosen.config
+    assert (chosen.zero, chosen.recompute, chosen.tp, chosen.pp, chosen.cp) == \
+        (0, "none", 1, 1, 1)
+    assert choice.runner_up is not None and "runner-up" in choice.why()
+
+
+def _peak(config: ParallelConfig, model, inputs, cluster) -> float:
+    return max(estimate_memory(model, config, inputs, cluster, rank=r).peak
+               for r in range(cluster.world_size))
+
+
+def test_a_model_too_large_for_a_rank_gets_zero_3():
+    """Memory between ZeRO-3's peak and ZeRO-2's: every lower stage is refused by its peak,
+    ZeRO-3 is chosen (paper 4's pruning: 80% of the memory is the budget)."""
+    model, inputs = gpt(layers=4, dim=256, vocab=4096), tokens(batch=1)
+    cluster = Cluster([Host("a", 4)])
+    stage2, stage3 = (_peak(ParallelConfig(zero=z), model, inputs, cluster) for z in (2, 3))
+    assert stage3 < stage2
+    memory_gb = (stage3 + stage2) / 2 / 0.8 / 1e9
+    tight = Cluster([Host("a", 4, memory_gb=memory_gb)])
+    found = search(model, tight, inputs, RATE, space=Space(recompute=("none",)), every=True)
+    chosen = choose(found).chosen
+    assert chosen.config.zero == 3
+    for c in found:
+        if c.config.zero < 3:
+            assert c.step_s is None and "exceeds its budget" in c.why, label(c)
+
+
+def test_recompute_is_chosen_when_only_it_fits():
+    """Activations dominate (a long batch, few parameters): only recompute fits."""
+    model, inputs = gpt(layers=4, dim=64, vocab=256), tokens(batch=64)
+    cluster = Cluster([Host("a", 2)])
+    plain = _peak(ParallelConfig(zero=3), model, inputs, cluster)
+    full = _peak(ParallelConfig(zero=0, recompute="full"), model, inputs, cluster)
+    assert full < plain
+    tight = Cluster([Host("a", 2, memory_gb=(full + plain) / 2 / 0.8 / 1e9)])
+    chosen = auto(model, ParallelConfig(plan="auto"), tight, inputs, RATE).chosen
+    assert chosen.config.recompute == "full"
+
+
+def test_a_slow_link_between_hosts_puts_the_pipeline_across_them_and_tp_inside():
+    """With pp opted in (pp="auto"): across a slow link only a pipeline's activations should
+    cross it, tp staying inside each host; with fast links the step stays data parallel."""
+    model, inputs = gpt(layers=4, dim=64), tokens(batch=4)
+    config = ParallelConfig(plan="auto", tp="auto", pp="auto")
+    fast = auto(model, config, Cluster([Host("a", 2), Host("b", 2)],
+                                       links=Links(inter=Link(100.0, 5.0))), inputs, 1e11)
+    slow = auto(model, config, Cluster([Host("a", 2), Host("b", 2)],
+                                       links=Links(inter=Link(0.1, 500.0))), inputs, 1e11)
+    assert fast.chosen.config.pp == 1
+    best = slow.chosen
+    assert (best.config.pp, best.config.tp) == (2, 2)
+    assert best.parts["pp_between_hosts"] and not best.parts["dp_between_hosts"]
+
+
+def test_a_sparse_table_goes_to_the_servers():
+    """A large embedding whose gradient touches few rows: the chosen plan serves it."""
+    from tilework.estimate.cost import TableTraffic
+    from tilework.models.recommender import DLRM
+
+    with torch.device("meta"):
+        model = DLRM([200_000, 50], embed_dim=16, sparse=True)
+    cluster = Cluster([Host("a", 2), Host("b", 2)], links=Links(inter=Link(1.0, 50.0)))
+    inputs = (torch.zeros(8, 8), torch.zeros(8, 2, dtype=torch.long), torch.zeros(8))
+    topology = cluster.topology()
+    traffic = {"tables.0.weight": TableTraffic.zipf(200_000, 8, topology),
+               "tables.1.weight": TableTraffic.zipf(50, 8, topology)}
+    choice = auto(model, ParallelConfig(plan="auto"), cluster, inputs, RATE, traffic=traffic)
+    placed = {p.name: p.method for p in choice.chosen.parts["plan"].params}
+    assert placed["tables.0.weight"] == "ps"
+
+
+def test_price_refuses_what_cannot_run_and_says_why():
+    model, inputs = gpt(layers=2), tokens(batch=2)
+    cluster = Cluster([Host("a", 4)])
+    three = price(model, ParallelConfig(pp=4, microbatches=4), cluster, inputs, RATE)
+    assert three.step_s is None and three.why
+    odd = price(model, ParallelConfig(pp=2, microbatches=3), cluster, inputs, RATE)
+    assert odd.step_s is None and "microbatches" in odd.why
+
+
+def test_plan_auto_needs_example_inputs_said_in_one_line():
+    model = nn.Linear(4, 4)
+    with pytest.raises(tilework.errors.PlanError, match="example_inputs"):
+        tilework.parallelize(model, torch.optim.SGD(model.parameters(), 0.1), plan="auto",
+                             log=False)
+
+
+def test_auto_axes_need_plan_auto():
+    with pytest.raises(Exception, match="plan='auto'"):
+        ParallelConfig(tp="auto")
+    c = ParallelConfig(plan="auto", pp="auto")
+    assert (c.pp, c.auto_axes) == (1, ["pp"])
+    assert dataclasses.replace(c, zero=1).auto_axes == ["pp"]
+
+
+# -- live: 2 gloo ranks ----------------------------------------------------------------------
+
+BATCH, SEQ, VOCAB = 4, 8, 64
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=VOCAB, dim=32, heads=4, layers=2, seq_len=SEQ)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(3)]
+
+
+def _optimizer(model):
+    # SGD: Adam would turn the float noise of gradients that are zero in exact arithmetic
+    # (attention's key bias) into whole steps, in one process and in any parallel run alike.
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _one_process():
+    model = _model()
+    opt = _optimizer(model)
+    losses = []
+    for b in _batches():
+        loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _suite(rank, world_size):
+    """plan='auto' under a memory budget plain data parallelism misses: ZeRO-3 is chosen."""
+    model = _model()
+    opt = _optimizer(model)
+    half = BATCH // world_size
+    batches = [b[rank * half:(rank + 1) * half] for b in _batches()]
+    example = (batches[0][:, :-1], batches[0][:, 1:])
+    plain = max(tilework.estimate_memory(model, ParallelConfig(), example, rank=r,
+                                         optimizer=opt).peak
+                for r in range(world_size))
+    zero3 = max(tilework.estimate_memory(model, ParallelConfig(zero=3), example, rank=r,
+                                         optimizer=opt).peak
+                for r in range(world_size))
+    gb = (plain + zero3) / 2 / 0.8 / 1e9   # 80% of it between ZeRO-3's peak and plain's
+    model, opt = tilework.parallelize(model, opt, plan="auto", example_inputs=example,
+                                      cluster=Cluster([Host("h", world_size, memory_gb=gb)]),
+                                      log=False)
+    losses = []
+    for b in batches:
+        loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    engine = model._tilework_engine
+    mean = []
+    for loss in losses:   # each rank's mean over its half: the global mean is their mean
+        torch.distributed.all_reduce(loss)
+        mean.append(loss.item() / world_size)
+    fresh = _model()
+    return {"zero": max((p.zero for p in engine.plan.params), default=0), "losses": mean,
+            "state": {k: v.clone() for k, v in tilework.state_dict(model, opt)["model"].items()},
+            "live_plan_world": tilework.plan(fresh, ParallelConfig(zero=1)).world_size,
+            "live_estimate": tilework.estimate_memory(fresh, ParallelConfig(zero=1), example),
+            "two_ranks_estimate": tilework.estimate_memory(
+                fresh, ParallelConfig(zero=1), example, Cluster([Host("h", world_size)]),
+                rank=rank)}
+
+
+def test_plan_auto_chooses_zero3_under_a_tight_budget_and_trains_like_one_process(two_ranks):
+    losses, params = _one_process()
+    for got in two_ranks:
+        assert got["zero"] == 3
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        for k, v in params.items():
+            torch.testing.assert_close(got["state"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_tilework_plan_and_estimate_memory_inside_a_live_world_default_to_it(two_ranks):
+    """Inside an initialised process group, tilework.plan plans for the live world and
+    tilework.estimate_memory estimates this rank of it (not one rank alone, where ZeRO-1
+    would shard nothing)."""
+    for rank, got in enumerate(two_ranks):
+        assert got["live_plan_world"] == 2
+        assert got["live_estimate"] == got["two_ranks_estimate"]
+        assert got["live_estimate"].rank == rank
+
+
+def test_tilework_plan_auto_prints_the_choice_and_reports_its_plan():
+    import json
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "tilework", "plan", "--job", "docs/examples/gpt-mesh.toml",
+            "--world-size", "4", "--auto", "--gflops", "10"]
+    text = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    assert "plan='auto'" in text and "chose dp" in text and "runner-up" in text
+    out = json.loads(subprocess.run([*args, "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    chosen = out["auto"]["chosen"]
+    # The job gives pp=2 and tp=2 (not "auto"): they stay; the report is the chosen plan's.
+    assert "pp2" in chosen and "tp2" in chosen and out["auto"]["flops_per_s"] == 10e9
+    assert out["plan"]["world_size"] == 4
+    steps = [c["predicted_step_s"] for c in out["auto"]["candidates"]
+             if c["predicted_step_s"] is not None]
+    assert steps == sorted(steps)
