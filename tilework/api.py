@@ -149,18 +149,20 @@ def _config(config: ParallelConfig | None, options: dict) -> ParallelConfig:
 
 
 def _config_of_mesh_plan(config: ParallelConfig, plan: Plan) -> ParallelConfig:
-    """The config a plan with tp, pp or cp runs under: the plan's sizes, which a config that
-    names others contradicts."""
-    sizes = {axis: plan.mesh.size_of(axis) for axis in ("tp", "pp", "cp")}
+    """The config a plan with tp, pp or cp runs under: the plan's mesh, layout and schedule
+    (`plans.config_of`, the one reading of a plan), which a config naming other sizes
+    contradicts; the rest (input checks, bucket sizes the plan does not hold) the user's."""
+    from .plans.plan import config_of
+
+    ran = config_of(plan)
+    sizes = {axis: getattr(ran, axis) for axis in ("tp", "pp", "cp")}
     asked = {axis: getattr(config, axis) for axis in sizes}
     if config.model_parallel and asked != sizes:
         raise PlanError(f"plan=: the plan is for {sizes}, the config asks for {asked}")
-    parallel = plan.parallel
     return dataclasses.replace(
-        config, **sizes, sequence_parallel=parallel.sequence_parallel,
-        schedule=parallel.schedule or config.schedule,
-        microbatches=parallel.microbatches or config.microbatches,
-        stages_per_rank=parallel.stages_per_rank)
+        config, **sizes, sequence_parallel=ran.sequence_parallel, schedule=ran.schedule,
+        microbatches=ran.microbatches or config.microbatches,
+        stages_per_rank=ran.stages_per_rank)
 
 
 def _runtime(model):

@@ -1,0 +1,138 @@
+"""The planner's predictions against measured steps: every candidate plan="auto" would consider
+(dp x pp x cp x tp, ZeRO 0-3 and its scope, recompute, microbatches), run for real.
+
+    .venv/bin/python bench/planner_accuracy.py [--world 2] [--steps 5] [--out FILE] [--png FILE]
+
+The GPT of bench/mesh_search.py on `--world` gloo ranks on this machine (loopback). Every
+runnable candidate of tilework/planner/search.py is run through `tilework.parallelize` for
+`--steps` steps; its median step (barrier to the slowest rank's optimizer step, the first step
+dropped) is set beside `estimate(plan)`'s step, priced with what was measured in the same world
+first and never fitted to the steps (bench/mesh_search.py's way): the FLOP rate of one rank on
+the whole model, calibrate's all-reduce fit for the link, the per-message CPU overhead o.
+
+Prints the table, the median |predicted - measured| / measured, Kendall's tau between the
+predicted and measured orders, and where the plan the search chooses lands among the measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mesh_search as ms  # noqa: E402
+import torch  # noqa: E402
+
+from tilework.cluster.topology import Cluster, Host, Link, Links  # noqa: E402
+from tilework.models.gpt import TinyGPT  # noqa: E402
+from tilework.planner.search import Space, label, search  # noqa: E402
+from tilework.testing import spawn  # noqa: E402
+
+SPACE = Space(axes=("tp", "pp", "cp"), zero_scopes=("world",), microbatch_factors=(2,))
+
+
+def _options(config) -> dict:
+    out = {k: getattr(config, k) for k in ("tp", "pp", "cp") if getattr(config, k) > 1}
+    if config.pp > 1:
+        out["microbatches"] = config.microbatches
+    if config.zero:
+        out["zero"] = config.zero
+    if config.recompute != "none":
+        out["recompute"] = config.recompute
+    return out
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a between two lists of the same items' values."""
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            x, y = a[i] - a[j], b[i] - b[j]
+            s += (x * y > 0) - (x * y < 0)
+    return 2 * s / (n * (n - 1)) if n > 1 else 1.0
+
+
+def _priced(meta, cluster, world: int, rate: float, o: float = 0.0) -> list:
+    ids = torch.zeros(ms.BATCH // world, ms.SEQ, dtype=torch.long)
+    return [c for c in search(meta, cluster, (ids, ids), rate, "sgd", space=SPACE, every=True,
+                              message_overhead_s=o) if c.step_s is not None]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--png", type=Path)
+    a = ap.parse_args(argv)
+    with torch.device("meta"):
+        meta = TinyGPT(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ)
+    here = Cluster([Host("localhost", a.world)])
+    runnable = _priced(meta, here, a.world, 1e11)
+    got = spawn(ms._world, a.world, args=([_options(c.config) for c in runnable], a.steps),
+                timeout=3600)[0]
+    link = Link(*got["link"])
+    measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))
+    predicted = {label(c): c for c in _priced(meta, measured_here, a.world, got["flops"],
+                                              got["overhead_s"])}
+    rows = []
+    for c, steps in zip(runnable, got["steps"]):
+        p = predicted[label(c)]
+        measured = statistics.median(steps[1:])
+        rows.append({"plan": label(c), "predicted_ms": p.step_s * 1e3,
+                     "measured_ms": measured * 1e3, "error": abs(p.step_s - measured) / measured})
+    chosen = min(rows, key=lambda r: r["predicted_ms"])
+    fastest = min(rows, key=lambda r: r["measured_ms"])
+    summary = {
+        "plans": len(rows), "median_error": statistics.median(r["error"] for r in rows),
+        "kendall_tau": kendall_tau([r["predicted_ms"] for r in rows],
+                                   [r["measured_ms"] for r in rows]),
+        "chosen": chosen["plan"], "chosen_over_fastest": chosen["measured_ms"]
+        / fastest["measured_ms"], "fastest": fastest["plan"], "flops": got["flops"],
+        "link": got["link"], "overhead_s": got["overhead_s"], "world": a.world}
+    print(f"{a.world} ranks on loopback: FLOP/s per rank {got['flops']:.3g}, link "
+          f"{link.bandwidth_gbps:.3g} Gb/s {link.latency_us:.0f} us, o "
+          f"{got['overhead_s'] * 1e3:.2f} ms")
+    print("| plan | predicted ms | measured ms | error |\n|---|---:|---:|---:|")
+    for r in sorted(rows, key=lambda r: r["measured_ms"]):
+        print(f"| {r['plan']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
+              f"{r['error'] * 100:.0f}% |")
+    print(f"{summary['plans']} plans: median error {summary['median_error'] * 100:.1f}%, "
+          f"Kendall's tau {summary['kendall_tau']:.2f}; chosen {summary['chosen']} measured "
+          f"{(summary['chosen_over_fastest'] - 1) * 100:.1f}% over the fastest "
+          f"({summary['fastest']})")
+    if a.out:
+        a.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    if a.png:
+        _plot(rows, summary, a.png)
+    return 0
+
+
+def _plot(rows: list[dict], summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    xs = [r["measured_ms"] for r in rows]
+    ys = [r["predicted_ms"] for r in rows]
+    ax.scatter(xs, ys, s=14)
+    top = max(xs + ys) * 1.05
+    ax.plot([0, top], [0, top], lw=0.8, color="grey")
+    ax.set_xlabel("measured step (ms)")
+    ax.set_ylabel("predicted step (ms)")
+    ax.set_title(f"{summary['plans']} plans, {summary['world']} ranks: median error "
+                 f"{summary['median_error'] * 100:.0f}%, tau {summary['kendall_tau']:.2f}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
