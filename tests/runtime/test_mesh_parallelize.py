@@ -165,7 +165,10 @@ FOUR = [{"cp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches
         {"tp": 2, "pp": 2, "microbatches": 2},
         {"tp": 2, "pp": 2, "microbatches": 2, "sequence_parallel": True},
         {"tp": 2, "zero": 1}, {"tp": 2, "zero": 3},
-        SERVED_TOKENS]
+        SERVED_TOKENS,
+        # ZeRO-3 on pipeline stages: each block gathered by its own forward as the stage
+        # calls it (the whole model's units), the stage's ends as the part's own unit.
+        {"pp": 2, "microbatches": 2, "zero": 3}, {"pp": 2, "microbatches": 2, "zero": 2}]
 EIGHT = [{"tp": 2, "pp": 2, "microbatches": 2}]
 # Context parallelism with the other axes: ring attention on tp's heads; on pipeline stages.
 CP_MIXED = [{"cp": 2, "tp": 2}, {"cp": 2, "pp": 2, "microbatches": 2}]

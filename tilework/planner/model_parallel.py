@@ -21,7 +21,7 @@ from ..comm.counted import Stats
 from ..config.parallel import ParallelConfig
 from ..errors import PlanError
 from ..estimate.meta_forward import on_meta
-from ..plans.analysis import recompute_choices
+from ..plans.analysis import owning_units, recompute_choices
 from ..plans.plan import ParallelPlan, ParamPlan, Plan
 from . import tables
 
@@ -68,9 +68,15 @@ def plan_part(model: nn.Module, part: nn.Module, config: ParallelConfig, topolog
     """The data-parallel plan of `part` (the model, or a pipeline rank's part) over a dp group
     of `topology`. The repeated blocks are found in the whole model (in a part they are no
     longer a ModuleList); a part recomputes those it holds."""
-    plan = tables.plan(part, _flat(config), cluster, density, traffic, topology=topology)
     if part is model:
-        return plan
+        return tables.plan(part, _flat(config), cluster, density, traffic, topology=topology)
+    # A part's blocks are no longer a ModuleList: ZeRO-3's units (each block, gathered by its
+    # own forward as the stages call it) are the whole model's.
+    held = dict(part.named_parameters())
+    units = {n: u for n, u in owning_units(model).items() if n in held} \
+        if config.zero == 3 else None
+    plan = tables.plan(part, _flat(config), cluster, density, traffic, topology=topology,
+                       units=units)
     return dataclasses.replace(plan, recompute=tables.recompute_choices_in(model, part,
                                                                              config.recompute))
 

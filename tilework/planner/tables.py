@@ -36,7 +36,7 @@ def recompute_choices_in(model, part, recompute) -> tuple[tuple[str, str], ...]:
 def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = None,
          density: dict[str, float] | None = None,
          traffic: dict[str, TableTraffic] | None = None, *,
-         topology: Topology | None = None) -> Plan:
+         topology: Topology | None = None, units: dict[str, str] | None = None) -> Plan:
     """The plan for `model`: which parameter goes where. Pure, and the one planning path:
     `parallelize` calls it with the discovered topology, `tilework plan` with the cluster file.
 
@@ -44,7 +44,9 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
     `[links]`); `topology` (default: the cluster's, else one rank) overrides the ranks'
     placement, as `parallelize` passes the one it discovered. `density` is a measured
     touched-row fraction per dense-layout table; `traffic` the expected rows per step per table
-    (a job's model of its ids), with which hybrid mode chooses each table by cost.
+    (a job's model of its ids), with which hybrid mode chooses each table by cost. `units`:
+    ZeRO-3's units by parameter name, where they are not `model`'s own (a pipeline part's
+    blocks are found in the whole model).
     """
     config = config or ParallelConfig()
     if topology is None:
@@ -55,7 +57,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      config.local_aggregation, bucket_bytes(config.bucket_mb),
                      config.density_threshold, topology, links, traffic, zero=config.zero,
                      recompute=recompute_choices(model, config.recompute),
-                     units=owning_units(model) if config.zero == 3 else None,
+                     units=(units if units is not None else owning_units(model))
+                     if config.zero == 3 else None,
                      offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope)
 
 
