@@ -48,13 +48,25 @@ def _options(config) -> dict:
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
-    """Kendall's tau-a between two lists of the same items' values."""
-    n, s = len(a), 0
+    """Kendall's tau-b (scipy.stats.kendalltau's default): concordant minus discordant pairs
+    over the pairs not tied in each list; the prediction ties plans whose step it cannot tell
+    apart (ZeRO 0-2 of one mesh move the same bytes)."""
+    n, concordant, discordant, tied_a, tied_b = len(a), 0, 0, 0, 0
     for i in range(n):
         for j in range(i + 1, n):
             x, y = a[i] - a[j], b[i] - b[j]
-            s += (x * y > 0) - (x * y < 0)
-    return 2 * s / (n * (n - 1)) if n > 1 else 1.0
+            if x == 0 and y == 0:
+                continue
+            if x == 0:
+                tied_a += 1
+            elif y == 0:
+                tied_b += 1
+            elif x * y > 0:
+                concordant += 1
+            else:
+                discordant += 1
+    pairs = (concordant + discordant + tied_a) * (concordant + discordant + tied_b)
+    return (concordant - discordant) / pairs ** 0.5 if pairs else 1.0
 
 
 def _priced(meta, cluster, world: int, rate: float, o: float = 0.0) -> list:
