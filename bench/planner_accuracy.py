@@ -7,8 +7,9 @@ The GPT of bench/mesh_search.py on `--world` gloo ranks on this machine (loopbac
 runnable candidate of tilework/planner/search.py is run through `tilework.parallelize` for
 `--steps` steps; its median step (barrier to the slowest rank's optimizer step, the first step
 dropped) is set beside `estimate(plan)`'s step, priced with what was measured in the same world
-first and never fitted to the steps (bench/mesh_search.py's way): the FLOP rate of one rank on
-the whole model, calibrate's all-reduce fit for the link, the per-message CPU overhead o.
+first and never fitted to the steps (bench/mesh_search.py's way): the FLOP rate on the whole
+model (every rank computing at once, averaged), calibrate's all-reduce fit for the link, the
+per-message CPU overhead o.
 
 Prints the table, the median |predicted - measured| / measured, Kendall's tau between the
 predicted and measured orders, and where the plan the search chooses lands among the measured.
@@ -69,6 +70,25 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return (concordant - discordant) / pairs ** 0.5 if pairs else 1.0
 
 
+def _world(rank, world_size, configs, steps):
+    """bench/mesh_search.py's measurements, but the FLOP rate taken on every rank at once and
+    averaged: with more ranks than cores (4 on this machine's 2) a rank computes at the rate it
+    gets beside the others, not at one rank's alone."""
+    import torch.distributed as dist
+
+    from tilework.bench.pipeline_runs import Shape, message_overhead
+
+    link = ms._allreduce_link(world_size, ms.BATCH // world_size * ms.SEQ * ms.DIM * 4)
+    shape = Shape(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ,
+                  microbatch=ms.BATCH // world_size)
+    overhead = message_overhead(world_size, shape, quiet=(2.0, 0.0))["overhead_s"]
+    dist.barrier()
+    rate = torch.tensor([ms.flops_rate(ms.BATCH // world_size)], dtype=torch.float64)
+    dist.all_reduce(rate)
+    return {"link": (link.bandwidth_gbps, link.latency_us), "flops": rate.item() / world_size,
+            "overhead_s": overhead, "steps": [ms.run_candidate(c, steps) for c in configs]}
+
+
 def _priced(meta, cluster, world: int, rate: float, o: float = 0.0) -> list:
     ids = torch.zeros(ms.BATCH // world, ms.SEQ, dtype=torch.long)
     return [c for c in search(meta, cluster, (ids, ids), rate, "sgd", space=SPACE, every=True,
@@ -86,7 +106,7 @@ def main(argv=None) -> int:
         meta = TinyGPT(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ)
     here = Cluster([Host("localhost", a.world)])
     runnable = _priced(meta, here, a.world, 1e11)
-    got = spawn(ms._world, a.world, args=([_options(c.config) for c in runnable], a.steps),
+    got = spawn(_world, a.world, args=([_options(c.config) for c in runnable], a.steps),
                 timeout=3600)[0]
     link = Link(*got["link"])
     measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))

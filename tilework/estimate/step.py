@@ -12,7 +12,7 @@ plan` shows for a model-parallel job (report/job.py).
 - pp: `pipeline.simulate` replays the schedule with those per-stage times and the link between
   stages: bubble and hops included;
 - dp: the gradient all-reduce of the rank's parameters over its dp (x cp) group, in buckets,
-  after the last backward (not overlapped: an upper bound); ZeRO-3's second gather 1.5x that;
+  after the last backward (not overlapped: an upper bound); ZeRO-1's and ZeRO-3's gathers 1.5x that;
 - recompute: "full" runs each recomputed block's forward again in its stage's backward.
 
 A step that cannot run keeps the reason (a layout that does not split, more stages than
@@ -183,11 +183,13 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
                    message_overhead_s=message_overhead_s)
     averaged = dp * config.cp   # the ranks that average gradients together
     dp_link, dp_spans = _link(cluster, mesh.groups(("dp", "cp") if config.cp > 1 else "dp"))
-    # ZeRO-1/2 move an all-reduce's bytes (reduce-scatter, then all-gather); ZeRO-3 gathers the
-    # values again for backward: three half-ring passes for two.
+    # As parallel/data/zero.py moves them (estimate/cost.zero_sync_bytes replays it): ZeRO-2
+    # an all-reduce's bytes (reduce-scatter, all-gather of the values); ZeRO-1 all-reduces the
+    # gradient and all-gathers the values, ZeRO-3 gathers them again for backward: three
+    # half-ring passes for two.
     dp_s = max(allreduce_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb,
                                  message_overhead_s) for s in per_rank) \
-        * (1.5 if config.zero == 3 else 1.0)
+        * (1.5 if config.zero in (1, 3) else 1.0)
     parts = {"compute": compute, **comm, "pipeline": sim.step_s, "dp": dp_s, "dp_size": dp,
              "bubble": sim.bubble, "bubbles": list(sim.bubbles), "microbatches": m,
              "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_forward_flops": flops,
