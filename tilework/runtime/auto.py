@@ -1,6 +1,7 @@
 """plan="auto" in a live job: the planner's search (planner/search.py, pure) fed with what this
 world is. The ranks' hosts come from the discovered topology, the links from the cluster file
-(or the defaults), each rank's memory from the cluster file or else from the device (a GPU's
+(or, without one, an all-reduce fit timed here: inside a host and across hosts, as `tilework
+calibrate` fits them), each rank's memory from the cluster file or else from the device (a GPU's
 memory; on a CPU host its RAM over the ranks sharing it), and the compute rate from a matmul
 measured here. Every rank must choose the same plan: the rate and the memory are the smallest
 any rank measured (one all-reduce), so the pure search gives one answer everywhere.
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..cluster.topology import Cluster, Host, Links
+from ..cluster.topology import Cluster, Host, Link, Links
 from ..comm.counted import Stats, all_reduce
 from ..comm.groups import Groups
 from ..config.parallel import ParallelConfig
@@ -34,7 +35,7 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
                         "parallelize")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    live = _live_cluster(groups, cluster)
+    live = _live_cluster(groups, cluster, _timed_links(groups) if cluster is None else None)
     flops, memory = _agreed(groups, _measured_flops(groups.device), _device_memory(groups))
     space = Space.of(config)
     if optimizer is None:   # a hand-written update: no optimizer to shard, no server to step
@@ -48,15 +49,62 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
     return found.chosen.config
 
 
-def _live_cluster(groups: Groups, cluster: Cluster | None) -> Cluster:
-    """The world's hosts as discovered, with the cluster file's links and memory where given."""
+def _live_cluster(groups: Groups, cluster: Cluster | None, timed: Links | None) -> Cluster:
+    """The world's hosts as discovered, with the cluster file's links and memory where given
+    (else the links `timed` here)."""
     given = {h.name: h for h in cluster.hosts} if cluster is not None else {}
     named = list(given.values())
     hosts = []
     for i, ranks in enumerate(groups.topology.hosts):
         memory = named[i].memory_gb if i < len(named) else None
         hosts.append(Host(name=f"host{i}", procs=len(ranks), memory_gb=memory))
-    return Cluster(hosts=hosts, links=cluster.links if cluster is not None else Links())
+    links = cluster.links if cluster is not None else timed or Links()
+    return Cluster(hosts=hosts, links=links)
+
+
+def _timed_links(groups: Groups) -> Links | None:
+    """The links an all-reduce fit gives here, agreed by every rank (the slowest bandwidth and
+    latency any group measured); None where there is nothing to time or no fit is found (the
+    defaults are used then). A handful of all-reduces from 16 kB to 4 MB: well under a second
+    on loopback. On CPU ranks the latency is most of what tp's many small exchanges cost, which
+    the defaults (a GPU node's) would price as free."""
+    from ..cluster.calibrate import CalibrationError, fit_points, time_points
+
+    if groups.world is None:
+        return None
+    sizes = [16 * 1024, 256 * 1024, 4 * 1024 * 1024]
+    one_host = groups.topology.num_hosts == 1
+    timed = {"intra": (groups.world if one_host else groups.intra,
+                       len(groups.topology.hosts[groups.host])),
+             "inter": (None if one_host else groups.world, groups.world_size)}
+    links: dict[str, Link | None] = {}
+    failed = False
+    for name, (group, size) in timed.items():
+        links[name] = None
+        if group is None or size < 2:
+            continue
+        try:
+            points = time_points(group, size, sizes, repeats=5, collectives=("all_reduce",))
+            links[name] = fit_points("all_reduce", size, points["all_reduce"]).link()
+        except CalibrationError:   # times that do not grow with size (a loaded machine)
+            failed = True
+    # The slowest any rank measured: [bandwidth, -latency] per link, and whether all fitted,
+    # in one MIN all-reduce.
+    values = []
+    for link in links.values():
+        values += [link.bandwidth_gbps, -link.latency_us] if link is not None \
+            else [float("inf"), float("-inf")]
+    agreed = torch.tensor(values + [0.0 if failed else 1.0], dtype=torch.float64,
+                          device=groups.device)
+    all_reduce(agreed, groups.world, Stats(), "setup", op=dist.ReduceOp.MIN)
+    intra_bw, intra_lat, inter_bw, inter_lat, fitted = agreed.tolist()
+    if not fitted:
+        return None
+    intra = Link(intra_bw, -intra_lat) if intra_bw != float("inf") else None
+    inter = Link(inter_bw, -inter_lat) if inter_bw != float("inf") else None
+    if intra is None and inter is None:
+        return None
+    return Links(intra=intra or inter, inter=inter or intra)
 
 
 def _measured_flops(device: torch.device) -> float:

@@ -94,6 +94,7 @@ def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
 
     model = work.model
     opt = optim.make(job.train.optimizer, model.parameters(), job.train.lr)
+    given = cluster   # the cluster file's (its links), or None: the defaults, or timed here
     cluster = job_cluster(session.groups.topology, cluster)
     from ..plans.analysis import analyze
 
@@ -101,7 +102,8 @@ def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
     # On a mesh with pp > 1 what comes back is another module (a PipelineModel: model.step).
     # plan="auto" prices its candidates on one rank's batch: its shapes, as the loop makes it.
     example = example_batch(job, cluster) if job.parallel.plan == "auto" else None
-    model, opt = parallelize(model, opt, job.parallel, groups=session.groups, cluster=cluster,
+    model, opt = parallelize(model, opt, job.parallel, groups=session.groups,
+                             cluster=given if job.parallel.plan == "auto" else cluster,
                              traffic=traffic, log=session.rank == 0, example_inputs=example)
     session.mesh = getattr(model._tilework_engine, "mesh", None)
     return model, opt
