@@ -122,7 +122,7 @@ ROOT = Path(__file__).parents[2] / "tilework"
 ENVIRON_TOUCHED = {
     "cluster/worker_env.py": "WorkerEnv.from_environ: the one reader",
     "launch/launcher.py": "the launcher sets what its workers inherit "
-                          "(OMP_NUM_THREADS, the timeout)",
+                          "(OMP_NUM_THREADS, the timeout, torch's C++ log level)",
     "bench/suite.py": "the benchmark composes its workers' environments",
     "testing.py": "a test child sets its own RANK, as a launcher would",
 }

@@ -87,6 +87,11 @@ def run(spec: LaunchSpec, python_args: list[str], verbose: bool = False) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if spec.timeout_s is not None:
         os.environ[TIMEOUT_ENV] = str(spec.timeout_s)  # each worker's WorkerEnv.timeout_s
+    # c10d's C++ warnings print native stack traces when a peer's end goes away (the guard's
+    # watcher polling a store whose host already exited: "recvValue failed", 20 frames), on
+    # every rank, where tilework has one line for what happened. Errors still print; a user
+    # sets TORCH_CPP_LOG_LEVEL=WARNING to see the warnings (docs/faults.md).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
         run_id=spec.run_id, rdzv_backend=_register_rendezvous(), rdzv_endpoint=spec.rdzv_endpoint,
