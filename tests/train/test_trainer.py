@@ -296,3 +296,23 @@ def test_pipeline_batch_that_does_not_split_into_microbatches_is_refused(tmp_pat
     with pytest.raises(RankFailed, match="data.batch_size: expected each data-parallel "
                                          "replica's 8 sequences to split into"):
         spawn(_train_on_ranks, 2, (job, False), timeout=120)
+
+
+def test_tilework_train_with_plan_auto_trains_as_one_process(tmp_path):
+    """A job file with [parallel] plan = "auto" and the mesh axes opted in: whatever the search
+    chooses on these 2 ranks (printed with its runner-up), metrics.jsonl holds one process's
+    losses."""
+    import subprocess
+    import sys
+
+    one = train(Job.load(_write(tmp_path / "one.toml", GPT_TOML.format(
+        steps=3, out=tmp_path / "one", parallel=""))))
+    out = tmp_path / "auto"
+    path = _write(tmp_path / "auto.toml", GPT_TOML.format(
+        steps=3, out=out, parallel='plan = "auto"\ntp = "auto"\npp = "auto"'))
+    done = subprocess.run([sys.executable, "-m", "tilework", "train", str(path), "-n", "2"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "plan='auto'" in done.stdout and "runner-up" in done.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _assert_close([r["loss"] for r in records if "loss" in r], one.losses)
