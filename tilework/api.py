@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import planner
-from .cluster.topology import Cluster, Host, Topology
+from .cluster.topology import Cluster, Topology
 from .cluster.worker_env import WorkerEnv
 from .comm.groups import Groups, build_groups, init_from_env, live_topology
 from .config.parallel import ParallelConfig
@@ -125,7 +125,7 @@ def estimate_memory(model: nn.Module, config: ParallelConfig | None = None,
     live = live_topology(WorkerEnv.from_environ()) if cluster is None and world_size is None \
         else None   # a script's entry point
     if live is not None:
-        cluster = Cluster(hosts=[Host(f"host{i}", len(h)) for i, h in enumerate(live.hosts)])
+        cluster = Cluster.of_topology(live)
         if rank is None:
             import torch.distributed as dist
 

@@ -119,6 +119,17 @@ class Cluster:
     def local(cls, procs: int, name: str = "localhost") -> "Cluster":
         return cls(hosts=[Host(name=name, procs=procs)])
 
+    @classmethod
+    def of_topology(cls, topology: "Topology", links: Links | None = None,
+                    memory_gb: list[float | None] | None = None) -> "Cluster":
+        """The ranks as discovered (host i named "host{i}"), on `links` (default: the
+        defaults), host i with `memory_gb[i]` per process where given."""
+        memory = list(memory_gb or [])
+        return cls(hosts=[Host(f"host{i}", len(ranks),
+                               memory_gb=memory[i] if i < len(memory) else None)
+                          for i, ranks in enumerate(topology.hosts)],
+                   links=links if links is not None else Links())
+
     @property
     def world_size(self) -> int:
         return sum(h.procs for h in self.hosts)

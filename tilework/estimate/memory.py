@@ -338,10 +338,23 @@ def zero_figures(plan, per_element: int, counter_bytes: int,
                         last_flight)
 
 
+BUDGET_SHARE = 0.8   # paper 4's margin: a plan estimated under 80% of memory is not killed
+
+
+def rank_budgets(cluster, fallback_bytes: float | None = None) -> list[float | None]:
+    """Each rank's budget in bytes: 80% of the memory the cluster file gives its process, else
+    of `fallback_bytes` (what the machine has), else None (no budget)."""
+    out = []
+    for h in cluster.hosts:
+        budget = BUDGET_SHARE * h.memory_gb * 1e9 if h.memory_gb is not None else \
+            None if fallback_bytes is None else BUDGET_SHARE * fallback_bytes
+        out += [budget] * h.procs
+    return out
+
+
 def with_budget(estimate, cluster) -> dict:
-    """An estimate's figures and its rank's budget: 80% of the memory the cluster file gives
-    the process (paper 4's margin), and whether the peak exceeds it."""
-    budgets = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
-    budget = None if budgets[estimate.rank] is None else 0.8 * budgets[estimate.rank] * 1e9
+    """An estimate's figures and its rank's budget (`rank_budgets`), and whether the peak
+    exceeds it."""
+    budget = rank_budgets(cluster)[estimate.rank]
     return estimate.as_dict() | {"budget": budget,
                                  "over_budget": budget is not None and estimate.peak > budget}

@@ -149,9 +149,8 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
     from ..estimate.plan_cost import estimate
     from . import plan as make_plan
 
-    ways = config.tp * config.pp * config.cp
-    dp = cluster.world_size // ways
-    inputs = tuple(example_inputs) if replica else _replica_inputs(example_inputs, ways)
+    dp = cluster.world_size // (config.tp * config.pp * config.cp)
+    inputs = _replica_inputs(example_inputs, config, replica)
     batch = inputs[0].shape[0] if inputs and torch.is_tensor(inputs[0]) else 0
     if config.pp > 1 and batch % config.microbatches:
         return Candidate(config, None, f"each replica's {batch} sequences do not split into "
@@ -183,21 +182,21 @@ def price_memory(model: nn.Module, found: Candidate, cluster: Cluster, example_i
                  replica: bool = False, traffic: dict | None = None) -> Candidate:
     """A priced candidate's plan (if not made yet) and memory on every rank, refused where the
     plan cannot be made or a peak is over its budget."""
+    from ..estimate.memory import rank_budgets
     from ..estimate.plan_memory import plan_memory
     from . import plan as make_plan
 
     if found.step_s is None:
         return found
     config = found.config
-    ways = config.tp * config.pp * config.cp
-    inputs = tuple(example_inputs) if replica else _replica_inputs(example_inputs, ways)
+    inputs = _replica_inputs(example_inputs, config, replica)
     try:
         plan = found.parts.get("plan") or make_plan(model, config, cluster, traffic=traffic)
         memory = plan_memory(model, plan, inputs, optimizer)
     except (PlanError, ValueError) as e:   # a layout that does not split; stages the memory
         # estimate cannot cut yet
         return Candidate(config, None, str(e), {"dp_size": found.parts["dp_size"]})
-    budget = _budget(cluster, budget_bytes)
+    budget = rank_budgets(cluster, budget_bytes)
     over = next((e for e in memory if budget[e.rank] is not None and e.peak > budget[e.rank]),
                 None)
     if over is not None:
@@ -210,23 +209,14 @@ def price_memory(model: nn.Module, found: Candidate, cluster: Cluster, example_i
         "peak_bytes": max(e.peak for e in memory), "plan": plan})
 
 
-def _replica_inputs(inputs: tuple, ways: int) -> tuple:
-    """One replica's batch: `ways` ranks' batches along dim 0 (shapes only: on meta)."""
-    if ways == 1:
+def _replica_inputs(inputs: tuple, config: ParallelConfig, replica: bool) -> tuple:
+    """One replica's batch: as given with `replica`, else the tp x pp x cp ranks' batches of a
+    replica along dim 0 (shapes only: on meta)."""
+    ways = config.tp * config.pp * config.cp
+    if replica or ways == 1:
         return tuple(inputs)
     return tuple(torch.cat([x.to("meta")] * ways) if torch.is_tensor(x) and x.dim() else x
                  for x in inputs)
-
-
-def _budget(cluster: Cluster, budget_bytes: float | None) -> list[float | None]:
-    """Each rank's budget: 80% of the cluster file's memory per process, else of
-    `budget_bytes` (what the machine has), else none."""
-    out = []
-    for h in cluster.hosts:
-        gb = h.memory_gb
-        out += [0.8 * gb * 1e9 if gb is not None else
-                (0.8 * budget_bytes if budget_bytes is not None else None)] * h.procs
-    return out
 
 
 def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_s: float,

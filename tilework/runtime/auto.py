@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..cluster.topology import Cluster, Host, Link, Links
+from ..cluster.topology import Cluster, Link, Links
 from ..comm.counted import Stats, all_reduce
 from ..comm.groups import Groups
 from ..config.parallel import ParallelConfig
@@ -52,14 +52,10 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
 def _live_cluster(groups: Groups, cluster: Cluster | None, timed: Links | None) -> Cluster:
     """The world's hosts as discovered, with the cluster file's links and memory where given
     (else the links `timed` here)."""
-    given = {h.name: h for h in cluster.hosts} if cluster is not None else {}
-    named = list(given.values())
-    hosts = []
-    for i, ranks in enumerate(groups.topology.hosts):
-        memory = named[i].memory_gb if i < len(named) else None
-        hosts.append(Host(name=f"host{i}", procs=len(ranks), memory_gb=memory))
-    links = cluster.links if cluster is not None else timed or Links()
-    return Cluster(hosts=hosts, links=links)
+    if cluster is None:
+        return Cluster.of_topology(groups.topology, timed)
+    return Cluster.of_topology(groups.topology, cluster.links,
+                               [h.memory_gb for h in cluster.hosts])
 
 
 def _timed_links(groups: Groups) -> Links | None:
@@ -89,11 +85,11 @@ def _timed_links(groups: Groups) -> Links | None:
         except CalibrationError:   # times that do not grow with size (a loaded machine)
             failed = True
     # The slowest any rank measured: [bandwidth, -latency] per link, and whether all fitted,
-    # in one MIN all-reduce.
+    # in one MIN all-reduce; a link this rank did not time is +inf in both, which MIN ignores.
     values = []
     for link in links.values():
         values += [link.bandwidth_gbps, -link.latency_us] if link is not None \
-            else [float("inf"), float("-inf")]
+            else [float("inf"), float("inf")]
     agreed = torch.tensor(values + [0.0 if failed else 1.0], dtype=torch.float64,
                           device=groups.device)
     all_reduce(agreed, groups.world, Stats(), "setup", op=dist.ReduceOp.MIN)

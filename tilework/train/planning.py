@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from ..cluster.topology import Cluster, Host, Links, Topology
+from ..cluster.topology import Cluster, Topology
 from ..errors import PlanError
 from ..estimate.cost import TableTraffic
 from ..models import DLRM, SmallResNet, TinyGPT, WordLM
@@ -73,8 +73,7 @@ def table_traffic(job: Job, infos: list[ParamInfo], cluster: Cluster) -> dict[st
 def job_cluster(topology: Topology, cluster: Cluster | None) -> Cluster:
     """The cluster a job runs on, as the planner sees it: the ranks as discovered, the links of
     the cluster file when there is one."""
-    hosts = [Host(f"host{i}", len(ranks)) for i, ranks in enumerate(topology.hosts)]
-    return Cluster(hosts=hosts, links=cluster.links if cluster is not None else Links())
+    return Cluster.of_topology(topology, cluster.links if cluster is not None else None)
 
 
 def job_plan(job: Job, cluster: Cluster, mode: str | None = None) -> Plan:
