@@ -182,6 +182,53 @@ class FusedLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
 
 
+class RotaryBlock(nn.Module):
+    """Attention with rotary positions from a table it is handed (rows 0..T-1 of it)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x, rotary):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1) for t in self.qkv(self.norm(x)).chunk(3, -1))
+        rows = rotary[0:T]   # (T, head_dim / 2) complex: the positions of this call's tokens
+
+        def turn(t):
+            pairs = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * rows[:, None, :]).flatten(3).type_as(t)
+
+        q, k, v = (t.transpose(1, 2) for t in (turn(q), turn(k), v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(B, T, C))
+
+
+class BufferLM(nn.Module):
+    """An LM written as torchtitan writes its llama3, without the package: blocks in a
+    ModuleDict the forward iterates, a rotary table held as a buffer (not saved) and sliced
+    `[0:T]` by each block, and logits returned for a loss the training loop takes."""
+
+    def __init__(self, vocab_size=64, dim=16, heads=2, layers=2, seq=8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict({str(i): RotaryBlock(dim, heads) for i in range(layers)})
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        half = dim // heads // 2
+        angles = torch.outer(torch.arange(seq).float(),
+                             1.0 / 10000 ** (torch.arange(half).float() / half))
+        self.register_buffer("rotary", torch.polar(torch.ones_like(angles), angles),
+                             persistent=False)
+
+    def forward(self, tokens):
+        h = self.tok(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rotary)
+        return self.output(self.norm(h))
+
+
 def have_transformers() -> bool:
     try:
         import transformers  # noqa: F401
@@ -198,3 +245,25 @@ def hf_llama(tied: bool, vocab_size: int = 64, layers: int = 2):
                          max_position_embeddings=16, tie_word_embeddings=tied,
                          attn_implementation="sdpa")
     return LlamaForCausalLM(config)
+
+
+def have_torchtitan() -> bool:
+    try:
+        import torchtitan.models.llama3.model.model  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def titan_llama(vocab_size: int = 64, layers: int = 2, seq: int = 8):
+    """torchtitan's llama3 `Transformer` on a tiny config (GQA: 4 heads, 2 key/value heads),
+    initialised as torchtitan's trainer does. Its forward returns logits; its blocks are a
+    ModuleDict it iterates; its rotary table is a buffer it slices `[0:seqlen]`."""
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    args = TransformerModelArgs(dim=16, n_layers=layers, n_heads=4, n_kv_heads=2,
+                                vocab_size=vocab_size, max_seq_len=seq, rope_theta=10000)
+    model = Transformer(args)
+    model.init_weights()
+    return model

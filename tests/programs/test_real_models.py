@@ -1,8 +1,9 @@
 """Models not written for tilework (tests/real_models.py: nanoGPT's model.py, Hugging Face's
-LlamaForCausalLM tied and untied) trained under the dimensions beyond data parallelism, as one
-process trains them: the same losses, and the same parameters read back through
-`tilework.state_dict`, through `tilework.save` and `tilework.load`, and after
-`tilework.unparallelize`. Tied weights must come back tied and whole in each.
+LlamaForCausalLM tied and untied, torchtitan's llama3 Transformer where torchtitan is installed)
+trained under the dimensions beyond data parallelism, as one process trains them: the same
+losses, and the same parameters read back through `tilework.state_dict`, through
+`tilework.save` and `tilework.load`, and after `tilework.unparallelize`. Tied weights must
+come back tied and whole in each.
 
 Tolerance 1e-4 of each tensor's largest magnitude (AdamW; the ranks' sums reorder one process's).
 """
@@ -11,9 +12,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tilework
-from tests.real_models import FusedLM, NanoGPT, have_transformers, hf_llama, lm_batch
+from tests.real_models import (
+    BufferLM,
+    FusedLM,
+    NanoGPT,
+    have_torchtitan,
+    have_transformers,
+    hf_llama,
+    lm_batch,
+    titan_llama,
+)
 from tilework.checkpoint import file as checkpoint
 from tilework.testing import spawn
 
@@ -23,6 +34,9 @@ TOL = 1e-4
 needs_transformers = pytest.mark.skipif(
     not have_transformers(), reason="Hugging Face transformers is not installed "
     "(pip install -e '.[models]')")
+needs_torchtitan = pytest.mark.skipif(
+    not have_torchtitan(), reason="torchtitan is not installed (pip install -e '.[titan]': "
+    "about 1.4 GB with triton and datasets, so `make` leaves it out)")
 
 
 def build(family: str):
@@ -32,6 +46,10 @@ def build(family: str):
     if family.startswith("fused"):   # fused: blocks indexed as dicts, q/k/v saved apart
         return FusedLM(vocab_size=VOCAB, named_apart=family != "fused-one-name",
                        dict_blocks=family == "fused")
+    if family == "titan":
+        return titan_llama(vocab_size=VOCAB, seq=SEQ)
+    if family == "buffer-lm":
+        return BufferLM(vocab_size=VOCAB, seq=SEQ)
     return hf_llama(tied=family == "llama-tied", vocab_size=VOCAB)
 
 
@@ -40,9 +58,16 @@ def loss_of(family: str, model, x, y):
         return model(x, y)[1]
     if family.startswith("fused"):
         return model(x, y)
+    if family in ("titan", "buffer-lm"):   # logits out; the loop takes the loss, as
+        return titan_loss(model(x), y)    # torchtitan's trainer does
     # The targets already shifted (HF's shift_labels), so each cp rank's chunks pair the right
     # tokens; the same loss as labels=ids shifted inside.
     return model(**step_arguments(family, x, y)[1]).loss
+
+
+def titan_loss(logits, targets):
+    """torchtitan's cross-entropy loss (components/loss.py), over every token."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
 def optimizer_for(model):
@@ -53,6 +78,8 @@ def step_arguments(family: str, x, y) -> tuple[tuple, dict]:
     """What the model's forward takes for a batch: what `model.step` takes under pp."""
     if family == "nanogpt" or family.startswith("fused"):
         return (x, y), {}
+    if family in ("titan", "buffer-lm"):   # as torchtitan's schedule: step(x, target=y)
+        return (x,), {"target": y, "loss_fn": titan_loss}
     y = y.contiguous()   # HF views shift_labels flat
     return (), {"input_ids": x, "labels": y, "shift_labels": y}
 
@@ -124,7 +151,8 @@ def assert_same_state(got: dict, want: dict, what: str):
 
 @pytest.mark.parametrize("family", ["nanogpt", "fused",
                                     pytest.param("llama-tied", marks=needs_transformers),
-                                    pytest.param("llama", marks=needs_transformers)])
+                                    pytest.param("llama", marks=needs_transformers),
+                                    pytest.param("titan", marks=needs_torchtitan)])
 def test_zero3_keeps_tied_weights_whole_through_state_save_load_and_unparallelize(family,
                                                                                   tmp_path):
     want_losses, want = reference(family)
@@ -172,6 +200,16 @@ def _on_mesh_batch(rank, world_size, runs, directory):
 NANOGPT_MLP = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
 FUSED_LAYOUT = {"layers.*.attn.wqkv": "colwise_fused:3", "layers.*.attn.wo": "rowwise"}
 HF = ["llama-tied", "llama"] if have_transformers() else []
+# torchtitan's own TP plan (llama3/infra/parallelize.py), written as a layout: the embedding
+# split by rows, attention and MLP projections colwise then rowwise, the head colwise with its
+# logits gathered (torchtitan keeps them split for its loss-parallel; here the loss is whole).
+TITAN_LAYOUT = {"tok_embeddings": "vocab_embedding", "output": "colwise_gather",
+                **{f"layers.*.attention.{w}": "colwise" for w in ("wq", "wk", "wv")},
+                "layers.*.attention.wo": "rowwise", "layers.*.feed_forward.w1": "colwise",
+                "layers.*.feed_forward.w3": "colwise", "layers.*.feed_forward.w2": "rowwise"}
+TITAN = [("titan", {"tp": 2, "layout": TITAN_LAYOUT}), ("titan", {"cp": 2})] + [
+    ("titan", {"pp": 2, "schedule": schedule, "microbatches": 2})
+    for schedule in ("gpipe", "1f1b")] if have_torchtitan() else []
 # The 2-rank runs share one world (starting one costs seconds on 2 cores): the first test
 # that needs one runs them all; each test reads its own.
 BATCHED = [(f, {"tp": 2}) for f in HF] + [
@@ -179,7 +217,8 @@ BATCHED = [(f, {"tp": 2}) for f in HF] + [
     ("fused-one-name", {"tp": 2, "layout": FUSED_LAYOUT}),
     ("fused", {"tp": 2, "layout": FUSED_LAYOUT})] + [
     (f, {"pp": 2, "schedule": schedule, "microbatches": 2})
-    for f in ["nanogpt", *HF] for schedule in ("gpipe", "1f1b")]
+    for f in ["nanogpt", *HF] for schedule in ("gpipe", "1f1b")] + TITAN + [
+    ("buffer-lm", {"cp": 2}), ("buffer-lm", {"pp": 2, "schedule": "1f1b", "microbatches": 2})]
 _batched: dict = {}
 
 
@@ -335,3 +374,43 @@ def test_pp_refuses_blocks_the_model_indexes_instead_of_calling():
     with pytest.raises(PlanError, match=r"pp: the blocks of layers are ModuleDicts, which the "
                                         r"model indexes rather than calls"):
         split_model(build("fused"), 2)
+
+
+@pytest.mark.parametrize("options", [{"cp": 2},
+                                     {"pp": 2, "schedule": "1f1b", "microbatches": 2}],
+                         ids=["cp2", "pp2"])
+def test_a_model_in_torchtitans_shape_without_the_package(options, tmp_path):
+    """torchtitan's shapes, run where torchtitan is not installed (tests/real_models.BufferLM):
+    cp gives each rank its positions' rows of a rotary buffer sliced [0:T] and hands the
+    logits back whole; pp cuts a ModuleDict of blocks and steps as step(x, target=y,
+    loss_fn=...)."""
+    results = check_mesh_run("buffer-lm", options, 2, tmp_path)
+    axis = "cp" if "cp" in options else "pipeline"
+    assert all(r["sent"].get(axis, 0) > 0 for r in results)
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("options", [
+    {"tp": 2, "layout": TITAN_LAYOUT},
+    {"cp": 2},
+    {"pp": 2, "schedule": "gpipe", "microbatches": 2},
+    {"pp": 2, "schedule": "1f1b", "microbatches": 2},
+], ids=["tp2", "cp2", "pp2-gpipe", "pp2-1f1b"])
+def test_torchtitan_llama3_on_each_dimension(options, tmp_path):
+    """torchtitan's llama3 Transformer as its package ships it (GQA, rotary table as a buffer
+    sliced [0:seqlen], blocks in a ModuleDict the forward iterates, logits out and the loss in
+    the trainer): tp with torchtitan's own plan as a layout; cp, where the rotary rows are
+    this rank's positions and the logits come back whole for the trainer's loss; pp, stepped
+    as torchtitan's schedule is (step(x, target=y) with its loss_fn)."""
+    results = check_mesh_run("titan", options, 2, tmp_path)
+    axis = {"tp": "tp", "cp": "cp", "pp": "pipeline"}[next(iter(options))]
+    assert all(r["sent"].get(axis, 0) > 0 for r in results)
+
+
+@needs_torchtitan
+def test_torchtitan_llama3_on_tp_and_pp_together(tmp_path):
+    """tp=2 x pp=2 on 4 ranks: torchtitan's plan inside each stage."""
+    results = check_mesh_run("titan", {"tp": 2, "pp": 2, "layout": TITAN_LAYOUT,
+                                       "microbatches": 2}, 4, tmp_path)
+    assert all(r["sent"].get("tp", 0) > 0 and r["sent"].get("pipeline", 0) > 0
+               for r in results)

@@ -15,6 +15,16 @@ a `RingSDPA` torch function mode sees every torch call it makes and changes two 
 - Learned position tables: a tensor from `torch.arange(n)` (n = the local sequence length), or
   a reshape of it, looked up by `F.embedding` (nanoGPT's `wpe(torch.arange(0, t))`) is read as
   local slots and looked up at this rank's global positions.
+- Position tables held as buffers: a model buffer sliced `[0:n]` or `[:n]` along its first
+  dimension (torchtitan's rotary table, `freqs_cis[0:seqlen]`) gives this rank's global
+  positions' rows instead. Only the model's own buffers, only that slice: other tensors of the
+  local length are not positions.
+
+A forward that returns one per-token tensor (batch, local sequence, ...) (torchtitan's logits,
+which its trainer's loss reads beside whole targets) returns it whole: gathered over cp, its
+backward keeping this rank's tokens' gradient. Every cp rank then computes the loss over the
+whole sequence, the gather costs what the output weighs (counted under "cp"), and a model that
+takes its targets computes its loss on its own tokens instead (nothing gathered).
 
 Why a mode: it reaches every call site, including names bound by `from torch.nn.functional
 import scaled_dot_product_attention` that patching the attribute would miss, and it is
@@ -38,9 +48,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ...comm import counted
 from ...errors import PlanError
 from .comm import Ring
-from .layout import global_of_local, local_positions, shard
+from .layout import global_of_local, local_positions, shard, unshard
 from .ring import ring_attention
 
 _SDPA = F.scaled_dot_product_attention
@@ -93,9 +104,10 @@ class RingSDPA(TorchFunctionMode):
         self.local = 0
         self.calls = 0        # SDPA calls run as ring attention in this forward
         self.slots: list[torch.Tensor] = []   # this forward's local-slot aranges
+        self.buffers: set[int] = set()        # ids of the model's buffers (position tables)
 
-    def start(self, local: int) -> None:
-        self.local, self.calls, self.slots = local, 0, []
+    def start(self, local: int, buffers: set[int] = frozenset()) -> None:
+        self.local, self.calls, self.slots, self.buffers = local, 0, [], set(buffers)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -104,6 +116,9 @@ class RingSDPA(TorchFunctionMode):
         if func is F.embedding and args and self._is_slots(args[0]):
             ids = global_of_local(args[0], self.local, self.ring.rank, self.ring.size)
             args = (ids, *args[1:])
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and id(args[0]) in self.buffers \
+                and self._is_leading_slice(args[1]):
+            return self._global_rows(args[0])
         out = func(*args, **kwargs)
         if (func is torch.arange and _arange_is_slots(args, kwargs, self.local)) or \
                 (func in _KEEPS_VALUES and args and self._is_slots(args[0])):
@@ -112,6 +127,20 @@ class RingSDPA(TorchFunctionMode):
 
     def _is_slots(self, t) -> bool:
         return any(t is s for s in self.slots)
+
+    def _is_leading_slice(self, index) -> bool:
+        """`[0:local]` or `[:local]` on the first dimension (alone, or first of a tuple)."""
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        return isinstance(index, slice) and index.start in (None, 0) and \
+            index.stop == self.local and index.step in (None, 1)
+
+    def _global_rows(self, table: torch.Tensor) -> torch.Tensor:
+        whole = self.local * self.ring.size
+        if table.shape[0] < whole:
+            raise PlanError(f"a position buffer of {table.shape[0]} rows sliced [0:{self.local}]"
+                             f" under cp={self.ring.size}: the whole sequence needs {whole}")
+        return table[local_positions(whole, self.ring.rank, self.ring.size, table.device)]
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                   scale=None, enable_gqa=False):
@@ -187,6 +216,7 @@ class RingForward:
 
     def __init__(self, model: nn.Module, ring: Ring, modules_ring: bool):
         self.mode = RingSDPA(ring, {id(m): name for name, m in model.named_modules()})
+        self.model = model
         self.ring, self.modules_ring = ring, modules_ring
         self.model_name = type(model).__name__
         self.signature = inspect.signature(model.forward)
@@ -202,7 +232,8 @@ class RingForward:
         local, device, batch = seqs[0].shape[1], seqs[0].device, seqs[0].shape[0]
         self._refuse_local_label_shift(module, kwargs)
         args, kwargs = self._positions(args, kwargs, local, device, batch)
-        self.mode.start(local)
+        # Read each forward: a model may assign its buffers anew (torchtitan's init_weights).
+        self.mode.start(local, {id(b) for b in self.model.buffers()})
         self.mode.__enter__()
         self.active = module
         return args, kwargs
@@ -257,4 +288,24 @@ class RingForward:
                 "attention (no nn.MultiheadAttention, and its forward called no "
                 "F.scaled_dot_product_attention); a Hugging Face model needs "
                 "attn_implementation='sdpa'")
+        if torch.is_tensor(output) and output.dim() >= 2 and \
+                output.shape[1] == self.mode.local and self.ring.size > 1:
+            return _GatherSequence.apply(output, self.ring)
         return None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """A per-token output whole over cp; backward: this rank's tokens' gradient, times cp.
+    Every cp rank computes the same loss on the whole output, so rank r's gradient is its
+    tokens' share of the loss's; the engine averages gradients over cp, hence the factor."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, ring: Ring) -> torch.Tensor:
+        ctx.ring = ring
+        parts = counted.all_gather(local.contiguous(), ring.group, ring.stats, ring.method)
+        return unshard(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ring = ctx.ring
+        return shard(grad, ring.rank, ring.size, dim=1) * ring.size, None

@@ -1,5 +1,6 @@
-"""Pipeline stages cut from any model whose blocks are a stack: a ModuleList (or Sequential) of
-two or more modules of one class (nanoGPT's `transformer.h`, Hugging Face's `model.layers`).
+"""Pipeline stages cut from any model whose blocks are a stack: a ModuleList, Sequential or
+ModuleDict of two or more modules of one class (nanoGPT's `transformer.h`, Hugging Face's
+`model.layers`, torchtitan's `layers`, a ModuleDict its forward iterates).
 
 Every stage runs the model's own forward on its microbatch, so what the model computes around
 its blocks (embeddings, position or rotary tables, masks, the final norm, the head, the loss)
@@ -18,7 +19,9 @@ The last stage's forward runs to the end and its output's loss (a scalar tensor,
 the one scalar of a tuple: nanoGPT's `(logits, loss)`) is the stage's. Every stage must call
 `model.step` with the same arguments the model takes (`model.step(x, y)` for nanoGPT,
 `model.step(input_ids=x, labels=x)` for HF); tensors whose first dimension is the batch are cut
-into microbatches.
+into microbatches. A model whose forward returns outputs, not a loss (torchtitan's logits),
+is stepped as torch.distributed.pipelining's schedules are: `model.step(x, target=y,
+loss_fn=fn)`, the last stage's loss `fn(output, target)` on each microbatch's part of `y`.
 
 The parameters outside the stack (embeddings, final norm, head) belong to the first and the
 last stage both: the first computes the embeddings' gradients, the last the head's, and each
@@ -50,8 +53,9 @@ def find_stack(model: nn.Module) -> str:
     from ...plans.analysis import is_stack
 
     for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and is_stack(module):
-            kind = type(module[0])
+        if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and \
+                is_stack(module):
+            kind = type(blocks_of(module)[0])
             if issubclass(kind, (nn.ModuleDict, nn.ModuleList)):
                 raise PlanError(f"pp: the blocks of {name} are {kind.__name__}s, which the model "
                                 "indexes rather than calls; a stage swaps blocks the model "
@@ -59,8 +63,20 @@ def find_stack(model: nn.Module) -> str:
                                 "a forward)")
             return name
     raise PlanError(f"pp: {type(model).__name__} has no stack of blocks to cut into stages "
-                    "(a ModuleList or Sequential of two or more modules of one class, each "
-                    "with parameters)")
+                    "(a ModuleList, Sequential or ModuleDict of two or more modules of one "
+                    "class, each with parameters)")
+
+
+def blocks_of(container: nn.Module) -> list[nn.Module]:
+    """A stack's blocks in the order its forward runs them (a ModuleDict's: its values')."""
+    return list(container.values() if isinstance(container, nn.ModuleDict) else container)
+
+
+def _keys(container: nn.Module) -> list:
+    """Where each block sits: its key in a ModuleDict (replacing one keeps its place), else
+    its index."""
+    return list(container.keys()) if isinstance(container, nn.ModuleDict) \
+        else list(range(len(container)))
 
 
 class _Reached(Exception):
@@ -125,10 +141,22 @@ def loss_of(output: Any) -> torch.Tensor:
 
 
 class Call:
-    """One microbatch's arguments to the model."""
+    """One microbatch's arguments to the model (and, for a model that returns outputs, the
+    loss function and the microbatch's target)."""
 
-    def __init__(self, args: tuple, kwargs: dict):
+    def __init__(self, args: tuple, kwargs: dict, target=None, loss_fn=None):
         self.args, self.kwargs = args, kwargs
+        self.target, self.loss_fn = target, loss_fn
+
+    def loss(self, output) -> torch.Tensor:
+        if self.loss_fn is None:
+            return loss_of(output)
+        loss = self.loss_fn(output, self.target)
+        if not (torch.is_tensor(loss) and loss.numel() == 1):
+            raise PlanError(f"pp: loss_fn returned {type(loss).__name__}"
+                            f"{tuple(loss.shape) if torch.is_tensor(loss) else ''}, not a "
+                            "scalar tensor")
+        return loss.reshape(())
 
     def signature(self) -> tuple:
         leaves, _ = tree_flatten((self.args, self.kwargs))
@@ -138,7 +166,14 @@ class Call:
 
 def microbatches(args: tuple, kwargs: dict, m: int) -> list[Call]:
     """The call cut into `m` equal calls along the batch: every tensor whose first dimension
-    is the batch's (the first tensor argument's) is cut, other values go to each as they are."""
+    is the batch's (the first tensor argument's) is cut, other values go to each as they are.
+    `loss_fn=` in `kwargs` takes `target=` with it (neither goes to the model)."""
+    kwargs = dict(kwargs)
+    loss_fn = kwargs.pop("loss_fn", None)
+    target = kwargs.pop("target", None) if loss_fn is not None else None
+    if loss_fn is not None and target is None:
+        raise PlanError("model.step(..., loss_fn=...) needs target= too: the loss is "
+                        "loss_fn(output, target)")
     leaves = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dim()]
     if not leaves:
         raise PlanError("model.step: no tensor argument to cut into microbatches")
@@ -149,9 +184,9 @@ def microbatches(args: tuple, kwargs: dict, m: int) -> list[Call]:
 
     def part(i):
         return tree_map(lambda t: t.chunk(m)[i] if torch.is_tensor(t) and t.dim()
-                        and t.shape[0] == batch else t, (args, kwargs))
+                        and t.shape[0] == batch else t, (args, kwargs, target))
 
-    return [Call(*part(i)) for i in range(m)]
+    return [Call(*part(i), loss_fn=loss_fn) for i in range(m)]
 
 
 class ModelStage(nn.Module):
@@ -169,33 +204,33 @@ class ModelStage(nn.Module):
         self.stack_name = stack
         self.__dict__["model"] = model   # not a submodule: its parameters are not all ours
         self.__dict__["shapes"] = shapes
-        container = model.get_submodule(stack)
+        container = blocks_of(model.get_submodule(stack))
         self.layers = nn.ModuleList([container[i] for i in blocks])
         if self.first or self.last:
             self.ends = nn.ModuleList(outside_stack(model, stack))
 
     def forward(self, x, call: Call) -> torch.Tensor:
         stack = self.model.get_submodule(self.stack_name)
-        kept = list(stack)
+        kept, keys = blocks_of(stack), _keys(stack)
         a, b = self.index_range.start, self.index_range.stop
         try:
             for i in range(a):
-                stack[i] = _PassOn(f"{self.stack_name}.{i}")
+                stack[keys[i]] = _PassOn(f"{self.stack_name}.{keys[i]}")
             if not self.first:
-                stack[a] = _Enter(kept[a], f"{self.stack_name}.{a}", x)
+                stack[keys[a]] = _Enter(kept[a], f"{self.stack_name}.{keys[a]}", x)
             if not self.last:
-                stack[b] = _Stop(f"{self.stack_name}.{b}")
+                stack[keys[b]] = _Stop(f"{self.stack_name}.{keys[b]}")
             try:
                 output = self.model(*call.args, **call.kwargs)
             except _Reached as reached:
                 return reached.activation
         finally:
-            for i, block in enumerate(kept):
-                stack[i] = block
+            for key, block in zip(keys, kept):
+                stack[key] = block
         if not self.last:
             raise PlanError(f"pp: the model's forward returned before calling "
-                            f"{self.stack_name}.{b}: its blocks must all run, in order")
-        return loss_of(output)
+                            f"{self.stack_name}.{keys[b]}: its blocks must all run, in order")
+        return call.loss(output)
 
     def boundary_like(self, call: Call) -> torch.Tensor:
         """An empty activation as it enters this stage for this call (nothing travels ahead)."""
@@ -252,7 +287,7 @@ class _BoundaryShapes:
         return self.known[key][block]
 
     def _probe(self, call: Call) -> list:
-        stack = self.model.get_submodule(self.stack)
+        stack = blocks_of(self.model.get_submodule(self.stack))
         seen: list = [None] * len(stack)
         handles = [block.register_forward_pre_hook(
             lambda m, args, i=i: seen.__setitem__(i, (tuple(args[0].shape), args[0].dtype))
@@ -284,7 +319,7 @@ def split_model(model: nn.Module, stages: int, stack: str | None = None,
     balanced by each block's matmul weights; the head's count towards the last stage.
     `blocks`: the cut a plan made, taken as it is."""
     stack = stack or find_stack(model)
-    container = model.get_submodule(stack)
+    container = blocks_of(model.get_submodule(stack))
     if costs is None:
         costs = [matmul_params(block) for block in container]
     if len(costs) != len(container):
