@@ -35,6 +35,11 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tilework.bench.cgroup import MemoryCap  # noqa: E402
 
 LAYERS, STEPS = 6, 3
 SYSTEMS = ("ddp", "fsdp2", "zero3", "zero3-offload")
@@ -44,77 +49,6 @@ SYSTEMS = ("ddp", "fsdp2", "zero3", "zero3-offload")
 # (gathered values, gradient buckets) stays in the heap instead.
 ALLOCATORS = {"default": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 LEGEND = {"default": "glibc malloc as it comes", "mmap64k": "glibc mmap threshold fixed at 64 KiB"}
-
-
-class MemoryCap:
-    """A memory cgroup with `limit` bytes and no swap, inside this process's own; `join` is a
-    preexec_fn that moves a starting worker into it."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.version, parent = _own_memory_cgroup()
-        self.path = os.path.join(parent, f"tilework-capacity-{os.getpid()}")
-        os.mkdir(self.path)
-        try:
-            if self.version == 2:
-                self._write("memory.max", limit)
-                self._write("memory.swap.max", 0)
-            else:
-                self._write("memory.limit_in_bytes", limit)
-                self._write("memory.memsw.limit_in_bytes", limit)
-        except OSError:
-            os.rmdir(self.path)
-            raise
-
-    def _write(self, name: str, value) -> None:
-        with open(os.path.join(self.path, name), "w") as f:
-            f.write(str(value))
-
-    def _read(self, name: str) -> str:
-        with open(os.path.join(self.path, name)) as f:
-            return f.read()
-
-    def join(self) -> None:
-        self._write("cgroup.procs", os.getpid())
-
-    def oom_kills(self) -> int:
-        text = self._read("memory.events" if self.version == 2 else "memory.oom_control")
-        return next(int(line.split()[1]) for line in text.splitlines()
-                    if line.startswith("oom_kill "))
-
-    def reset_peak(self) -> None:
-        try:
-            self._write("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes", 0)
-        except OSError:
-            pass   # memory.peak is resettable from Linux 6.12 on
-
-    def peak(self) -> int | None:
-        try:
-            return int(self._read("memory.peak" if self.version == 2
-                                  else "memory.max_usage_in_bytes"))
-        except OSError:
-            return None
-
-    def remove(self) -> None:
-        os.rmdir(self.path)
-
-
-def _own_memory_cgroup() -> tuple[int, str]:
-    """(cgroup version, the directory of this process's memory cgroup)."""
-    with open("/proc/self/cgroup") as f:
-        entries = [line.rstrip("\n").split(":", 2) for line in f]
-    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
-        controllers = os.path.join(root, "cgroup.controllers")
-        if os.path.exists(controllers) and "memory" in open(controllers).read().split():
-            path = next(p for i, c, p in entries if i == "0")
-            own = os.path.join(root, path.lstrip("/"))
-            if "memory" not in open(os.path.join(own, "cgroup.subtree_control")).read().split():
-                raise OSError(f"cgroup v2: {own} does not delegate the memory controller")
-            return 2, own
-    for _, controllers, path in entries:
-        if "memory" in controllers.split(","):
-            return 1, os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
-    raise OSError("no memory cgroup controller is mounted")
 
 
 # -- one trial ------------------------------------------------------------------------------------

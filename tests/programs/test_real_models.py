@@ -414,3 +414,57 @@ def test_torchtitan_llama3_on_tp_and_pp_together(tmp_path):
                                        "microbatches": 2}, 4, tmp_path)
     assert all(r["sent"].get("tp", 0) > 0 and r["sent"].get("pipeline", 0) > 0
                for r in results)
+
+
+class LinearChain(torch.nn.Module):
+    """Blocks whose output is a Linear's (no residual in float32): bf16 under autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return F.mse_loss(x.float(), y)
+
+
+def _chain_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+
+
+def _autocast_after_plain(rank, world_size):
+    torch.manual_seed(0)
+    model = LinearChain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = tilework.parallelize(model, opt, log=False, pp=2, microbatches=2)
+    losses = []
+    for step in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == 1):
+            loss = model.step(*_chain_batch(step))
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    return losses
+
+
+def test_pp_boundaries_follow_autocast():
+    """The activation crossing a stage boundary is bf16 under autocast and float32 without:
+    its shape and dtype are probed per call and per autocast state, so a step under autocast
+    after a plain one (and a plain one after it) sends what one process computes."""
+    torch.manual_seed(0)
+    model = LinearChain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for step in range(3):
+        for half in range(2):   # the pipeline's two microbatches, each half the batch's mean
+            x, y = (t.chunk(2)[half] for t in _chain_batch(step))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == 1):
+                loss = model(x, y) / 2
+            loss.backward()
+            want.append(loss.item()) if half == 0 else want.__setitem__(-1, want[-1] + loss.item())
+        opt.step()
+        opt.zero_grad()
+    got = [r for r in spawn(_autocast_after_plain, 2, timeout=120) if r[0] is not None][0]
+    assert got == pytest.approx(want, rel=1e-5)

@@ -338,3 +338,25 @@ def _suite(rank, world_size):
             "primitives": _primitives(rank, world_size, ["heads", "mlp"]),
             "gpt": {True: _gpt_rank(rank, world_size, 2, True)}}
 
+
+
+def test_a_models_own_plan_that_splits_parameters_says_they_stay_whole():
+    """Hugging Face's MoE plans name parameters (`experts.gate_up_proj`), not modules: tilework
+    splits modules only, so those stay whole on every tp rank, and it says so once."""
+    from tilework.parallel.tensor.layout import models_own_layout
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 8, 16))
+
+    class MoE(nn.Module):
+        _tp_plan = {"up": "colwise", "down": "rowwise", "experts.gate_up_proj": "packed_colwise"}
+
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.experts = nn.Linear(8, 16), nn.Linear(16, 8), Experts()
+
+    with pytest.warns(UserWarning, match=r"splits parameters, not modules: "
+                                         r"experts.gate_up_proj \(packed_colwise\)"):
+        assert models_own_layout(MoE()) == {"up": "colwise", "down": "rowwise"}

@@ -281,7 +281,11 @@ class _BoundaryShapes:
         self.known: dict[tuple, list] = {}
 
     def entering(self, block: int, call: Call) -> tuple[tuple[int, ...], torch.dtype]:
-        key = call.signature()
+        # Autocast changes the dtypes a block's input may have (a Linear's output is bf16
+        # under it): the same call probed under another autocast state is another call.
+        device = _device_of(self.model).type
+        key = (call.signature(), torch.is_autocast_enabled(device),
+               torch.get_autocast_dtype(device))
         if key not in self.known:
             self.known[key] = self._probe(call)
         return self.known[key][block]
@@ -306,6 +310,9 @@ class _BoundaryShapes:
         finally:
             for h in handles:
                 h.remove()
+            # Under autocast the probe's casts of the weights are cached for the rest of the
+            # autocast region: fake ones, which the real forward would then compute with.
+            torch.clear_autocast_cache()
         if any(s is None for s in seen):
             raise PlanError(f"pp: the model's forward did not call every block of "
                             f"{self.stack} with its hidden states first")

@@ -29,6 +29,7 @@ part of its gradient), so an unnamed one is refused.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -272,15 +273,23 @@ def models_own_layout(model: nn.Module) -> dict[str, str] | None:
     if not plan:
         return None
     names = [name for name, _ in model.named_modules()]
-    layout = {}
+    parameters = [name for name, _ in model.named_parameters()]
+    layout, by_parameter = {}, []
     for pattern, style in plan.items():
         if not any(fnmatchcase(n, pattern) for n in names):
+            if any(fnmatchcase(n, pattern) for n in parameters):
+                by_parameter.append(f"{pattern} ({style})")
             continue
         if style not in HF_STYLES:
             raise PlanError(f"{type(model).__name__}'s own tensor-parallel plan gives "
                             f"{pattern!r} the style {style!r}, which tilework does not have "
                             f"(it has {', '.join(sorted(HF_STYLES))}); pass layout= instead")
         layout[pattern] = HF_STYLES[style]
+    if by_parameter:   # training stays right (replicated), but not as the plan meant
+        warnings.warn(f"{type(model).__name__}'s own tensor-parallel plan splits parameters, "
+                      f"not modules: {', '.join(by_parameter)}; tilework splits modules only, "
+                      "so these stay whole on every tp rank (pass layout= to split them)",
+                      stacklevel=2)
     return layout or None
 
 

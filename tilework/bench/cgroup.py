@@ -1,0 +1,103 @@
+"""A memory cgroup of its own for worker processes: a real out-of-memory kill past its cap.
+
+cgroup v2 where its memory controller is enabled (memory.max, memory.swap.max = 0); else cgroup
+v1 (memory.limit_in_bytes and memory.memsw.limit_in_bytes both at the cap). The group is made
+inside this process's own memory cgroup, so every limit above it still applies; `remove` it at
+the end. Needs root. Used by bench/zero_capacity.py (the largest model under a cap) and
+bench/planner_memory.py (no plan estimated under 80% of a cap is killed).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class MemoryCap:
+    """A memory cgroup with `limit` bytes and no swap, inside this process's own; `join` is a
+    preexec_fn that moves a starting worker into it."""
+
+    def __init__(self, limit: int, name: str = "capacity"):
+        self.version, parent = _own_memory_cgroup()
+        self.path = os.path.join(parent, f"tilework-{name}-{os.getpid()}")
+        os.mkdir(self.path)
+        try:
+            self.set_limit(limit)
+        except OSError:
+            os.rmdir(self.path)
+            raise
+
+    def set_limit(self, limit: int) -> None:
+        """The cap, swap off (v1: memsw is raised before, lowered after the memory limit,
+        since it may never be below it)."""
+        self.limit = limit
+        if self.version == 2:
+            self._write("memory.max", limit)
+            self._write("memory.swap.max", 0)
+            return
+        current = int(self._read("memory.limit_in_bytes"))
+        order = ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes") if limit > current \
+            else ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
+        for name in order:
+            self._write(name, limit)
+
+    def _write(self, name: str, value) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(str(value))
+
+    def _read(self, name: str) -> str:
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def join(self) -> None:
+        self._write("cgroup.procs", os.getpid())
+
+    def oom_kills(self) -> int:
+        text = self._read("memory.events" if self.version == 2 else "memory.oom_control")
+        return next(int(line.split()[1]) for line in text.splitlines()
+                    if line.startswith("oom_kill "))
+
+    def empty(self) -> None:
+        """Reclaim what the group holds with no process in it (the page cache its earlier
+        processes read: the interpreter's and torch's files), so the next peak starts from
+        nothing."""
+        try:
+            if self.version == 2:
+                self._write("memory.reclaim", 2**40)
+            else:
+                self._write("memory.force_empty", 0)
+        except OSError:
+            pass   # memory.reclaim is there from Linux 5.19 on
+
+    def reset_peak(self) -> None:
+        try:
+            self._write("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes", 0)
+        except OSError:
+            pass   # memory.peak is resettable from Linux 6.12 on
+
+    def peak(self) -> int | None:
+        try:
+            return int(self._read("memory.peak" if self.version == 2
+                                  else "memory.max_usage_in_bytes"))
+        except OSError:
+            return None
+
+    def remove(self) -> None:
+        os.rmdir(self.path)
+
+
+def _own_memory_cgroup() -> tuple[int, str]:
+    """(cgroup version, the directory of this process's memory cgroup)."""
+    with open("/proc/self/cgroup") as f:
+        entries = [line.rstrip("\n").split(":", 2) for line in f]
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        controllers = os.path.join(root, "cgroup.controllers")
+        if os.path.exists(controllers) and "memory" in open(controllers).read().split():
+            path = next(p for i, c, p in entries if i == "0")
+            own = os.path.join(root, path.lstrip("/"))
+            if "memory" not in open(os.path.join(own, "cgroup.subtree_control")).read().split():
+                raise OSError(f"cgroup v2: {own} does not delegate the memory controller")
+            return 2, own
+    for _, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            return 1, os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
+    raise OSError("no memory cgroup controller is mounted")
