@@ -93,6 +93,12 @@ def _measure_rank(rank, world_size, options):
             "peak": peak["Total"] - peak["BUFFER"] - left, "peak_snapshot": peak}
 
 
+def spawn_ranks(fn, options):
+    from tilework.testing import spawn
+
+    return spawn(fn, 2, args=(options,), timeout=300)
+
+
 def measure_all():
     from tilework.testing import spawn
 
@@ -157,3 +163,35 @@ def test_context_and_sequence_parallelism_shrink_activations():
                                        world_size=2) for s in (False, True))
     assert 0.4 < cp.activations / one.activations < 0.6
     assert sp.activations < tp.activations < one.activations
+
+
+def _parameter_bytes_held(rank, world_size, options):
+    """Bytes of every parameter storage the process can reach from the user's objects: the
+    parameters the optimizer was made with (tilework keeps them for undo) and the model's."""
+    model = new_model()
+    originals = list(model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    part, opt = tilework.parallelize(model, opt, log=False, check_inputs=False, **options)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*originals, *part.parameters(), *model.parameters()]
+                if t.untyped_storage().nbytes()}
+    held = sum(storages.values())
+    whole, _ = tilework.unparallelize(part, opt)
+    return held, sum(p.numel() * p.element_size() for p in whole.parameters())
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_a_rank_holds_its_share_of_the_parameters_not_the_whole_model_beside_it(name):
+    """Under tp and pp a rank computes with its shards and stages only; the whole weights
+    they came from (kept as objects for unparallelize) hold no values, so the rank's
+    parameter bytes are the estimate's (before: the whole model beside the part, which a
+    memory cap past the estimate killed), and unparallelize gives the whole model back."""
+    config = ParallelConfig(check_inputs=False, **CONFIGS[name])
+    model = new_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    for rank, (held, back) in enumerate(spawn_ranks(_parameter_bytes_held, CONFIGS[name])):
+        est = tilework.estimate_memory(model, config, batch(), optimizer=opt, rank=rank,
+                                       world_size=2)
+        assert held == est.parameters, (name, rank, held, est.parameters)
+        assert back == whole

@@ -31,7 +31,7 @@ from ..config.parallel import ParallelConfig
 from ..errors import PlanError
 from ..parallel.context.layout import SequenceCut
 from ..plans.plan import Plan
-from .changes import Changes
+from .changes import Changes, release_values
 from .engine import Engine
 from .hooks import PicklesAsNoop
 from .recompute import apply_recompute
@@ -65,6 +65,7 @@ def apply(model, optimizer, plan: Plan, config: ParallelConfig, groups: Groups, 
     if plan.parallel is not None:
         from ..parallel.tensor import build_mesh_groups
 
+        originals = list({id(p): p for p in model.parameters()}.values())
         _start_alike(model, groups)
         found = MeshParallel(plan.mesh, groups, build_mesh_groups(plan.mesh, groups.world,
                                                                   groups.env), Stats(), plan)
@@ -72,6 +73,8 @@ def apply(model, optimizer, plan: Plan, config: ParallelConfig, groups: Groups, 
         apply_tp(model, optimizer, found)
     ring_modules = apply_cp(model, config, found) if config.cp > 1 else []
     target = apply_pp(model, optimizer, config, found) if config.pp > 1 else model
+    if found is not None:
+        _release_unheld(model, originals, found)
     engine = apply_dp(target, optimizer, config, plan, groups, found)
     apply_recompute(target, engine.plan.recompute, engine.changes)
     if found is not None:
@@ -85,6 +88,18 @@ def apply(model, optimizer, plan: Plan, config: ParallelConfig, groups: Groups, 
         print_plan(plan)
     return (found.pipeline if found is not None and found.pipeline is not None else model), \
         optimizer
+
+
+def _release_unheld(model, originals: list, found: MeshParallel) -> None:
+    """The values of parameters this rank no longer computes with: tp-split modules' whole
+    weights (kept for undo) and, under pp, other ranks' blocks."""
+    current = {id(p) for p in model.parameters()}
+    unheld = [p for p in originals if id(p) not in current]
+    if found.pipeline is not None:
+        unheld += found.pipeline.unheld
+    if unheld:
+        release_values(found.changes, unheld, f"{len(unheld)} parameters this rank does not "
+                       "hold (tp's whole weights, other pipeline ranks' blocks): values released")
 
 
 def apply_tp(model, optimizer, found: MeshParallel) -> None:

@@ -72,6 +72,25 @@ def replace_module(changes: Changes, model, param_name: str, replacement, origin
     changes.record(f"{path}: replaced by a ShardedEmbedding (rows on the servers)", undo)
 
 
+def release_values(changes: Changes, params: list, what: str) -> None:
+    """Parameters no module of this rank computes with any more (a tp-split module's whole
+    weight, another pipeline rank's blocks) keep their objects, for the optimizer's and the
+    module's undo, but not their values: an empty tensor each, so a rank holds what its plan
+    says (the memory estimate's figure), not the whole model beside its part. Undone with
+    uninitialised values of the old shape, which unparallelize's load fills."""
+    shapes = [(p, p.shape) for p in params]
+    for p in params:
+        p.released_shape = p.shape   # what a shape-only forward gives it (generic.py's probe)
+        p.data = p.data.new_empty(0)
+
+    def undo():
+        for p, shape in shapes:
+            p.data = p.data.new_empty(shape)
+            del p.released_shape
+
+    changes.record(what, undo)
+
+
 def leave_optimizer(changes: Changes, optimizer, named: dict) -> None:
     """The optimizer no longer owns what the servers update (nor keeps its state alive)."""
     gone = {id(p) for p in named.values()}

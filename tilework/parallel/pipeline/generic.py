@@ -290,6 +290,12 @@ class _BoundaryShapes:
             self.known[key] = self._probe(call)
         return self.known[key][block]
 
+    def _released(self) -> dict[str, torch.Tensor]:
+        """Other ranks' blocks hold no values here (runtime/changes.release_values): stand-ins
+        of their shape for the probe's forward (fake under FakeTensorMode: no memory)."""
+        return {n: torch.zeros(p.released_shape, dtype=p.dtype, device=p.device)
+                for n, p in self.model.named_parameters() if hasattr(p, "released_shape")}
+
     def _probe(self, call: Call) -> list:
         stack = blocks_of(self.model.get_submodule(self.stack))
         seen: list = [None] * len(stack)
@@ -304,9 +310,10 @@ class _BoundaryShapes:
                     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                         fake = tree_map(lambda t: mode.from_tensor(t) if torch.is_tensor(t)
                                         else t, (call.args, call.kwargs))
-                        self.model(*fake[0], **fake[1])
+                        torch.func.functional_call(self.model, self._released(), *fake)
                 except Exception:   # noqa: BLE001 - code that needs values: run it for real
-                    self.model(*call.args, **call.kwargs)
+                    torch.func.functional_call(self.model, self._released(), call.args,
+                                               call.kwargs)
         finally:
             for h in handles:
                 h.remove()

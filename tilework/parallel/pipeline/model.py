@@ -68,6 +68,10 @@ def cut_stages(model: nn.Module, stages: int, blocks=None) -> list[nn.Module]:
     return split_model(model, stages, blocks=blocks)
 
 
+def _blocks_of_stage(stage: nn.Module) -> nn.Module:
+    return stage.layers if isinstance(stage, ModelStage) else stage
+
+
 class PipelineModel(nn.Module):
     def __init__(self, model: nn.Module, schedule: Schedule, group, rank: int, stats,
                  blocks=None):
@@ -80,6 +84,13 @@ class PipelineModel(nn.Module):
                             "holds the embeddings, its blocks, or the final norm and head)")
         mine = {s: stages[s] for s in schedule.stages_of(rank)}
         self.part = local_part(model, [m for s in mine.values() for m in stage_modules(s)])
+        held = {id(p) for p in self.part.parameters()}
+        # Other ranks' blocks, which no forward here runs (generic.py passes over them; the
+        # reference GPT's stages are their own modules). A generic model's parameters outside
+        # the stack are not among them: every stage's forward computes with them.
+        self.unheld = list({id(p): p for k, s in enumerate(stages) if k not in mine
+                            for p in _blocks_of_stage(s).parameters()
+                            if id(p) not in held}.values())
         self.runner = PipelineRunner(mine, schedule, group, stats)
         self.schedule = schedule
         self.generic = not is_reference_gpt(model)
