@@ -205,7 +205,7 @@ def _auto(a, job, cluster):
                   table_traffic(job, analyze(model), cluster))
     found = {"chosen": label(choice.chosen),
              "runner_up": choice.runner_up and label(choice.runner_up),
-             "why": choice.why(), "flops_per_s": flops, "flops_source": source,
+             "why": choice.why(), "flops_per_s": float(flops), "flops_source": source,
              "candidates": [{"plan": label(c), "predicted_step_s": c.step_s,
                              "peak_bytes": c.parts.get("peak_bytes"), "why": c.why}
                             for c in choice.candidates]}
@@ -245,11 +245,12 @@ def _search(a, job, cluster, where: str) -> int:
              "parts": {k: v for k, v in c.parts.items() if isinstance(v, (int, float))}}
             for c in found]
     if a.json:
-        print(json.dumps({"flops_per_s": flops, "flops_source": source, "candidates": rows},
+        print(json.dumps({"flops_per_s": float(flops), "flops_source": source,
+                          "candidates": rows},
                          indent=2))
         return 0
     print(f"mesh search for {a.job} on {where}: global batch {batch}, compute "
-          f"{flops / 1e9:,.1f} GFLOP/s per rank ({source}); fastest first")
+          f"{float(flops) / 1e9:,.1f} GFLOP/s per rank ({source}); fastest first")
     for r in rows:
         p = r["parts"]
         if r["predicted_step_s"] is None:
@@ -270,17 +271,22 @@ def _plan_flops(a, job) -> tuple[float | None, str]:
     return _rate(a)
 
 
-def _rate(a) -> tuple[float, str]:
-    """--gflops, else what `tilework calibrate` measured for the cluster file, else one
-    thread's matmul here."""
+def _rate(a) -> tuple:
+    """--gflops, else what `tilework calibrate` measured for the cluster file (its matmul
+    curve where it wrote one: each product priced by its shape), else one thread's matmul
+    here."""
     from .cluster.calibrate import matmul_flops
-    from .cluster.calibration_file import calibrated_flops
+    from .cluster.calibration_file import calibrated_curve, calibrated_flops
 
     if a.gflops is not None:
         if not 0 < a.gflops < float("inf"):
             raise UserError(f"--gflops: expected a positive number, got {a.gflops}")
         return a.gflops * 1e9, "--gflops"
     found = calibrated_flops(a.cluster) if a.cluster is not None else None
+    curve = calibrated_curve(a.cluster) if found is not None else None
+    if curve is not None:
+        return curve, f"tilework calibrate's matmul curve (best {float(curve) / 1e9:,.1f}): " \
+                      f"{found[1]}"
     if found is not None:
         return found[0], f"tilework calibrate: {found[1]}"
     return matmul_flops(), ("measured here: one thread's fp32 matmul; `tilework calibrate` "

@@ -151,3 +151,18 @@ def test_the_compute_rate_written_beside_the_cluster_file_is_what_plan_reads(tmp
     assert calibrated_flops(path) == (3.25e10, "cluster.calibration.json, T")
     calibration_path(path).write_text("{not json")
     assert calibrated_flops(path) is None                   # damaged: measured afresh
+
+
+def test_the_matmul_curve_written_beside_the_cluster_file_is_what_plan_reads(tmp_path):
+    from tilework.cluster.calibration_file import calibrated_curve
+    from tilework.cluster.matmul_curve import MatmulCurve
+
+    path = tmp_path / "cluster.toml"
+    path.write_text("[[hosts]]\nname = \"a\"\nprocs = 2\n")
+    results = {"all_reduce": _fit("all_reduce", 2, 800e-6, 1e9)}
+    write_calibration(path, results, spans_hosts=False, when="T", flops_per_s=3.25e10)
+    assert calibrated_curve(path) is None                   # calibrated without a curve
+    curve = MatmulCurve((16, 256), ((((1e9, 2e9), (3e9, 4e9)), ((5e9, 6e9), (7e9, 8e9)))))
+    write_calibration(path, results, spans_hosts=False, when="T", flops_per_s=3.25e10,
+                      curve=curve)
+    assert calibrated_curve(path) == curve

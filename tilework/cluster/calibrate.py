@@ -290,6 +290,23 @@ def matmul_flops(size: int = 512, repeats: int = 20) -> float:
         torch.set_num_threads(threads)
 
 
+def measure_curve(group, world_size: int, device=None):
+    """Every rank's matmul efficiency curve at once (cluster/matmul_curve.py; ranks share the
+    host as in training), the slowest rank's rate at each shape: a step waits for it."""
+    import torch
+    import torch.distributed as dist
+
+    from .matmul_curve import MatmulCurve, measure
+
+    mine = measure(device)
+    if world_size < 2:
+        return mine
+    grid = torch.tensor(mine.flops_per_s, dtype=torch.float64,
+                        device=device or torch.device("cpu"))
+    dist.all_reduce(grid, op=dist.ReduceOp.MIN, group=group)
+    return MatmulCurve(mine.sizes, tuple(tuple(tuple(r) for r in p) for p in grid.tolist()))
+
+
 def measure_compute(group, world_size: int) -> float:
     """Every rank's matmul FLOP/s at once (ranks share the host as in training), the slowest
     rank's: a step waits for it."""

@@ -38,6 +38,19 @@ def calibrated_flops(cluster_path: str | Path) -> tuple[float, str] | None:
     return float(rate), f"{path.name}, {data.get('when', 'undated')}"
 
 
+def calibrated_curve(cluster_path: str | Path):
+    """The matmul efficiency curve `tilework calibrate` wrote beside the cluster file (None
+    where it wrote none, or the file is unreadable)."""
+    from .matmul_curve import MatmulCurve
+
+    path = calibration_path(cluster_path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return MatmulCurve.from_dict(data["compute"]["matmul_curve"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
 def calibration_path(cluster_path: str | Path) -> Path:
     p = Path(cluster_path)
     return p.with_name(f"{p.stem}.calibration.json")
@@ -45,7 +58,7 @@ def calibration_path(cluster_path: str | Path) -> Path:
 
 def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
                       spans_hosts: bool, when: str | None = None,
-                      flops_per_s: float | None = None) -> tuple[str, Path]:
+                      flops_per_s: float | None = None, curve=None) -> tuple[str, Path]:
     """Put the all-reduce fit into the cluster file's `links.inter` (`spans_hosts`) or
     `links.intra`, and every fit into `calibration_path(cluster_path)`. Returns the link's key and
     the JSON's path. Other keys of the file are kept; its comments are not (TOML writers drop
@@ -83,6 +96,8 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     if flops_per_s is not None:
         report["compute"] = {"flops_per_s": _sig(flops_per_s),
                              "how": "one thread's fp32 512x512 matmul, the slowest rank's"}
+        if curve is not None:
+            report["compute"]["matmul_curve"] = curve.as_dict()
     json_path = calibration_path(path)
     write_atomic(json_path, json.dumps(report, indent=2) + "\n")
     return f"links.{kind}", json_path

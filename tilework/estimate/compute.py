@@ -6,7 +6,11 @@ matmuls, convolutions and attention torch has FLOP formulas for, wherever the mo
 A step is the forward, its backward (twice the forward: a weight's and an input's gradient per
 matmul, as Megatron-LM counts) and, for each module the plan recomputes, its forward once more.
 Its seconds are those FLOPs at the rank's rate (`tilework calibrate`'s measured matmul rate, or
-the cluster's given one).
+the cluster's given one), or, given a `MatmulCurve` (cluster/matmul_curve.py), each matmul's
+FLOPs at the rate of its own shape: the forward's (m x k) @ (k x n), and in backward the input's
+gradient (m x n) @ (n x k) and the weight's (k x m) @ (m x n). The few FLOPs of ops that are no
+matmul torch counts (convolutions) go at the curve's best rate, and a recomputed forward at the
+forward's average.
 """
 
 from __future__ import annotations
@@ -15,19 +19,32 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass(frozen=True)
 class StepFlops:
     forward: float                     # one forward of the example inputs
     recomputed: float = 0.0            # the recomputed modules' forwards, again in backward
+    matmuls: tuple = ()                # the forward's products: (m, k, n, count)
 
     @property
     def step(self) -> float:
         return 3 * self.forward + self.recomputed
 
-    def seconds(self, flops_per_s: float) -> float:
-        return self.step / flops_per_s
+    def seconds(self, rate) -> float:
+        """The step at `rate`: one FLOP/s, or a MatmulCurve pricing each product's shape."""
+        from ..cluster.matmul_curve import MatmulCurve
+
+        if not isinstance(rate, MatmulCurve) or not self.matmuls:
+            return self.step / float(rate)
+        forward = sum(rate.seconds(m, k, n, c) for m, k, n, c in self.matmuls)
+        backward = sum(rate.seconds(m, n, k, c) + rate.seconds(k, m, n, c)
+                       for m, k, n, c in self.matmuls)
+        counted = sum(2.0 * m * k * n * c for m, k, n, c in self.matmuls)
+        rest = max(0.0, self.forward - counted)
+        per_flop = forward / counted if counted else 1.0 / float(rate)
+        return forward + backward + 3 * rest / float(rate) + self.recomputed * per_flop
 
 
 def step_flops(model: nn.Module, example_inputs: tuple, recompute=()) -> StepFlops:
@@ -42,9 +59,36 @@ def step_flops(model: nn.Module, example_inputs: tuple, recompute=()) -> StepFlo
     inputs = tuple(x.to("meta") if torch.is_tensor(x) else x for x in example_inputs)
     per_module = _ModuleFlops(meta, [name for name, policy in recompute if policy == "full"])
     # torch.unique has no meta kernel: every element distinct, as the memory estimate takes it.
-    with FlopCounterMode(display=False) as counter, per_module, WorstCaseUnique():
+    with FlopCounterMode(display=False) as counter, per_module, WorstCaseUnique(), \
+            _Products() as products:
         meta(*inputs)
-    return StepFlops(float(counter.get_total_flops()), float(sum(per_module.flops.values())))
+    return StepFlops(float(counter.get_total_flops()), float(sum(per_module.flops.values())),
+                     tuple(products.shapes))
+
+
+class _Products(TorchDispatchMode):
+    """The shape of every matmul a forward runs, (m, k, n, count): mm and addmm, bmm and
+    baddbmm (count: the batch), and attention's two products per head."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, int, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        a = torch.ops.aten
+        if packet in (a.mm, a.addmm):
+            x, w = args[-2], args[-1]
+            self.shapes.append((x.shape[0], x.shape[1], w.shape[1], 1))
+        elif packet in (a.bmm, a.baddbmm):
+            x, w = args[-2], args[-1]
+            self.shapes.append((x.shape[1], x.shape[2], w.shape[2], x.shape[0]))
+        elif "scaled_dot_product" in packet.__name__ and len(args) >= 3:
+            q, k = args[0], args[1]
+            heads = q.shape[:-2].numel()
+            s, t, d = q.shape[-2], k.shape[-2], q.shape[-1]
+            self.shapes += [(s, d, t, heads), (s, t, d, heads)]
+        return func(*args, **(kwargs or {}))
 
 
 def _on_meta(model: nn.Module) -> bool:

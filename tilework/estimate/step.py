@@ -5,7 +5,8 @@ plan` shows for a model-parallel job (report/job.py).
 
 - compute: each stage's matmul FLOPs (2 per weight per token forward, twice that backward)
   and attention scores (causal: seq/2 keys per query, 2 x 2 x dim FLOPs per key forward), on
-  its tokens (batch / dp sequences, seq / cp tokens each), split tp ways, at `flops_per_s`;
+  its tokens (batch / dp sequences, seq / cp tokens each), split tp ways, at `flops_per_s`
+  (or, given a matmul curve, each microbatch's products at the rate of their shape);
 - tp and cp: the bytes `step_bytes.mesh_step_bytes` counts, on the link their groups cross
   (`Links.crossed`), a latency per ring step; on the critical path (Megatron does not overlap
   them either), spread over forward and backward;
@@ -59,6 +60,38 @@ def forward_flops(modules: list[nn.Module], tokens: int, seq: int, tp: int) -> f
     weights = sum(matmul_params(m) for m in modules)
     scores = sum(4 * a.embed_dim * seq / 2 for m in modules for a in _attention(m))
     return (2 * weights + scores) * tokens / tp
+
+
+def stage_seconds(modules: list[nn.Module], tokens: float, seq: int, tp: int,
+                  rate) -> tuple[float, float]:
+    """(forward, backward) seconds of `modules` on `tokens` tokens (one microbatch's) at `rate`:
+    one FLOP/s (backward twice the forward), or a MatmulCurve pricing each product by its
+    shape: every 2-D weight (out x in) a (tokens x in) @ (in x out / tp) product forward and
+    the two gradient products backward; attention's scores and weighted sum per head as
+    (seq x head_dim x seq) products, half of them under the causal mask."""
+    from ..cluster.matmul_curve import MatmulCurve
+
+    if not isinstance(rate, MatmulCurve):
+        f = forward_flops(modules, tokens, seq, tp) / float(rate)
+        return f, 2 * f
+    products, other = [], 0.0
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, nn.Embedding):
+                continue
+            for p in sub.parameters(recurse=False):
+                if p.dim() == 2:
+                    products.append((tokens, p.shape[1], p.shape[0] / tp, 1.0))
+                else:
+                    other += 2 * p.numel() * tokens / tp
+        for a in _attention(module):
+            count = tokens / seq * a.num_heads / tp / 2
+            products += [(seq, a.head_dim, seq, count), (seq, seq, a.head_dim, count)]
+    rest = other / float(rate)
+    forward = sum(rate.seconds(m, k, n, c) for m, k, n, c in products) + rest
+    backward = sum(rate.seconds(m, n, k, c) + rate.seconds(k, m, n, c)
+                   for m, k, n, c in products) + 2 * rest
+    return forward, backward
 
 
 def _link(cluster: Cluster, groups: list[tuple[int, ...]]) -> tuple[Link, bool]:
@@ -117,10 +150,11 @@ def _message_ends(model, config: ParallelConfig, stages, schedule) -> dict:
 
 
 def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_batch: int,
-            seq: int, flops_per_s: float, itemsize: int = 4,
+            seq: int, flops_per_s, itemsize: int = 4,
             message_overhead_s: float = 0.0) -> MeshCandidate:
     """One candidate's predicted step (see the module's docstring) for `replica_batch`
-    sequences per dp replica, or why it cannot run. `message_overhead_s`: LogP's o, what each
+    sequences per dp replica, or why it cannot run. `flops_per_s`: one rate, or a MatmulCurve
+    (stage_seconds). `message_overhead_s`: LogP's o, what each
     message costs the CPU at each end beside the link's time (pipeline_runs.message_overhead
     measures it on busy CPU ranks; about 0 where collectives run on their own engines)."""
     from ..parallel.pipeline import build, simulate, split_stages
@@ -160,10 +194,12 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     fwd, bwd, comm, compute, flops = [], [], {"tp": 0.0, "cp": 0.0}, 0.0, []
     for k, mods in enumerate(modules):
         flops.append(forward_flops(mods, tokens, seq, config.tp) / m)
-        f = flops[-1] * m / flops_per_s
+        # A microbatch's products are what the rate (a curve: by shape) applies to.
+        f, b = (m * t for t in stage_seconds(mods, tokens / m, seq, config.tp, flops_per_s))
         # Full recompute runs the stage's recomputed blocks' forward again in backward.
-        again = forward_flops(_inside(mods, recomputed), tokens, seq, config.tp) / flops_per_s
-        compute = max(compute, 3 * f + again)
+        again = m * stage_seconds(_inside(mods, recomputed), tokens / m, seq, config.tp,
+                                  flops_per_s)[0]
+        compute = max(compute, f + b + again)
         sent = per_rank[schedule.rank_of(k)]    # a rank's bytes, over the stages it holds
         share = len(schedule.stages_of(schedule.rank_of(k)))
         extra = 0.0
@@ -175,7 +211,7 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
                 extra += took
         # A step's exchanges sit on the critical path, a third forward, two thirds backward.
         fwd.append((f + extra / 3) / m)
-        bwd.append((2 * f + again + 2 * extra / 3) / m)
+        bwd.append((b + again + 2 * extra / 3) / m)
     pp_link, crossing = _pp_link(cluster, mesh)
     activation = replica_batch // m * (seq // config.cp) * model.head.in_features * itemsize \
         if config.pp > 1 else 0

@@ -106,12 +106,15 @@ def _calibrate(spec: dict, env: WorkerEnv) -> int:
                       else (calibrate.DEFAULT_SIZES, calibrate.DEFAULT_REPEATS))
     results = calibrate.measure(groups.world, groups.world_size, sizes, repeats)
     flops = calibrate.measure_compute(groups.world, groups.world_size)
+    curve = calibrate.measure_curve(groups.world, groups.world_size)
     if groups.rank == 0:
         key, json_path = calibrate.write_calibration(spec["cluster"], results,
                                                      spans_hosts=groups.topology.num_hosts > 1,
-                                                     flops_per_s=flops)
+                                                     flops_per_s=flops, curve=curve)
         print(calibrate.summary(results))
-        print(f"compute: {flops / 1e9:.1f} GFLOP/s per rank (fp32 matmul, one thread)")
+        print(f"compute: {flops / 1e9:.1f} GFLOP/s per rank (fp32 matmul, one thread); by "
+              f"shape {min(min(min(r) for r in p) for p in curve.flops_per_s) / 1e9:.2f}-"
+              f"{float(curve) / 1e9:.1f} GFLOP/s over (m, k, n) in {curve.sizes}")
         print(f"{spec['cluster']}: {key} set from the all_reduce fit; every fit in {json_path}")
     return _done(groups)
 

@@ -168,7 +168,7 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
             "batch_per_replica": batch, "seq_len": seq,
             "stages": stages,
             "schedule": {"name": schedule.name, "microbatches": m, "text": schedule.format()},
-            "flops_per_s": flops, "flops_source": flops_source,
+            "flops_per_s": float(flops), "flops_source": flops_source,
             "pp_link": {"bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us,
                         "between_hosts": parts["pp_between_hosts"]},
             "activation_bytes": parts["activation_bytes"],

@@ -3,8 +3,9 @@ world is. The ranks' hosts come from the discovered topology, the links from the
 (or, without one, an all-reduce fit timed here: inside a host and across hosts, as `tilework
 calibrate` fits them), each rank's memory from the cluster file or else from the device (a GPU's
 memory; on a CPU host its RAM over the ranks sharing it), and the compute rate from a matmul
-measured here. Every rank must choose the same plan: the rate and the memory are the smallest
-any rank measured (one all-reduce), so the pure search gives one answer everywhere.
+efficiency curve measured here (each product priced by its shape). Every rank must choose the
+same plan: the rates and the memory are the smallest any rank measured (all-reduces), so the
+pure search gives one answer everywhere.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     live = _live_cluster(groups, cluster, _timed_links(groups) if cluster is None else None)
-    flops, memory = _agreed(groups, _measured_flops(groups.device), _device_memory(groups))
+    flops = _measured_curve(groups)
+    _, memory = _agreed(groups, float(flops), _device_memory(groups))
     space = Space.of(config)
     if optimizer is None:   # a hand-written update: no optimizer to shard, no server to step
         config = dataclasses.replace(config, zero=0, mode="allreduce")
@@ -44,8 +46,8 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
     found = auto(model, config, live, example_inputs, flops,
                  optimizer if optimizer is not None else "sgd", traffic, memory, space)
     if log and groups.rank == 0:
-        print(f"tilework plan='auto' ({len(found.candidates)} candidates, compute "
-              f"{flops / 1e9:,.1f} GFLOP/s per rank): {found.why()}")
+        print(f"tilework plan='auto' ({len(found.candidates)} candidates, compute up to "
+              f"{float(flops) / 1e9:,.1f} GFLOP/s per rank, by matmul shape): {found.why()}")
     return found.chosen.config
 
 
@@ -103,21 +105,12 @@ def _timed_links(groups: Groups) -> Links | None:
     return Links(intra=intra or inter, inter=inter or intra)
 
 
-def _measured_flops(device: torch.device) -> float:
-    from ..cluster.calibrate import matmul_flops
+def _measured_curve(groups: Groups):
+    """The matmul efficiency curve every rank measures at once, the slowest rate at each
+    shape (cluster/calibrate.measure_curve): about 2 s on a CPU thread."""
+    from ..cluster.calibrate import measure_curve
 
-    if device.type == "cuda":
-        a = torch.randn(2048, 2048, device=device)
-        torch.cuda.synchronize(device)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            a @ a
-        end.record()
-        torch.cuda.synchronize(device)
-        return 2 * 2048**3 * 10 / (start.elapsed_time(end) / 1e3)
-    return matmul_flops()
+    return measure_curve(groups.world, groups.world_size, groups.device)
 
 
 def _device_memory(groups: Groups) -> float:
