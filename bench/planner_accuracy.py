@@ -9,7 +9,10 @@ runnable candidate of tilework/planner/search.py is run through `tilework.parall
 dropped) is set beside `estimate(plan)`'s step, priced with what was measured in the same world
 first and never fitted to the steps (bench/mesh_search.py's way): the FLOP rate on the whole
 model (every rank computing at once, averaged), calibrate's all-reduce fit for the link, the
-per-message CPU overhead o.
+per-message CPU overhead o. Each plan is priced twice from those measurements: at one FLOP
+rate, and with a matmul efficiency curve (cluster/matmul_curve.py, measured on every rank at
+once) scaled by one factor so that it prices the whole model's dp step as measured (the same
+one measurement the rate comes from): the curve adds only how the rate changes with shape.
 
 Prints the table, the median |predicted - measured| / measured, Kendall's tau between the
 predicted and measured orders, and where the plan the search chooses lands among the measured.
@@ -85,8 +88,28 @@ def _world(rank, world_size, configs, steps):
     dist.barrier()
     rate = torch.tensor([ms.flops_rate(ms.BATCH // world_size)], dtype=torch.float64)
     dist.all_reduce(rate)
+    from tilework.cluster.calibrate import measure_curve
+
+    curve = measure_curve(dist.group.WORLD, world_size)
     return {"link": (link.bandwidth_gbps, link.latency_us), "flops": rate.item() / world_size,
-            "overhead_s": overhead, "steps": [ms.run_candidate(c, steps) for c in configs]}
+            "curve": curve.as_dict(), "overhead_s": overhead,
+            "steps": [ms.run_candidate(c, steps) for c in configs]}
+
+
+def scaled_curve(curve, flops: float, world: int):
+    """`curve` times the one factor that makes it price the whole model's step at
+    `ms.BATCH // world` sequences as `flops` (that step's measured rate) does."""
+    from tilework.cluster.matmul_curve import MatmulCurve
+    from tilework.estimate.step import forward_flops, stage_seconds
+
+    with torch.device("meta"):
+        meta = TinyGPT(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ)
+    tokens = ms.BATCH // world * ms.SEQ
+    children = [*meta.children()]
+    measured = 3 * forward_flops(children, tokens, ms.SEQ, 1) / flops
+    factor = sum(stage_seconds(children, tokens, ms.SEQ, 1, curve)) / measured
+    return MatmulCurve(curve.sizes, tuple(tuple(tuple(v * factor for v in row) for row in plane)
+                                          for plane in curve.flops_per_s))
 
 
 def _priced(meta, cluster, world: int, rate: float, o: float = 0.0) -> list:
@@ -110,39 +133,51 @@ def main(argv=None) -> int:
                 timeout=3600)[0]
     link = Link(*got["link"])
     measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))
+    from tilework.cluster.matmul_curve import MatmulCurve
+
+    curve = scaled_curve(MatmulCurve.from_dict(got["curve"]), got["flops"], a.world)
     predicted = {label(c): c for c in _priced(meta, measured_here, a.world, got["flops"],
                                               got["overhead_s"])}
+    by_curve = {label(c): c for c in _priced(meta, measured_here, a.world, curve,
+                                             got["overhead_s"])}
     rows = []
     for c, steps in zip(runnable, got["steps"]):
-        p = predicted[label(c)]
+        p, q = predicted[label(c)], by_curve[label(c)]
         measured = statistics.median(steps[1:])
         rows.append({"plan": label(c), "predicted_ms": p.step_s * 1e3,
-                     "measured_ms": measured * 1e3, "error": abs(p.step_s - measured) / measured})
-    chosen = min(rows, key=lambda r: r["predicted_ms"])
-    fastest = min(rows, key=lambda r: r["measured_ms"])
-    summary = {
-        "plans": len(rows), "median_error": statistics.median(r["error"] for r in rows),
-        "kendall_tau": kendall_tau([r["predicted_ms"] for r in rows],
-                                   [r["measured_ms"] for r in rows]),
-        "chosen": chosen["plan"], "chosen_over_fastest": chosen["measured_ms"]
-        / fastest["measured_ms"], "fastest": fastest["plan"], "flops": got["flops"],
+                     "curve_ms": q.step_s * 1e3, "measured_ms": measured * 1e3,
+                     "error": abs(p.step_s - measured) / measured,
+                     "curve_error": abs(q.step_s - measured) / measured})
+    summary = _summary(rows, "predicted_ms", "error") | {
+        "curve": _summary(rows, "curve_ms", "curve_error"), "flops": got["flops"],
         "link": got["link"], "overhead_s": got["overhead_s"], "world": a.world}
     print(f"{a.world} ranks on loopback: FLOP/s per rank {got['flops']:.3g}, link "
           f"{link.bandwidth_gbps:.3g} Gb/s {link.latency_us:.0f} us, o "
           f"{got['overhead_s'] * 1e3:.2f} ms")
-    print("| plan | predicted ms | measured ms | error |\n|---|---:|---:|---:|")
+    print("| plan | predicted ms (one rate) | predicted ms (curve) | measured ms | error (rate) "
+          "| error (curve) |\n|---|---:|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: r["measured_ms"]):
-        print(f"| {r['plan']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
-              f"{r['error'] * 100:.0f}% |")
-    print(f"{summary['plans']} plans: median error {summary['median_error'] * 100:.1f}%, "
-          f"Kendall's tau {summary['kendall_tau']:.2f}; chosen {summary['chosen']} measured "
-          f"{(summary['chosen_over_fastest'] - 1) * 100:.1f}% over the fastest "
-          f"({summary['fastest']})")
+        print(f"| {r['plan']} | {r['predicted_ms']:.1f} | {r['curve_ms']:.1f} | "
+              f"{r['measured_ms']:.1f} | {r['error'] * 100:.0f}% | {r['curve_error'] * 100:.0f}% |")
+    for name, m in (("one rate", summary), ("curve", summary["curve"])):
+        print(f"{name}: {m['plans']} plans, median error {m['median_error'] * 100:.1f}%, "
+              f"Kendall's tau {m['kendall_tau']:.2f}; chosen {m['chosen']} measured "
+              f"{(m['chosen_over_fastest'] - 1) * 100:.1f}% over the fastest ({m['fastest']})")
     if a.out:
         a.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if a.png:
         _plot(rows, summary, a.png)
     return 0
+
+
+def _summary(rows: list[dict], predicted: str, error: str) -> dict:
+    chosen = min(rows, key=lambda r: r[predicted])
+    fastest = min(rows, key=lambda r: r["measured_ms"])
+    return {"plans": len(rows), "median_error": statistics.median(r[error] for r in rows),
+            "kendall_tau": kendall_tau([r[predicted] for r in rows],
+                                       [r["measured_ms"] for r in rows]),
+            "chosen": chosen["plan"], "fastest": fastest["plan"],
+            "chosen_over_fastest": chosen["measured_ms"] / fastest["measured_ms"]}
 
 
 def _plot(rows: list[dict], summary: dict, path: Path) -> None:
@@ -154,14 +189,17 @@ def _plot(rows: list[dict], summary: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 5))
     xs = [r["measured_ms"] for r in rows]
     ys = [r["predicted_ms"] for r in rows]
-    ax.scatter(xs, ys, s=14)
-    top = max(xs + ys) * 1.05
+    zs = [r["curve_ms"] for r in rows]
+    ax.scatter(xs, ys, s=14, label=f"one rate: median error {summary['median_error']:.0%}, "
+                                   f"tau {summary['kendall_tau']:.2f}")
+    ax.scatter(xs, zs, s=14, marker="x", label=f"matmul curve: median error "
+               f"{summary['curve']['median_error']:.0%}, tau {summary['curve']['kendall_tau']:.2f}")
+    ax.legend(fontsize=7)
+    top = max(xs + ys + zs) * 1.05
     ax.plot([0, top], [0, top], lw=0.8, color="grey")
     ax.set_xlabel("measured step (ms)")
     ax.set_ylabel("predicted step (ms)")
-    ax.set_title(f"{summary['plans']} plans, {summary['world']} ranks: median error "
-                 f"{summary['median_error'] * 100:.0f}%, tau {summary['kendall_tau']:.2f}",
-                 fontsize=9)
+    ax.set_title(f"{summary['plans']} plans, {summary['world']} ranks on loopback", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
