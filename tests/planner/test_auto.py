@@ -33,9 +33,13 @@ def tokens(batch: int = 2, seq: int = 16):
 def test_enumerate_covers_the_space_and_keeps_the_rest_of_the_config():
     cluster = Cluster([Host("a", 2), Host("b", 2)])
     found = configs(ParallelConfig(bucket_mb=5.0), Space(), cluster, layers=4)
-    # ZeRO 0, or 1-3 over the world or each host; recompute none or full
-    assert len(found) == (1 + 3 * 2) * 2
+    # ZeRO 0, or 1-3 over the world or each host, 3 with its shards offloaded or not;
+    # recompute none, selective or full
+    assert len(found) == (1 + 2 * 2 + 2 * 2) * 3
     assert all(c.bucket_mb == 5.0 and c.tp == c.pp == c.cp == 1 for c in found)
+    assert {(c.zero, c.offload) for c in found} == {(0, "none"), (1, "none"), (2, "none"),
+                                                    (3, "none"), (3, "all")}
+    assert {c.recompute for c in found} == {"none", "selective", "full"}
     assert {(c.zero, c.zero_scope) for c in found} >= {(0, "world"), (3, "host"), (1, "world")}
     one_host = configs(ParallelConfig(), Space(), Cluster([Host("a", 4)]), layers=4)
     assert {c.zero_scope for c in one_host} == {"world"}   # a host scope is the world there
@@ -88,6 +92,33 @@ def test_recompute_is_chosen_when_only_it_fits():
     tight = Cluster([Host("a", 2, memory_gb=(full + plain) / 2 / 0.8 / 1e9)])
     chosen = auto(model, ParallelConfig(plan="auto"), tight, inputs, RATE).chosen
     assert chosen.config.recompute == "full"
+
+
+def test_selective_recompute_is_chosen_where_it_fits_and_costs_less_than_full():
+    """Between selective's peak and no recompute's: selective, which recomputes no matmul, is
+    chosen over full, which fits too but runs every block's forward again."""
+    model, inputs = gpt(layers=4, dim=64, vocab=256), tokens(batch=64)
+    cluster = Cluster([Host("a", 2)])
+    none = _peak(ParallelConfig(zero=3), model, inputs, cluster)
+    selective = _peak(ParallelConfig(zero=3, recompute="selective"), model, inputs, cluster)
+    assert selective < none
+    budget = Cluster([Host("a", 2, memory_gb=(selective + none) / 2 / 0.8 / 1e9)])
+    chosen = auto(model, ParallelConfig(plan="auto"), budget, inputs, RATE).chosen
+    assert chosen.config.recompute == "selective"
+
+
+def test_offload_is_chosen_when_only_it_fits():
+    """Parameters and AdamW's state dominate: below ZeRO-3's peak, only ZeRO-3 with its
+    shards in host files (offload="all") fits."""
+    model, inputs = gpt(layers=4, dim=256, vocab=4096), tokens(batch=2)
+    cluster = Cluster([Host("a", 2)])
+    zero3 = min(_peak(ParallelConfig(zero=3, recompute=r), model, inputs, cluster)
+                for r in ("none", "selective", "full"))
+    offloaded = _peak(ParallelConfig(zero=3, offload="all"), model, inputs, cluster)
+    assert offloaded < zero3
+    budget = Cluster([Host("a", 2, memory_gb=(offloaded + zero3) / 2 / 0.8 / 1e9)])
+    chosen = auto(model, ParallelConfig(plan="auto"), budget, inputs, RATE).chosen
+    assert (chosen.config.zero, chosen.config.offload) == (3, "all")
 
 
 def test_a_slow_link_between_hosts_puts_the_pipeline_across_them_and_tp_inside():

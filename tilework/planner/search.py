@@ -2,8 +2,9 @@
 planner's roles, each small and tested alone:
 
     enumerate  `configs`: every ParallelConfig the `Space` allows on the cluster (dp x pp x cp
-               x tp with tp inside a host; ZeRO stage and scope; recompute; microbatches and
-               schedule under pp); each table's placement is chosen inside `tilework.plan` by
+               x tp with tp inside a host; ZeRO stage and scope, and offload under ZeRO-3;
+               recompute none, selective or full; microbatches and schedule under pp); each
+               table's placement is chosen inside `tilework.plan` by
                cost (all-reduce or the servers, partitions, hot rows), as always
     estimate   `price`: the Plan `tilework.plan` makes for a config, every rank's memory
                (estimate/plan_memory.py) against the budget (80% of each rank's memory, paper
@@ -21,6 +22,7 @@ is absent.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,14 +43,15 @@ class Space:
     axes: tuple[str, ...] = ()          # of "tp", "cp", "pp": the mesh axes it may split
     zero: tuple[int, ...] = (0, 1, 2, 3)
     zero_scopes: tuple[str, ...] = ("world", "host")
-    recompute: tuple[str, ...] = ("none", "full")
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    offload: tuple[str, ...] = ("none", "all")   # with ZeRO-3: its shards in host files
     schedules: tuple[str, ...] = ("1f1b",)
     microbatch_factors: tuple[int, ...] = (1, 2, 4)   # microbatches = factor x pp
 
     @classmethod
     def mesh_only(cls) -> Space:
         """The mesh split alone (tilework plan --search): ZeRO and recompute as configured."""
-        return cls(axes=("tp", "cp", "pp"), zero=(), zero_scopes=(), recompute=(),
+        return cls(axes=("tp", "cp", "pp"), zero=(), zero_scopes=(), recompute=(), offload=(),
                    microbatch_factors=(2,))
 
     @classmethod
@@ -102,13 +105,14 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
         for zero in space.zero or (base.zero,):
             scopes = (space.zero_scopes or (base.zero_scope,)) if zero and hosts > 1 \
                 else ("world",)
-            for scope in scopes:
+            offloads = (space.offload or (base.offload,)) if zero == 3 else \
+                (base.offload if zero else "none",)
+            for scope, offload in itertools.product(scopes, offloads):
                 for recompute in space.recompute or (base.recompute,):
                     for schedule, microbatches in _pipelines(base, space, pp):
                         out.append(dataclasses.replace(
                             base, plan="config", auto_axes=None, tp=tp, pp=pp, cp=cp,
-                            zero=zero, zero_scope=scope,
-                            offload=base.offload if zero else "none", recompute=recompute,
+                            zero=zero, zero_scope=scope, offload=offload, recompute=recompute,
                             schedule=schedule, microbatches=microbatches,
                             mode="hybrid" if pp * tp * cp > 1 and base.mode == "ps"
                             else base.mode))
@@ -250,8 +254,9 @@ def _order(c: Candidate) -> tuple:
 
 def _complexity(c: Candidate) -> tuple:
     cfg = c.config
-    return (cfg.tp * cfg.pp * cfg.cp, cfg.zero, cfg.zero_scope != "world",
-            cfg.recompute != "none", cfg.microbatches or 0)
+    return (cfg.tp * cfg.pp * cfg.cp, cfg.zero, cfg.offload != "none",
+            cfg.zero_scope != "world", ("none", "selective", "full").index(cfg.recompute),
+            cfg.microbatches or 0)
 
 
 def _layers(model: nn.Module) -> int:
@@ -306,6 +311,8 @@ def label(c: Candidate) -> str:
     if cfg.zero:
         out += f", zero={cfg.zero}" + (f" ({cfg.zero_scope})" if cfg.zero_scope != "world"
                                        else "")
+    if cfg.offload != "none":
+        out += f", offload={cfg.offload}"
     if cfg.recompute != "none":
         out += f", recompute={cfg.recompute}"
     if cfg.pp > 1:
