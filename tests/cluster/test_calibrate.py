@@ -140,6 +140,26 @@ def test_time_points_on_two_real_ranks_gives_every_rank_the_same_counted_points(
         assert all(math.isfinite(s) and s > 0 for _, _, s in points), name
 
 
+def _overhead_tiny(rank, world_size):
+    import torch
+
+    from tilework.cluster.calibrate import message_overhead
+
+    weight = torch.randn(32, 32)
+    return message_overhead(dist.group.WORLD, world_size, lambda x: x @ weight,
+                            torch.randn(64, 32), actions=8, repeats=1)
+
+
+def test_the_message_overhead_ring_runs_on_real_ranks_and_every_rank_gets_one_answer():
+    """plan='auto' charges o per message end on CPU ranks: each rank's loop with and without
+    a ring of messages runs to the end (no message left waiting), and the ranks agree. Its
+    value is timing, which unit tests do not assert beyond being a number."""
+    out = spawn(_overhead_tiny, world_size=2, timeout=60)
+    assert out[0]["overhead_s"] == out[1]["overhead_s"]
+    assert math.isfinite(out[0]["overhead_s"]) and len(out[0]["per_rank_s"]) == 2
+    assert out[0]["message_bytes"] == 64 * 32 * 4
+
+
 def test_the_compute_rate_written_beside_the_cluster_file_is_what_plan_reads(tmp_path):
     from tilework.cluster.calibrate import calibrated_flops
 

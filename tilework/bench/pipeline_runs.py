@@ -10,7 +10,6 @@ its actions' compute intervals in the runner's timeline (after the input arrived
 from __future__ import annotations
 
 import os
-import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -170,8 +169,9 @@ def _machine_busy_s() -> float:
 
 
 def _own_cpu_s() -> float:
-    use = resource.getrusage(resource.RUSAGE_SELF)   # every thread, gloo's too
-    return use.ru_utime + use.ru_stime
+    from ..cluster.calibrate import own_cpu_s
+
+    return own_cpu_s()
 
 
 class Background:
@@ -241,44 +241,6 @@ def link_fit(rank: int, world_size: int, nbytes: int):
     return fit_points("send_recv", world_size, points["send_recv"]).link()
 
 
-def _message_trial(block, x, world_size: int, actions: int, lag: int, talk: bool):
-    """One rank's loop of `actions` block forwards on a microbatch; with `talk`, action i also
-    takes rank - 1's message i - lag as its input and sends its output, message i, to rank + 1,
-    posted as the runtime posts them (the receive one action ahead, waited when the action
-    starts; the send after the compute, waited at the end of the loop). The lag keeps the
-    link's latency (the simulator's alpha-beta) off the loop: what remains is each message's
-    cost to the ranks. Returns (wall seconds, this process's CPU seconds, seconds inside the
-    actions as the runner's timeline counts them: from the input's arrival to the send's
-    posting)."""
-    rank = dist.get_rank()
-    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
-    incoming, sends, last = {}, [], actions - lag   # messages 0 .. last - 1
-
-    def post(i: int) -> None:
-        if talk and lag <= i < actions and i not in incoming:
-            buffer = torch.empty_like(x)
-            incoming[i] = (dist.irecv(buffer, prv, tag=i - lag), buffer)
-
-    dist.barrier()
-    wall, cpu, inside = time.perf_counter(), _own_cpu_s(), 0.0
-    for i in range(actions):
-        post(i)
-        post(i + 1)
-        inp = x
-        if i in incoming:
-            work, inp = incoming.pop(i)
-            work.wait()
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = block(inp)
-        if talk and i < last:
-            sends.append((dist.isend(out, nxt, tag=i), out))
-        inside += time.perf_counter() - start
-    for work, _ in sends:
-        work.wait()
-    return time.perf_counter() - wall, _own_cpu_s() - cpu, inside
-
-
 def message_overhead(world_size: int, shape: Shape, actions: int = 40, lag: int = 2,
                      repeats: int = 9, quiet: tuple[float, float] = (0.3, 60.0)) -> dict:
     """LogP's o on this world's busy ranks, for pipeline.simulate's `message_overhead_s`,
@@ -291,26 +253,10 @@ def message_overhead(world_size: int, shape: Shape, actions: int = 40, lag: int 
     (all threads, gloo's too) per message end, "per_rank_s": each rank's o, "inside": the
     share of the extra time that fell inside the actions' timed intervals, which the runner's
     timeline counts as busy (the rest, posting and waiting for receives, it counts as idle)}."""
+    from ..cluster.calibrate import message_overhead as measure
+
     torch.manual_seed(0)
     block = shape.model().blocks.layers[0]
     x = torch.randn(shape.microbatch, shape.seq, shape.dim, device="cpu")   # gloo on the CPU
-    ends = 2 * (actions - lag)                        # each rank's sends + receives
-    rate = min(1.0, len(os.sched_getaffinity(0)) / world_size)
-    for talk in (False, True):                        # warm up: connections, allocator
-        _message_trial(block, x, world_size, actions, lag, talk)
-    wall, cpu, inside = [], [], []
-    for _ in range(repeats):
-        wait_for_quiet(*quiet)
-        plain = _message_trial(block, x, world_size, actions, lag, False)
-        talking = _message_trial(block, x, world_size, actions, lag, True)
-        wall.append((talking[0] - plain[0]) * rate / ends)
-        cpu.append((talking[1] - plain[1]) / ends)
-        inside.append((talking[2] - plain[2]) / (talking[0] - plain[0]))
-    mine = (statistics.median(wall), statistics.median(cpu), statistics.median(inside))
-    every = [None] * world_size
-    dist.all_gather_object(every, mine)
-    return {"overhead_s": statistics.mean(o for o, _, _ in every),
-            "cpu_s": statistics.mean(c for _, c, _ in every),
-            "inside": min(1.0, max(0.0, statistics.mean(i for _, _, i in every))),
-            "per_rank_s": [o for o, _, _ in every], "actions": actions, "lag": lag,
-            "message_bytes": x.numel() * x.element_size()}
+    return measure(None, world_size, block, x, actions, lag, repeats,
+                   before_repeat=lambda: wait_for_quiet(*quiet))

@@ -307,6 +307,98 @@ def measure_curve(group, world_size: int, device=None):
     return MatmulCurve(mine.sizes, tuple(tuple(tuple(r) for r in p) for p in grid.tolist()))
 
 
+def own_cpu_s() -> float:
+    """This process's CPU seconds, every thread's (gloo's too)."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def message_trial(compute, x, group, world_size: int, actions: int, lag: int, talk: bool):
+    """One rank's loop of `actions` calls of `compute(x)`; with `talk`, action i also takes
+    the previous rank's message i - lag as its input and sends its output, message i, to the
+    next rank, posted as the pipeline runtime posts them (the receive one action ahead, waited
+    when the action starts; the send after the compute, waited at the end of the loop). The
+    lag keeps the link's latency (the cost model's alpha-beta) off the loop: what remains is
+    each message's cost to the ranks. Returns (wall seconds, this process's CPU seconds,
+    seconds inside the actions: from the input's arrival to the send's posting)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % world_size) if group is not None \
+        else (rank + 1) % world_size
+    prv = dist.get_global_rank(group, (rank - 1) % world_size) if group is not None \
+        else (rank - 1) % world_size
+    incoming, sends, last = {}, [], actions - lag   # messages 0 .. last - 1
+
+    def post(i: int) -> None:
+        if talk and lag <= i < actions and i not in incoming:
+            buffer = torch.empty_like(x)
+            incoming[i] = (dist.irecv(buffer, prv, group=group, tag=i - lag), buffer)
+
+    dist.barrier(group=group)
+    wall, cpu, inside = time.perf_counter(), own_cpu_s(), 0.0
+    for i in range(actions):
+        post(i)
+        post(i + 1)
+        inp = x
+        if i in incoming:
+            work, inp = incoming.pop(i)
+            work.wait()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = compute(inp)
+        if talk and i < last:
+            sends.append((dist.isend(out, nxt, group=group, tag=i), out))
+        inside += time.perf_counter() - start
+    for work, _ in sends:
+        work.wait()
+    return time.perf_counter() - wall, own_cpu_s() - cpu, inside
+
+
+def message_overhead(group, world_size: int, compute, x, actions: int = 40, lag: int = 2,
+                     repeats: int = 9, before_repeat=None) -> dict:
+    """LogP's o on busy ranks (what each message costs a CPU rank at each end beside the
+    link's time), measured apart from any schedule: every rank runs the same loop of
+    `compute` on `x` (its output shaped as `x`), with and without exchanging one `x`-sized
+    message per action (`message_trial`), alternately. Every rank computing all along, the
+    pipeline simulator would replay a loop as (compute + o x its messages' ends) / rate,
+    rate = min(1, cores / ranks): so o = the extra wall time per rank x rate / (messages it
+    sends + receives). Returns {"overhead_s": o (median over repeats, mean over ranks),
+    "cpu_s": the extra CPU seconds (all threads, gloo's too) per message end, "per_rank_s":
+    each rank's o, "inside": the share of the extra time inside the actions' timed intervals
+    (which a runner's timeline counts as busy; the rest, posting and waiting, as idle)}."""
+    import os
+    import statistics
+
+    import torch.distributed as dist
+
+    ends = 2 * (actions - lag)                        # each rank's sends + receives
+    rate = min(1.0, len(os.sched_getaffinity(0)) / world_size)
+    for talk in (False, True):                        # warm up: connections, allocator
+        message_trial(compute, x, group, world_size, actions, lag, talk)
+    wall, cpu, inside = [], [], []
+    for _ in range(repeats):
+        if before_repeat is not None:
+            before_repeat()
+        plain = message_trial(compute, x, group, world_size, actions, lag, False)
+        talking = message_trial(compute, x, group, world_size, actions, lag, True)
+        wall.append((talking[0] - plain[0]) * rate / ends)
+        cpu.append((talking[1] - plain[1]) / ends)
+        extra = talking[0] - plain[0]
+        inside.append((talking[2] - plain[2]) / extra if extra else 0.0)
+    mine = (statistics.median(wall), statistics.median(cpu), statistics.median(inside))
+    every = [None] * world_size
+    dist.all_gather_object(every, mine, group=group)
+    return {"overhead_s": statistics.mean(o for o, _, _ in every),
+            "cpu_s": statistics.mean(c for _, c, _ in every),
+            "inside": min(1.0, max(0.0, statistics.mean(i for _, _, i in every))),
+            "per_rank_s": [o for o, _, _ in every], "actions": actions, "lag": lag,
+            "message_bytes": x.numel() * x.element_size()}
+
+
 def measure_compute(group, world_size: int) -> float:
     """Every rank's matmul FLOP/s at once (ranks share the host as in training), the slowest
     rank's: a step waits for it."""

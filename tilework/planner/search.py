@@ -295,11 +295,12 @@ def choose(found: list[Candidate]) -> Choice:
 
 def auto(model: nn.Module, config: ParallelConfig, cluster: Cluster, example_inputs: tuple,
          flops_per_s: float, optimizer="adam", traffic: dict | None = None,
-         budget_bytes: float | None = None, space: Space | None = None) -> Choice:
+         budget_bytes: float | None = None, space: Space | None = None,
+         message_overhead_s: float = 0.0) -> Choice:
     """plan="auto": the search over what `config` leaves to the planner (`Space.of`, unless
     `space` says otherwise), the rest of `config` kept, and the choice."""
     return choose(search(model, cluster, example_inputs, flops_per_s, optimizer, config,
-                         space or Space.of(config), traffic, budget_bytes))
+                         space or Space.of(config), traffic, budget_bytes, message_overhead_s))
 
 
 def label(c: Candidate) -> str:

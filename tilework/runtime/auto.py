@@ -43,11 +43,15 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
     if optimizer is None:   # a hand-written update: no optimizer to shard, no server to step
         config = dataclasses.replace(config, zero=0, mode="allreduce")
         space = dataclasses.replace(space, zero=())
+    o = _message_overhead(groups) if space.axes else 0.0
     found = auto(model, config, live, example_inputs, flops,
-                 optimizer if optimizer is not None else "sgd", traffic, memory, space)
+                 optimizer if optimizer is not None else "sgd", traffic, memory, space,
+                 message_overhead_s=o)
     if log and groups.rank == 0:
         print(f"tilework plan='auto' ({len(found.candidates)} candidates, compute up to "
-              f"{float(flops) / 1e9:,.1f} GFLOP/s per rank, by matmul shape): {found.why()}")
+              f"{float(flops) / 1e9:,.1f} GFLOP/s per rank, by matmul shape"
+              + (f"; {o * 1e3:.2f} ms of CPU per message end" if o else "")
+              + f"): {found.why()}")
     return found.chosen.config
 
 
@@ -103,6 +107,22 @@ def _timed_links(groups: Groups) -> Links | None:
     if intra is None and inter is None:
         return None
     return Links(intra=intra or inter, inter=inter or intra)
+
+
+def _message_overhead(groups: Groups) -> float:
+    """What each message of tp, cp and pp costs a CPU rank at each end beside the link's
+    time (cluster/calibrate.message_overhead, with a matmul as the compute: under a second):
+    on CPU ranks the sends and receives take cycles from the compute, which for a small model
+    is most of a model-parallel step. Zero on GPUs, whose collectives run on their own
+    engines."""
+    from ..cluster.calibrate import message_overhead
+
+    if groups.world is None or groups.device.type != "cpu":
+        return 0.0
+    weight = torch.randn(256, 256)
+    found = message_overhead(groups.world, groups.world_size, lambda x: x @ weight,
+                             torch.randn(512, 256), actions=30, repeats=3)
+    return max(0.0, found["overhead_s"])
 
 
 def _measured_curve(groups: Groups):
