@@ -70,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="let the planner choose (as [parallel] plan = \"auto\"): ZeRO, "
                            "recompute and table placements by predicted step within 80%% of "
                            "each rank's memory; tp, cp, pp where the job gives them as \"auto\"")
+    plan.add_argument("--trial", type=int, metavar="K",
+                      help="with --auto and --world-size: train the K fastest candidates that "
+                           "fit for a few steps on this host's ranks and keep the fastest "
+                           "measured (the predictions printed beside)")
+    plan.add_argument("--trial-steps", type=int, default=3, metavar="S",
+                      help="with --trial: steps per window (a warm-up window, then a measured "
+                           "one; default 3)")
     plan.add_argument("--message-overhead-ms", type=float, default=0.0, metavar="MS",
                       help="with --search: each message's CPU cost at each end (LogP's o; "
                            "about 0 on GPUs, about 0.7 ms on this repo's CPU ranks: "
@@ -194,22 +201,39 @@ def _auto(a, job, cluster):
     with the chosen configuration (whose plan the report then shows), and what was chosen."""
     import dataclasses
 
-    from .planner.search import auto, label
+    from .planner.search import Space, choose, label, search
     from .plans.analysis import analyze
     from .train.planning import example_batch, meta_model, table_traffic
 
+    if a.trial is not None and (a.trial < 1 or a.world_size is None):
+        raise UserError("--trial K: K >= 1, with --world-size N (the trials run on this host's "
+                        "ranks; a cluster file's hosts are not started from here)")
     flops, source = _rate(a)
     model = meta_model(job)
-    choice = auto(model, dataclasses.replace(job.parallel, plan="auto"), cluster,
-                  example_batch(job, cluster), flops, job.train.optimizer,
-                  table_traffic(job, analyze(model), cluster))
+    config = dataclasses.replace(job.parallel, plan="auto")
+    choice = choose(search(model, cluster, example_batch(job, cluster), flops,
+                           job.train.optimizer, config, Space.of(config),
+                           table_traffic(job, analyze(model), cluster),
+                           every=a.trial is not None))
     found = {"chosen": label(choice.chosen),
              "runner_up": choice.runner_up and label(choice.runner_up),
              "why": choice.why(), "flops_per_s": float(flops), "flops_source": source,
              "candidates": [{"plan": label(c), "predicted_step_s": c.step_s,
                              "peak_bytes": c.parts.get("peak_bytes"), "why": c.why}
                             for c in choice.candidates]}
-    return dataclasses.replace(job, parallel=choice.chosen.config), found
+    chosen = choice.chosen.config
+    if a.trial is not None:
+        from .train.trial import fastest, run_trials
+
+        fits = [c for c in choice.candidates if c.step_s is not None and "peak_bytes" in c.parts]
+        trials = run_trials(job, fits[:a.trial], a.world_size, a.trial_steps)
+        best = fastest(trials)
+        chosen = best["config"]
+        found["trials"] = [{k: v for k, v in t.items() if k != "config"} for t in trials]
+        found["chosen"] = best["plan"]
+        found["why"] += (f"; trials of the {len(trials)} fastest predicted: {best['plan']} "
+                         f"measured fastest ({best['measured_step_s'] * 1e3:,.1f} ms a step)")
+    return dataclasses.replace(job, parallel=chosen), found
 
 
 def _auto_lines(found: dict, title: str) -> list[str]:
@@ -217,6 +241,9 @@ def _auto_lines(found: dict, title: str) -> list[str]:
     lines = [f"plan='auto' for {title}: {len(found['candidates'])} candidates "
              f"({len(refused)} refused), compute {found['flops_per_s'] / 1e9:,.1f} GFLOP/s "
              f"per rank ({found['flops_source']})", f"  {found['why']}"]
+    lines += [f"  trial {t['plan']}: predicted {t['predicted_step_s'] * 1e3:,.1f} ms, measured "
+              + (f"{t['measured_step_s'] * 1e3:,.1f} ms" if t["measured_step_s"] is not None
+                 else "did not finish") for t in found.get("trials", [])]
     return lines + [f"  refused {c['plan']}: {c['why']}" for c in refused[:3]]
 
 

@@ -287,3 +287,27 @@ def test_tilework_plan_auto_prints_the_choice_and_reports_its_plan():
     steps = [c["predicted_step_s"] for c in out["auto"]["candidates"]
              if c["predicted_step_s"] is not None]
     assert steps == sorted(steps)
+
+
+def test_tilework_plan_trial_trains_the_closest_candidates_and_keeps_the_fastest(tmp_path):
+    """--trial 2: the two fastest predicted candidates that fit each train a few steps on 2
+    local ranks as `tilework train` would; the report keeps the fastest measured, and shows
+    both predictions beside the measurements."""
+    import json
+    import subprocess
+    import sys
+
+    job = tmp_path / "job.toml"
+    text = open("docs/examples/gpt-mesh.toml").read()
+    text = text[:text.index("[parallel]")].replace("vocab = 8192", "vocab = 512") \
+        .replace("dim = 128", "dim = 32").replace("batch_size = 16", "batch_size = 4")
+    job.write_text(text + '[parallel]\nplan = "auto"\n')
+    out = json.loads(subprocess.run(
+        [sys.executable, "-m", "tilework", "plan", "--job", str(job), "--world-size", "2",
+         "--auto", "--gflops", "10", "--trial", "2", "--trial-steps", "1", "--json"],
+        capture_output=True, text=True, check=True).stdout)
+    trials = out["auto"]["trials"]
+    assert len(trials) == 2 and all(t["measured_step_s"] > 0 for t in trials)
+    best = min(trials, key=lambda t: t["measured_step_s"])
+    assert out["auto"]["chosen"] == best["plan"]
+    assert trials[0]["predicted_step_s"] <= trials[1]["predicted_step_s"]

@@ -261,6 +261,7 @@ class _Log:
         self.result.losses.extend(global_losses)
         self.pending = []
         elapsed = time.perf_counter() - self.window_start
+        steps_in_window = self.window_steps
         rate = self.units_per_step * self.window_steps / max(elapsed, 1e-9)
         self.window_start, self.window_steps = time.perf_counter(), 0
         last = global_losses[-1]
@@ -269,7 +270,8 @@ class _Log:
         self._progress.console.print(f"step {done}/{steps}  loss {last:.4f}  "
                                      f"{rate:,.0f} {unit}/s{traffic_text}")
         self._progress.update(self._task, completed=done, status=f"loss {last:.3f}")
-        _append(self.metrics, {"step": done, "loss": last, f"{unit}_per_s": rate, **traffic},
+        _append(self.metrics, {"step": done, "loss": last, f"{unit}_per_s": rate,
+                               "step_s": elapsed / max(steps_in_window, 1), **traffic},
                 self.session.rank)
 
 
