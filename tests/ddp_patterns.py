@@ -11,7 +11,8 @@ never raised, so that no rank leaves a pattern while its peer is still inside a 
 
 Systems: "plain" (one process, world size 1: the reference), "ddp"
 (torch.nn.parallel.DistributedDataParallel over the default gloo group; it averages sparse
-embedding gradients too), and tilework's "hybrid", "ps", "allreduce".
+embedding gradients too), and tilework's "hybrid", "ps", "allreduce", the ZeRO stages and
+"allgather" (tables synchronised as DDP does).
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import tilework
 from tilework import optim
 
-TILEWORK = ("hybrid", "ps", "allreduce", "zero1", "zero2", "zero3")
-# tilework's systems as parallelize's options: the ZeRO ones are hybrid with sharded dense state.
+TILEWORK = ("hybrid", "ps", "allreduce", "zero1", "zero2", "zero3", "allgather")
+# tilework's systems as parallelize's options: the ZeRO ones are hybrid with sharded dense state;
+# "allgather" synchronises the tables as DDP does (their touched rows all-gathered).
 OPTIONS = {"hybrid": {"mode": "hybrid"}, "ps": {"mode": "ps"}, "allreduce": {"mode": "allreduce"},
-           "zero1": {"zero": 1}, "zero2": {"zero": 2}, "zero3": {"zero": 3}}
+           "zero1": {"zero": 1}, "zero2": {"zero": 2}, "zero3": {"zero": 3},
+           "allgather": {"overrides": {"emb.weight": "allgather", "bag.weight": "allgather"}}}
 GLOBAL_BATCH = 8
 STEPS = 4
 ACC_STEPS, K = 3, 3           # accumulation: 3 optimizer steps of K = 3 backward calls each
@@ -136,7 +139,9 @@ class Run:
     # -- set-up --------------------------------------------------------------------------------
     def make_optimizer(self, model):
         lr = LR[self.optimizer]
-        if self.tilework:  # one torch optimizer: the servers apply its rule row-wise (lazy Adam)
+        if self.tilework and self.system != "allgather":
+            # One torch optimizer: the servers apply its rule row-wise (lazy Adam). Tables
+            # all-gathered stay replicated with sparse gradients, as under DDP.
             return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
                     "adam": torch.optim.Adam}[self.optimizer](model.parameters(), lr=lr)
         return optim.for_model(model, self.optimizer, lr)  # SparseAdam for sparse tables

@@ -10,7 +10,9 @@ its hot head), hybrid-hot (that plan with each server table's head that a rank t
 probability >= 0.5 replicated where the planner kept none; parallel/rows/hot.py), hybrid-contiguous
 (hybrid with every table's rows in contiguous ranges, the layout before the planner chose hashed
 rows: what the row map gains), hybrid-ahead (hybrid with the loop's batches read through
-`tilework.prefetch`: the next batch's ids routed during this step), and TorchRec (torchrec,
+`tilework.prefetch`: the next batch's ids routed during this step), allgather (every sparse table
+synchronised as DDP synchronises it, its touched rows all-gathered: parallel/rows/gather.py), and
+TorchRec (torchrec,
 torchrec-rw: recommender only, optional; see torchrec_peer.py).
 """
 
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from .torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
 
 SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-ahead", "hybrid-zipf",
-           "hybrid-hot", "hybrid-contiguous") + TORCHREC_SYSTEMS
+           "hybrid-hot", "hybrid-contiguous", "allgather") + TORCHREC_SYSTEMS
 
 
 def _setup(workload, system: str, world_size: int):
@@ -39,7 +41,8 @@ def _setup(workload, system: str, world_size: int):
 
         return torchrec_peer.setup(workload, system, world_size)
     torch.manual_seed(0)
-    model = workload.make(system == "ddp-sparse" or system == "ps" or system.startswith("hybrid"))
+    model = workload.make(system in ("ddp-sparse", "ps", "allgather")
+                          or system.startswith("hybrid"))
     if system.startswith("ddp"):
         if world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
@@ -52,6 +55,12 @@ def _setup(workload, system: str, world_size: int):
                                 0.5 if system == "hybrid-hot" else None)
         tilework.parallelize(model, opt, plan=plan, log=False)
         return model, opt, None, extra
+    if system == "allgather":
+        from ..plans.analysis import embedding_modules
+
+        tilework.parallelize(model, opt, log=False, overrides={
+            name: "allgather" for name in embedding_modules(model)})
+        return model, opt, None, {}
     if system == "hybrid-contiguous":
         tilework.parallelize(model, opt, mode="hybrid", row_map="contiguous", log=False)
         return model, opt, None, {}

@@ -15,7 +15,7 @@ from .files import check
 # The vocabulary of a configuration and of the plan made from it, declared once (the plan's
 # types in plans/plan.py and the planner read these).
 Mode = Literal["hybrid", "allreduce", "ps"]
-Method = Literal["allreduce", "ps"]
+Method = Literal["allreduce", "ps", "allgather"]
 RowMap = Literal["contiguous", "hashed"]
 RowMapChoice = Literal["auto", "contiguous", "hashed"]   # "auto": the planner chooses per table
 SparseReduce = Literal["mean", "sum"]
@@ -171,8 +171,8 @@ class ParallelConfig:
               and 0 <= self.density_threshold <= 1, "density_threshold",
               f"a fraction from 0 to 1, got {self.density_threshold!r}")
         for name, method in (self.overrides or {}).items():
-            check(method in ("allreduce", "ps"), f"overrides.{name}",
-                  f"'allreduce' or 'ps', got {method!r}")
+            check(method in ("allreduce", "ps", "allgather"), f"overrides.{name}",
+                  f"'allreduce', 'ps' or 'allgather', got {method!r}")
         parts = self.partitions
         values = parts.values() if isinstance(parts, dict) else [] if parts is None else [parts]
         for value in values:

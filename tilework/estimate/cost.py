@@ -431,13 +431,17 @@ def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, link
 
 def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
                      row_bytes: int) -> Cost:
-    """What DDP does with a sparse gradient on gloo: every rank's (ids, rows) go to every other
-    rank (an all-gather), so each rank receives (n - 1) times a rank's rows, growing with n."""
+    """What DDP does with a sparse gradient on gloo, and the "allgather" placement does
+    (parallel/rows/gather.py): every rank's (ids, rows) go to every other rank (all-gathers of
+    the counts, the ids and the rows), so each rank receives (n - 1) times a rank's rows,
+    growing with n; a rank's expected touched rows stand for the largest count."""
+    from ..parallel.rows.gather import allgather_bytes
+
     n = topology.world_size
     if n == 1:
         return Cost(0, 0.0)
-    sent = all_gather_bytes(traffic.per_rank * (ID_BYTES + row_bytes), n)
-    return Cost(sent, seconds(sent, link_for(topology, links), 2 * ALL_GATHER.messages(n)))
+    sent = allgather_bytes(traffic.per_rank, row_bytes, n)
+    return Cost(sent, seconds(sent, link_for(topology, links), 3 * ALL_GATHER.messages(n)))
 
 
 def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, links: Links,
@@ -449,6 +453,9 @@ def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, l
         if plan.zero:
             return zero_sharded(plan, topology, links)
         return ring_allreduce(plan.nbytes, topology, links)
+    if plan.method == "allgather":
+        return None if traffic is None else \
+            sparse_allgather(traffic, topology, links, plan.row_bytes)
     if not plan.is_table:   # a dense parameter on the servers (mode="ps"): every row, every step
         return dense_served(plan, topology, links)
     if traffic is None:

@@ -286,7 +286,9 @@ def zero_figures(plan, per_element: int, counter_bytes: int,
     from .cost import zero_shard
 
     n = plan.world_size
-    dense = plan.of("allreduce")
+    # A table whose rows are all-gathered is replicated like an all-reduced parameter; its
+    # gradient is taken whole (sparse, it holds the touched rows only: an upper bound).
+    dense = [*plan.of("allreduce"), *plan.of("allgather")]
     hosts = plan.mesh.size_of("host") if "host" in plan.mesh.names else 1
     shard = {pp.name: zero_shard(pp, n, hosts) for pp in dense}
     over = {name: ranks for name, (ranks, _) in shard.items()}     # ranks it is sharded over
@@ -304,7 +306,7 @@ def zero_figures(plan, per_element: int, counter_bytes: int,
                 + counter_bytes)
         state += 0 if (pp.zero and files) else held
         offloaded += (held if pp.zero and files else 0) + (shard if plan.offload == "all" else 0)
-    replicated = [pp.nbytes for pp in dense if pp.zero <= 1]
+    replicated = [pp.nbytes for pp in dense if pp.zero <= 1 and pp.method == "allreduce"]
     # Flat all-reduce copies (a lone large parameter is reduced in place, parallel/data/dense.py).
     buckets = sum(replicated) if n > 1 and len(replicated) > 1 else 0
     scattered = [pp for pp in reversed(dense) if pp.zero == 2]

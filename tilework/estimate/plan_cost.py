@@ -66,7 +66,7 @@ def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> f
         total += ring_allreduce(dense, topo, links, math.ceil(dense / part.bucket_bytes)).seconds
     held = {p.name for p in part.params}
     return total + sum(c.seconds for p, c in zip(plan.params, entry_costs(plan, cluster, traffic))
-                       if p.name in held and (p.method == "ps" or p.zero))
+                       if p.name in held and (p.method != "allreduce" or p.zero))
 
 
 def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | None = None,

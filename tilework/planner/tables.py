@@ -20,7 +20,14 @@ from ..cluster.mesh import Mesh
 from ..cluster.topology import Cluster, Links, Topology
 from ..config.parallel import Method, Mode, ParallelConfig, RowMap, RowMapChoice, SparseReduce
 from ..errors import PlanError
-from ..estimate.cost import TableTraffic, predict, ps_expected, ps_split, ring_allreduce
+from ..estimate.cost import (
+    TableTraffic,
+    predict,
+    ps_expected,
+    ps_split,
+    ring_allreduce,
+    sparse_allgather,
+)
 from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
 from ..plans.plan import ParamPlan, Plan, bucket_bytes
 
@@ -98,6 +105,10 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
             method, reason = searched.method, searched.reason
         if info.name in overrides:
             method, reason = overrides[info.name], "set by the user"
+            if method == "allgather" and info.tied:
+                raise PlanError(f"{info.name} is tied to {', '.join(info.tied)}: the tie makes "
+                                "its gradient dense, which 'allgather' would send row by row; "
+                                f"keep it all-reduced")
             if method == "ps" and not info.is_table and mode != "ps":
                 raise PlanError(
                     f"{info.name} (shape {tuple(info.shape)}) is not an embedding table: the "
@@ -153,8 +164,14 @@ def _checked(infos: list[ParamInfo], mode, sparse_reduce, overrides) -> dict[str
         if name not in known:
             raise PlanError(f"override for {name!r}: no such trainable parameter "
                             f"(parameters: {', '.join(sorted(known))})")
-        if method not in ("allreduce", "ps"):
-            raise PlanError(f"override for {name!r}: expected 'allreduce' or 'ps', got {method!r}")
+        if method not in ("allreduce", "ps", "allgather"):
+            raise PlanError(f"override for {name!r}: expected 'allreduce', 'ps' or 'allgather', "
+                            f"got {method!r}")
+        table = next(i for i in infos if i.name == name)
+        if method == "allgather" and not table.is_table:
+            raise PlanError(f"override for {name!r}: 'allgather' gathers the rows an embedding "
+                            f"table's gradient touches; {name} (shape {tuple(table.shape)}) is "
+                            "not an embedding table")
     return overrides
 
 
@@ -215,10 +232,12 @@ def partition_candidates(world_size: int, rows: int) -> list[int]:
 def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Links,
            local_aggregation: bool, row_map: RowMapChoice = "auto",
            head_rides: bool = False) -> ParamPlan:
-    """The cheapest way to synchronise one table: all-reduce, or the servers with P partitions
+    """The cheapest way to synchronise one table: all-reduce, the servers with P partitions
     of contiguous or hashed rows ("auto": both costed; a tie goes to hashed), each either alone
     or with the head of a Zipf table replicated (`hot_rows`: the rows every rank touches with
-    some probability, all-reduced, the tail on the servers)."""
+    some probability, all-reduced, the tail on the servers), or, for a table whose gradient is
+    sparse, its touched rows all-gathered as DDP does (ties go to all-reduce, then the
+    servers)."""
     dense = ring_allreduce(info.nbytes, topology, links)
     best_ps = None
     maps = ("hashed", "contiguous") if row_map == "auto" else (row_map,)
@@ -236,6 +255,15 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
         if cost.seconds < best_ps[1].seconds:
             best_ps = (candidate, cost)
     fraction = traffic.per_rank / info.shape[0]
+    gathered = sparse_allgather(traffic, topology, links, info.nbytes // info.shape[0]) \
+        if info.kind == "sparse" else None
+    ps_s = best_ps[1].seconds if best_ps else float("inf")
+    if gathered is not None and gathered.seconds < min(ps_s, dense.seconds):
+        why = (f"{fraction:.1%} rows/step: all-gathered as DDP does "
+               f"{gathered.seconds * 1e3:.3g} ms < servers {ps_s * 1e3:.3g} ms, all-reduce "
+               f"{dense.seconds * 1e3:.3g} ms")
+        return ParamPlan(info.name, info.shape, "allgather", 1, "contiguous", why, info.dtype,
+                         info.kind)
     if best_ps is not None and best_ps[1].seconds < dense.seconds:
         plan, cost = best_ps
         head = f", {plan.hot_rows} hot rows all-reduced" if plan.hot_rows else ""
@@ -243,7 +271,6 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
                f"{cost.seconds * 1e3:.3g} ms < "
                f"all-reduce {dense.seconds * 1e3:.3g} ms")
         return dataclasses.replace(plan, reason=why)
-    ps_s = best_ps[1].seconds if best_ps else float("inf")
     why = (f"{fraction:.1%} rows/step: all-reduce {dense.seconds * 1e3:.3g} ms <= servers "
            f"{ps_s * 1e3:.3g} ms")
     return ParamPlan(info.name, info.shape, "allreduce", 1, "contiguous", why, info.dtype,

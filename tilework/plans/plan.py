@@ -10,7 +10,9 @@ group; or, with `zero` 1-3, its optimizer state, gradients and values split over
 and "ps" (rows on the parameter servers: the table is split into `partitions` row ranges or
 hash classes, partition p is served by rank p % world_size, and row r belongs to partition
 `partition_of(r)`; a table's first `hot_rows` rows, the head of a frequency-sorted id
-distribution, may instead stay replicated with their gradient rows all-reduced).
+distribution, may instead stay replicated with their gradient rows all-reduced), and
+"allgather" (a table replicated, each rank's touched rows all-gathered as DDP gathers a sparse
+gradient: parallel/rows/gather.py).
 
 On a dp x pp x cp x tp mesh (`Plan.parallel`), each entry also says how tp splits it
 (`tp_split`) and which pp ranks hold it (`pp_ranks`); `ParallelPlan` holds the layout, the
@@ -138,6 +140,8 @@ class ParamPlan(TensorFacts):
             if self.zero == 3:
                 return f"{ZERO_PLACEMENTS[3]}{where}, gathered by {self.unit or 'the model'}"
             return "allreduce (replicated)" if not self.zero else ZERO_PLACEMENTS[self.zero] + where
+        if self.method == "allgather":
+            return "allgather (replicated, touched rows all-gathered)"
         hot = f"; rows 0..{self.hot_rows - 1} replicated, all-reduced" if self.hot_rows else ""
         return f"ps (rows in {self.partitions} {self.row_map} partitions{hot})"
 

@@ -35,6 +35,7 @@ from ..parallel.data.dense import DenseSync
 from ..parallel.data.offload import Offload
 from ..parallel.data.zero import ZeroSync
 from ..parallel.rows.exchange import pull_tables
+from ..parallel.rows.gather import GatheredTable
 from ..parallel.rows.lookups import Batch
 from ..parallel.rows.push import EarlyPush, push_route
 from ..parallel.rows.sparse import DenseServed, PSTable, ShardedEmbedding
@@ -114,11 +115,19 @@ class Engine:
         self.embeddings = embedding_modules(model)
         self.tables: dict[str, PSTable] = {}
         self.table_modules, self.served = {}, {}   # name -> ShardedEmbedding, DenseServed
+        self.gathered: dict[str, GatheredTable] = {}
         dense: list[tuple[str, nn.Parameter]] = []
         for pp in plan.params:
             p = named[pp.name]
             if pp.method == "allreduce":
                 dense.append((pp.name, p))
+            elif pp.method == "allgather":
+                self.gathered[pp.name] = GatheredTable(pp.name, p, groups.world,
+                                                       groups.world_size, self.stats,
+                                                       mean=plan.sparse_reduce == "mean")
+                self.changes.hook(f"{pp.name}: post-accumulate-grad hook (rows all-gathered)",
+                                  p.register_post_accumulate_grad_hook(
+                                      PicklesAsNoop(self._served_grad)))
             elif pp.name in self.embeddings:
                 check_not_tied(model, pp.name, p)
                 table = PSTable(pp, p.data, groups, self.stats, plan.local_aggregation,
@@ -249,6 +258,8 @@ class Engine:
         heads_ride = self.dense.launch_rest(heads, push=bool(self.tables))
         self.zero.launch_rest()
         self._push_servers(heads_ride)  # carrying the last bucket, where it rides
+        for table in self.gathered.values():   # while the buckets are on the wire
+            table.sync()
         self.dense.wait()
         self.zero.wait()
         self.zero.end_backward()
@@ -267,7 +278,7 @@ class Engine:
     def _check_server_gradients(self) -> None:
         if self.checks is not None:
             self.checks.on_tables(self.tables.values())
-            for name, served in self.served.items():
+            for name, served in [*self.served.items(), *self.gathered.items()]:
                 self.checks.on_gradients([(name, served.param.grad)])
 
     def _pull(self, lookups) -> None:
