@@ -35,7 +35,7 @@ from ..parallel.data.dense import DenseSync
 from ..parallel.data.offload import Offload
 from ..parallel.data.zero import ZeroSync
 from ..parallel.rows.exchange import pull_tables
-from ..parallel.rows.gather import GatheredTable
+from ..parallel.rows.gather import GatheredTable, sync_tables
 from ..parallel.rows.lookups import Batch
 from ..parallel.rows.push import EarlyPush, push_route
 from ..parallel.rows.sparse import DenseServed, PSTable, ShardedEmbedding
@@ -122,8 +122,7 @@ class Engine:
             if pp.method == "allreduce":
                 dense.append((pp.name, p))
             elif pp.method == "allgather":
-                self.gathered[pp.name] = GatheredTable(pp.name, p, groups.world,
-                                                       groups.world_size, self.stats,
+                self.gathered[pp.name] = GatheredTable(pp.name, p,
                                                        mean=plan.sparse_reduce == "mean")
                 self.changes.hook(f"{pp.name}: post-accumulate-grad hook (rows all-gathered)",
                                   p.register_post_accumulate_grad_hook(
@@ -258,8 +257,9 @@ class Engine:
         heads_ride = self.dense.launch_rest(heads, push=bool(self.tables))
         self.zero.launch_rest()
         self._push_servers(heads_ride)  # carrying the last bucket, where it rides
-        for table in self.gathered.values():   # while the buckets are on the wire
-            table.sync()
+        # While the buckets are on the wire.
+        sync_tables(list(self.gathered.values()), self.groups.world, self.groups.world_size,
+                    self.stats)
         self.dense.wait()
         self.zero.wait()
         self.zero.end_backward()
