@@ -91,7 +91,9 @@ def test_predict_ddp_sparse_all_gathers_each_table():
     link = Link(0.08, 0.0)   # 10 MB/s, no latency
     links = {"all_reduce": link, "all_to_all": link, "all_gather": link}
     got = cp.predict_ddp_sparse(0, {"t": 64}, traffic, 4, links)
-    sent = 3 * 100 * (ID_BYTES + 64)             # (n - 1) times a rank's ids and rows
+    # (n - 1) times a rank's row count (gloo's sparse all-reduce gathers each rank's sizes
+    # first, as parallel/rows/gather.py does), ids and rows
+    sent = 3 * (8 + 100 * (ID_BYTES + 64))
     assert got.bytes_sent == pytest.approx(sent)
     assert got.seconds == pytest.approx(sent / 1e7)
     with_dense = cp.predict_ddp_sparse(4_000_000, {"t": 64}, traffic, 4, links)

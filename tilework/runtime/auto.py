@@ -119,9 +119,9 @@ def _message_overhead(groups: Groups) -> float:
 
     if groups.world is None or groups.device.type != "cpu":
         return 0.0
-    weight = torch.randn(256, 256)
+    weight = torch.randn(256, 256, device="cpu")   # CPU ranks only (above)
     found = message_overhead(groups.world, groups.world_size, lambda x: x @ weight,
-                             torch.randn(512, 256), actions=30, repeats=3)
+                             torch.randn(512, 256, device="cpu"), actions=30, repeats=3)
     return max(0.0, found["overhead_s"])
 
 
