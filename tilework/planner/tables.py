@@ -172,6 +172,11 @@ def _checked(infos: list[ParamInfo], mode, sparse_reduce, overrides) -> dict[str
             raise PlanError(f"override for {name!r}: 'allgather' gathers the rows an embedding "
                             f"table's gradient touches; {name} (shape {tuple(table.shape)}) is "
                             "not an embedding table")
+        if method == "allgather" and table.kind != "sparse":
+            raise PlanError(f"override for {name!r}: 'allgather' gathers a sparse gradient's "
+                            f"rows, and {name}'s module makes a dense one: build it with "
+                            "sparse=True (its optimizer must then take sparse gradients), or "
+                            "use 'ps' or 'allreduce'")
     return overrides
 
 

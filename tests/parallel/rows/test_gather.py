@@ -102,3 +102,7 @@ def test_allgather_is_for_embedding_tables():
         tilework.plan(model, tilework.ParallelConfig(overrides={"out.weight": "allgather"}))
     plan = tilework.plan(model, tilework.ParallelConfig(overrides={"emb.weight": "allgather"}))
     assert plan.by_name()["emb.weight"].placement.startswith("allgather")
+    model.emb.sparse = False   # a dense-layout gradient: refused, not turned sparse behind it
+    with pytest.raises(PlanError, match="'allgather' gathers a sparse gradient's rows, and "
+                                        "emb.weight's module makes a dense one"):
+        tilework.plan(model, tilework.ParallelConfig(overrides={"emb.weight": "allgather"}))

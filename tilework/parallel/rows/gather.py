@@ -38,10 +38,7 @@ class GatheredTable:
         if g is None:
             return (torch.zeros(0, dtype=torch.long, device=p.device),
                     p.new_zeros((0, *p.shape[1:])))
-        if not g.is_sparse:   # a dense-layout gradient: its touched rows
-            ids = g.reshape(g.shape[0], -1).ne(0).any(1).nonzero().flatten()
-            return ids, g[ids]
-        g = g.coalesce()
+        g = g.coalesce()   # sparse: the planner takes "allgather" for sparse=True tables only
         return g.indices()[0], g.values()
 
     def set_gradient(self, ids: torch.Tensor, rows: torch.Tensor, world_size: int) -> None:
