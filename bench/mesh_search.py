@@ -33,7 +33,7 @@ import tilework  # noqa: E402
 from tilework.cluster.topology import Cluster, Host, Links  # noqa: E402
 from tilework.estimate.step import forward_flops  # noqa: E402
 from tilework.models.gpt import TinyGPT  # noqa: E402
-from tilework.planner.search import search_mesh  # noqa: E402
+from tilework.planner.search import options_of, search_mesh  # noqa: E402
 from tilework.testing import spawn  # noqa: E402
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 1024, 256, 8, 8, 64, 16
@@ -117,13 +117,6 @@ def _world(rank, world_size, configs, steps):
             "overhead_s": overhead, "steps": [run_candidate(c, steps) for c in configs]}
 
 
-def _as_options(config) -> dict:
-    out = {k: getattr(config, k) for k in ("tp", "pp", "cp") if getattr(config, k) > 1}
-    if config.pp > 1:
-        out["microbatches"] = config.microbatches
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
@@ -134,7 +127,7 @@ def main(argv=None) -> int:
         meta = TinyGPT(VOCAB, DIM, HEADS, LAYERS, SEQ)
     here = Cluster([Host("localhost", a.world)])
     runnable = [c for c in search_mesh(meta, here, BATCH, SEQ, 1e11) if c.step_s is not None]
-    options = [_as_options(c.config) for c in runnable]
+    options = [options_of(c.config) for c in runnable]
     got = spawn(_world, a.world, args=(options, a.steps), timeout=3600)[0]
     link = tilework.cluster.topology.Link(*got["link"])
     measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))

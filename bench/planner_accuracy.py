@@ -34,21 +34,10 @@ import torch  # noqa: E402
 
 from tilework.cluster.topology import Cluster, Host, Link, Links  # noqa: E402
 from tilework.models.gpt import TinyGPT  # noqa: E402
-from tilework.planner.search import Space, label, search  # noqa: E402
+from tilework.planner.search import Space, label, options_of, search  # noqa: E402
 from tilework.testing import spawn  # noqa: E402
 
 SPACE = Space(axes=("tp", "pp", "cp"), zero_scopes=("world",), microbatch_factors=(2,))
-
-
-def _options(config) -> dict:
-    out = {k: getattr(config, k) for k in ("tp", "pp", "cp") if getattr(config, k) > 1}
-    if config.pp > 1:
-        out["microbatches"] = config.microbatches
-    if config.zero:
-        out["zero"] = config.zero
-    if config.recompute != "none":
-        out["recompute"] = config.recompute
-    return out
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -129,7 +118,7 @@ def main(argv=None) -> int:
         meta = TinyGPT(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ)
     here = Cluster([Host("localhost", a.world)])
     runnable = _priced(meta, here, a.world, 1e11)
-    got = spawn(_world, a.world, args=([_options(c.config) for c in runnable], a.steps),
+    got = spawn(_world, a.world, args=([options_of(c.config) for c in runnable], a.steps),
                 timeout=3600)[0]
     link = Link(*got["link"])
     measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))

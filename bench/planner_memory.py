@@ -26,16 +26,14 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from tilework.bench.cgroup import MemoryCap  # noqa: E402
+from tilework.bench.cgroup import MemoryCap, run_capped  # noqa: E402
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 8192, 384, 6, 6, 128, 8   # BATCH: sequences per step
 STEPS = 2
@@ -95,49 +93,21 @@ def trial(caps: list[MemoryCap], options: dict | None, timeout: float,
     "error", and each rank's cgroup peak."""
     import torch.distributed as dist
 
-    world = len(caps)
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    before = [c.oom_kills() for c in caps]
+    store = dist.TCPStore("127.0.0.1", 0, len(caps) + 1, is_master=True,
+                          wait_for_workers=False)
     for c in caps:
         c.empty()
         c.reset_peak()
-    start = time.monotonic()
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, "--worker", json.dumps(options), str(store.port)],
-        env={**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world),
-             "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=caps[r].join)
-        for r in range(world)]
-    outcome = "fits"
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                outcome = "error"
-                break
-            if time.monotonic() - start > timeout:
-                outcome = "timeout"
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()   # a rank whose peer died waits in a collective
-        errors = [p.communicate()[1] for p in procs]
-    if any(c.oom_kills() > b for c, b in zip(caps, before)):
-        outcome = "oom"
-    elif outcome == "fits" and any(p.returncode for p in procs):
-        outcome = "error"
-    detail = next((e.strip().splitlines()[-1] for e in errors if e.strip()), "") \
-        if outcome == "error" else ""
-    return {"outcome": outcome, "detail": detail, "peaks": [c.peak() for c in caps],
-            "seconds": round(time.monotonic() - start, 1)}
+    got = run_capped([__file__, "--worker", json.dumps(options), str(store.port)], caps, timeout,
+                     {**(env or {}), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    return got | {"peaks": [c.peak() for c in caps], "seconds": round(got["seconds"], 1)}
 
 
 def candidates(world: int) -> list[dict]:
     """Every runnable candidate of the search, with each rank's estimated peak."""
     from tilework.cluster.topology import Cluster, Host
     from tilework.estimate.plan_memory import plan_memory
-    from tilework.planner.search import Space, label, search
+    from tilework.planner.search import Space, label, options_of, search
 
     space = Space(axes=("tp", "pp", "cp"), zero_scopes=("world",), microbatch_factors=(2,))
     with torch.device("meta"):
@@ -150,7 +120,7 @@ def candidates(world: int) -> list[dict]:
             continue
         peaks = [e.peak for e in plan_memory(meta, c.parts["plan"],
                                              _replica_batch(c.config, world), torch.optim.AdamW)]
-        out.append({"plan": label(c), "options": _options(c.config), "estimated": peaks})
+        out.append({"plan": label(c), "options": options_of(c.config), "estimated": peaks})
     return out
 
 
@@ -159,17 +129,6 @@ def _replica_batch(config, world: int) -> tuple:
     replicas = world // (config.tp * config.pp * config.cp)
     ids = torch.zeros(BATCH // replicas, SEQ, dtype=torch.long, device="meta")
     return ids, ids
-
-
-def _options(config) -> dict:
-    out = {k: getattr(config, k) for k in ("tp", "pp", "cp") if getattr(config, k) > 1}
-    if config.pp > 1:
-        out["microbatches"] = config.microbatches
-    if config.zero:
-        out["zero"] = config.zero
-    if config.recompute != "none":
-        out["recompute"] = config.recompute
-    return out
 
 
 def run_all(caps: list[MemoryCap], plans: list[dict], memory: float, env: dict,

@@ -303,6 +303,23 @@ def auto(model: nn.Module, config: ParallelConfig, cluster: Cluster, example_inp
                          space or Space.of(config), traffic, budget_bytes, message_overhead_s))
 
 
+def options_of(config: ParallelConfig) -> dict:
+    """`parallelize`'s keywords for what the search varies in a candidate's config (what
+    differs from the defaults): how a benchmark runs a candidate as the search priced it."""
+    out = {k: getattr(config, k) for k in ("tp", "pp", "cp") if getattr(config, k) > 1}
+    if config.pp > 1:
+        out |= {"microbatches": config.microbatches, "schedule": config.schedule}
+    if config.zero:
+        out["zero"] = config.zero
+        if config.zero_scope != "world":
+            out["zero_scope"] = config.zero_scope
+    if config.offload != "none":
+        out["offload"] = config.offload
+    if config.recompute != "none":
+        out["recompute"] = config.recompute
+    return out
+
+
 def label(c: Candidate) -> str:
     cfg = c.config
     out = f"dp{c.parts.get('dp_size', '?')}"
