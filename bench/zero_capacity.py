@@ -32,14 +32,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tilework.bench.cgroup import MemoryCap  # noqa: E402
+from tilework.bench.cgroup import MemoryCap, run_capped  # noqa: E402
 
 LAYERS, STEPS = 6, 3
 SYSTEMS = ("ddp", "fsdp2", "zero3", "zero3-offload")
@@ -82,36 +80,10 @@ def trial(cap: MemoryCap, system: str, dim: int, ranks: int, timeout: float,
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, ranks + 1, is_master=True, wait_for_workers=False)
-    before = cap.oom_kills()
     cap.reset_peak()
-    start = time.monotonic()
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, "--worker", system, str(dim), str(store.port)],
-        env={**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(ranks),
-             "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=cap.join)
-        for r in range(ranks)]
-    outcome, detail = "fits", ""
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed or time.monotonic() - start > timeout:
-                outcome = "error" if failed else "timeout"
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()   # a rank whose peer died waits in a collective
-        errors = [p.communicate()[1] for p in procs]
-    if cap.oom_kills() > before:
-        outcome = "oom"
-    elif outcome == "fits" and any(p.returncode for p in procs):
-        outcome = "error"
-    if outcome == "error":
-        detail = next((e.strip().splitlines()[-1] for e in errors if e.strip()), "")
-    return {"dim": dim, "outcome": outcome, "detail": detail, "peak": cap.peak(),
-            "seconds": time.monotonic() - start}
+    got = run_capped([__file__, "--worker", system, str(dim), str(store.port)], [cap] * ranks,
+                     timeout, env)
+    return {"dim": dim, **got, "peak": cap.peak()}
 
 
 # -- the search -----------------------------------------------------------------------------------

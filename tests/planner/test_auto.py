@@ -82,6 +82,12 @@ def test_a_model_too_large_for_a_rank_gets_zero_3():
             assert c.step_s is None and "exceeds its budget" in c.why, label(c)
 
 
+def _chosen_between(model, inputs, fits: float, misses: float) -> ParallelConfig:
+    """plan="auto" on 2 ranks whose budget (80% of their memory) lies between two peaks."""
+    budget = Cluster([Host("a", 2, memory_gb=(fits + misses) / 2 / 0.8 / 1e9)])
+    return auto(model, ParallelConfig(plan="auto"), budget, inputs, RATE).chosen.config
+
+
 def test_recompute_is_chosen_when_only_it_fits():
     """Activations dominate (a long batch, few parameters): only recompute fits."""
     model, inputs = gpt(layers=4, dim=64, vocab=256), tokens(batch=64)
@@ -89,9 +95,7 @@ def test_recompute_is_chosen_when_only_it_fits():
     plain = _peak(ParallelConfig(zero=3), model, inputs, cluster)
     full = _peak(ParallelConfig(zero=0, recompute="full"), model, inputs, cluster)
     assert full < plain
-    tight = Cluster([Host("a", 2, memory_gb=(full + plain) / 2 / 0.8 / 1e9)])
-    chosen = auto(model, ParallelConfig(plan="auto"), tight, inputs, RATE).chosen
-    assert chosen.config.recompute == "full"
+    assert _chosen_between(model, inputs, full, plain).recompute == "full"
 
 
 def test_selective_recompute_is_chosen_where_it_fits_and_costs_less_than_full():
@@ -102,9 +106,7 @@ def test_selective_recompute_is_chosen_where_it_fits_and_costs_less_than_full():
     none = _peak(ParallelConfig(zero=3), model, inputs, cluster)
     selective = _peak(ParallelConfig(zero=3, recompute="selective"), model, inputs, cluster)
     assert selective < none
-    budget = Cluster([Host("a", 2, memory_gb=(selective + none) / 2 / 0.8 / 1e9)])
-    chosen = auto(model, ParallelConfig(plan="auto"), budget, inputs, RATE).chosen
-    assert chosen.config.recompute == "selective"
+    assert _chosen_between(model, inputs, selective, none).recompute == "selective"
 
 
 def test_offload_is_chosen_when_only_it_fits():
@@ -116,9 +118,25 @@ def test_offload_is_chosen_when_only_it_fits():
                 for r in ("none", "selective", "full"))
     offloaded = _peak(ParallelConfig(zero=3, offload="all"), model, inputs, cluster)
     assert offloaded < zero3
-    budget = Cluster([Host("a", 2, memory_gb=(offloaded + zero3) / 2 / 0.8 / 1e9)])
-    chosen = auto(model, ParallelConfig(plan="auto"), budget, inputs, RATE).chosen
-    assert (chosen.config.zero, chosen.config.offload) == (3, "all")
+    chosen = _chosen_between(model, inputs, offloaded, zero3)
+    assert (chosen.zero, chosen.offload) == (3, "all")
+
+
+def test_options_of_a_candidate_give_back_what_the_search_varied():
+    """The benchmarks run each candidate through parallelize(**options_of(config)): every
+    field the search varies must survive (offload was once dropped, so the benchmarks ran
+    ZeRO-3 without it)."""
+    from tilework.planner.search import options_of
+
+    cluster = Cluster([Host("a", 2), Host("b", 2)])
+    space = Space(axes=("tp", "pp", "cp"), schedules=("1f1b", "gpipe"))
+    varied = ("tp", "pp", "cp", "zero", "zero_scope", "offload", "recompute", "microbatches",
+              "schedule")
+    for config in configs(ParallelConfig(), space, cluster, layers=4):
+        again = ParallelConfig(**options_of(config))
+        for field in varied:
+            if field != "schedule" or config.pp > 1:
+                assert getattr(again, field) == getattr(config, field), (field, config)
 
 
 def test_a_slow_link_between_hosts_puts_the_pipeline_across_them_and_tp_inside():

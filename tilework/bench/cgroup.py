@@ -10,6 +10,9 @@ bench/planner_memory.py (no plan estimated under 80% of a cap is killed).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 
 class MemoryCap:
@@ -83,6 +86,43 @@ class MemoryCap:
 
     def remove(self) -> None:
         os.rmdir(self.path)
+
+
+def run_capped(args: list[str], caps: list[MemoryCap], timeout: float,
+               env: dict | None = None) -> dict:
+    """`python <args>` started once per rank, rank r inside caps[r] (one group may hold
+    several ranks), with RANK, WORLD_SIZE, OMP_NUM_THREADS=1 and `env` added. Returns
+    {"outcome": "fits", "oom" (a group's OOM-kill count rose), "timeout" or "error", "detail"
+    (an error's first failed rank's last line), "seconds"}."""
+    groups = list({id(c): c for c in caps}.values())
+    before = [c.oom_kills() for c in groups]
+    start = time.monotonic()
+    procs = [subprocess.Popen(
+        [sys.executable, *args],
+        env={**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(len(caps)),
+             "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=cap.join)
+        for r, cap in enumerate(caps)]
+    outcome = "fits"
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() - start > timeout:
+                outcome = "error" if failed else "timeout"
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()   # a rank whose peer died waits in a collective
+        errors = [p.communicate()[1] for p in procs]
+    if any(c.oom_kills() > b for c, b in zip(groups, before)):
+        outcome = "oom"
+    elif outcome == "fits" and any(p.returncode for p in procs):
+        outcome = "error"
+    detail = next((e.strip().splitlines()[-1] for e in errors if e.strip()), "") \
+        if outcome == "error" else ""
+    return {"outcome": outcome, "detail": detail, "seconds": time.monotonic() - start}
 
 
 def _own_memory_cgroup() -> tuple[int, str]:

@@ -38,7 +38,7 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
         example_inputs = (example_inputs,)
     live = _live_cluster(groups, cluster, _timed_links(groups) if cluster is None else None)
     flops = _measured_curve(groups)
-    _, memory = _agreed(groups, float(flops), _device_memory(groups))
+    memory = _agreed_memory(groups, _device_memory(groups))
     space = Space.of(config)
     if optimizer is None:   # a hand-written update: no optimizer to shard, no server to step
         config = dataclasses.replace(config, zero=0, mode="allreduce")
@@ -142,10 +142,10 @@ def _device_memory(groups: Groups) -> float:
     return ram / sharing
 
 
-def _agreed(groups: Groups, flops: float, memory: float) -> tuple[float, float]:
-    """The smallest rate and memory any rank has (a 2-element MIN all-reduce)."""
+def _agreed_memory(groups: Groups, memory: float) -> float:
+    """The smallest memory any rank has (a MIN all-reduce; the curve is agreed as measured)."""
     if groups.world is None:
-        return flops, memory
-    both = torch.tensor([flops, memory], dtype=torch.float64, device=groups.device)
-    all_reduce(both, groups.world, Stats(), "setup", op=dist.ReduceOp.MIN)
-    return float(both[0]), float(both[1])
+        return memory
+    least = torch.tensor([memory], dtype=torch.float64, device=groups.device)
+    all_reduce(least, groups.world, Stats(), "setup", op=dist.ReduceOp.MIN)
+    return float(least[0])
