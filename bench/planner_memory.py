@@ -99,7 +99,8 @@ def trial(caps: list[MemoryCap], options: dict | None, timeout: float,
         c.empty()
         c.reset_peak()
     got = run_capped([__file__, "--worker", json.dumps(options), str(store.port)], caps, timeout,
-                     {**(env or {}), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                     {**os.environ, **(env or {}),
+                      "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     return got | {"peaks": [c.peak() for c in caps], "seconds": round(got["seconds"], 1)}
 
 

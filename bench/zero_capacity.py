@@ -82,7 +82,7 @@ def trial(cap: MemoryCap, system: str, dim: int, ranks: int, timeout: float,
     store = dist.TCPStore("127.0.0.1", 0, ranks + 1, is_master=True, wait_for_workers=False)
     cap.reset_peak()
     got = run_capped([__file__, "--worker", system, str(dim), str(store.port)], [cap] * ranks,
-                     timeout, env)
+                     timeout, {**os.environ, **(env or {})})
     return {"dim": dim, **got, "peak": cap.peak()}
 
 

@@ -88,10 +88,10 @@ class MemoryCap:
         os.rmdir(self.path)
 
 
-def run_capped(args: list[str], caps: list[MemoryCap], timeout: float,
-               env: dict | None = None) -> dict:
+def run_capped(args: list[str], caps: list[MemoryCap], timeout: float, env: dict) -> dict:
     """`python <args>` started once per rank, rank r inside caps[r] (one group may hold
-    several ranks), with RANK, WORLD_SIZE, OMP_NUM_THREADS=1 and `env` added. Returns
+    several ranks), in environment `env` (the caller's, with what it adds) plus RANK,
+    WORLD_SIZE and OMP_NUM_THREADS=1. Returns
     {"outcome": "fits", "oom" (a group's OOM-kill count rose), "timeout" or "error", "detail"
     (an error's first failed rank's last line), "seconds"}."""
     groups = list({id(c): c for c in caps}.values())
@@ -99,8 +99,7 @@ def run_capped(args: list[str], caps: list[MemoryCap], timeout: float,
     start = time.monotonic()
     procs = [subprocess.Popen(
         [sys.executable, *args],
-        env={**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(len(caps)),
-             "OMP_NUM_THREADS": "1"},
+        env={**env, "RANK": str(r), "WORLD_SIZE": str(len(caps)), "OMP_NUM_THREADS": "1"},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=cap.join)
         for r, cap in enumerate(caps)]
     outcome = "fits"
