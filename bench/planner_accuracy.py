@@ -1,18 +1,24 @@
 """The planner's predictions against measured steps: every candidate plan="auto" would consider
 (dp x pp x cp x tp, ZeRO 0-3 and its scope, recompute, microbatches), run for real.
 
-    .venv/bin/python bench/planner_accuracy.py [--world 2] [--steps 5] [--out FILE] [--png FILE]
+    .venv/bin/python bench/planner_accuracy.py [--world 2] [--steps 5] [--rounds 3]
+        [--out FILE] [--png FILE]
 
 The GPT of bench/mesh_search.py on `--world` gloo ranks on this machine (loopback). Every
 runnable candidate of tilework/planner/search.py is run through `tilework.parallelize` for
-`--steps` steps; its median step (barrier to the slowest rank's optimizer step, the first step
-dropped) is set beside `estimate(plan)`'s step, priced with what was measured in the same world
-first and never fitted to the steps (bench/mesh_search.py's way): the FLOP rate on the whole
-model (every rank computing at once, averaged), calibrate's all-reduce fit for the link, the
-per-message CPU overhead o. Each plan is priced twice from those measurements: at one FLOP
-rate, and with a matmul efficiency curve (cluster/matmul_curve.py, measured on every rank at
-once) scaled by one factor so that it prices the whole model's dp step as measured (the same
-one measurement the rate comes from): the curve adds only how the rate changes with shape.
+`--steps` steps in each of `--rounds` fresh worlds (each in its own shuffled order); its median
+step over the rounds (barrier to the slowest rank's optimizer step, each world's first dropped)
+is set beside `estimate(plan)`'s step, priced with what was measured in the same world first and
+never fitted to the steps (bench/mesh_search.py's way): the FLOP rate on the whole model (every
+rank computing at once, averaged), calibrate's all-reduce fit for the link, the per-message CPU
+overhead o. Each plan is priced twice from those measurements: at one FLOP rate, and with a
+matmul efficiency curve (cluster/matmul_curve.py, measured on every rank at once) scaled by one
+factor so that it prices the whole model's dp step as measured (the same one measurement the
+rate comes from): the curve adds only how the rate changes with shape.
+
+And a third way (estimate/ops.py): every op each candidate's stages run, recorded on the meta
+device with its recompute, timed on every rank at once, plus the framework's measured cost per
+call, scaled by the one factor that makes it price the plain dp step as measured.
 
 Prints the table, the median |predicted - measured| / measured, Kendall's tau between the
 predicted and measured orders, and where the plan the search chooses lands among the measured.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -62,11 +69,16 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return (concordant - discordant) / pairs ** 0.5 if pairs else 1.0
 
 
-def _world(rank, world_size, configs, steps):
-    """bench/mesh_search.py's measurements, but the FLOP rate taken on every rank at once and
-    averaged: with more ranks than cores (4 on this machine's 2) a rank computes at the rate it
-    gets beside the others, not at one rank's alone."""
+def _world(rank, world_size, configs, steps, calls, order, calibrate):
+    """bench/mesh_search.py's measurements (with `calibrate`), but the FLOP rate taken on every
+    rank at once and averaged: with more ranks than cores (4 on this machine's 2) a rank
+    computes at the rate it gets beside the others, not at one rank's alone. Then the
+    candidates in `order`; their steps come back in `configs`' order."""
     import torch.distributed as dist
+
+    if not calibrate:
+        ran = {i: ms.run_candidate(configs[i], steps) for i in order}
+        return {"steps": [ran[i] for i in range(len(configs))]}
 
     from tilework.bench.pipeline_runs import Shape, message_overhead
 
@@ -80,9 +92,36 @@ def _world(rank, world_size, configs, steps):
     from tilework.cluster.calibrate import measure_curve
 
     curve = measure_curve(dist.group.WORLD, world_size)
+    op_seconds, framework = _op_times(world_size, calls)
     return {"link": (link.bandwidth_gbps, link.latency_us), "flops": rate.item() / world_size,
-            "curve": curve.as_dict(), "overhead_s": overhead,
-            "steps": [ms.run_candidate(c, steps) for c in configs]}
+            "curve": curve.as_dict(), "overhead_s": overhead, "op_seconds": op_seconds,
+            "framework": framework} | _world(rank, world_size, configs, steps, calls, order,
+                                             False)
+
+
+def _op_times(world_size: int, calls: list) -> tuple[list, dict]:
+    """Every recorded call's seconds and the framework's per-call costs (estimate/ops.py),
+    measured on every rank at once and averaged; a call that fails on made-up values is -1."""
+    import torch.distributed as dist
+
+    from tilework.estimate.ops import framework_costs, measure
+
+    dist.barrier()
+    got = measure(calls)
+    mine = torch.tensor([got.get(c, -1.0) for c in calls], dtype=torch.float64)
+    dist.all_reduce(mine)
+    costs = framework_costs()
+    regions = sorted(costs)
+    each = torch.tensor([costs[r] for r in regions], dtype=torch.float64)
+    dist.all_reduce(each)
+    return ((mine / world_size).tolist(),
+            {r: v / world_size for r, v in zip(regions, each.tolist())})
+
+
+def op_times(calls: list, seconds: list, framework: dict, scale: float = 1.0):
+    from tilework.estimate.ops import OpTimes
+
+    return OpTimes({c: s for c, s in zip(calls, seconds) if s > 0}, scale, framework)
 
 
 def scaled_curve(curve, flops: float, world: int):
@@ -101,6 +140,13 @@ def scaled_curve(curve, flops: float, world: int):
                                           for plane in curve.flops_per_s))
 
 
+def forward_flops_of(meta, world: int) -> float:
+    """The search's forward FLOP count of the whole model on one rank's batch."""
+    from tilework.estimate.step import forward_flops
+
+    return forward_flops([*meta.children()], ms.BATCH // world * ms.SEQ, ms.SEQ, 1)
+
+
 def _priced(meta, cluster, world: int, rate: float, o: float = 0.0) -> list:
     ids = torch.zeros(ms.BATCH // world, ms.SEQ, dtype=torch.long)
     return [c for c in search(meta, cluster, (ids, ids), rate, "sgd", space=SPACE, every=True,
@@ -111,6 +157,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", type=Path)
     a = ap.parse_args(argv)
@@ -118,8 +165,24 @@ def main(argv=None) -> int:
         meta = TinyGPT(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ)
     here = Cluster([Host("localhost", a.world)])
     runnable = _priced(meta, here, a.world, 1e11)
-    got = spawn(_world, a.world, args=([options_of(c.config) for c in runnable], a.steps),
-                timeout=3600)[0]
+    from tilework.estimate.ops import Collecting
+
+    asked = Collecting()   # every op any candidate runs, to be timed on the ranks
+    _priced(meta, here, a.world, asked)
+    calls = sorted(asked.asked, key=repr)
+    # Rounds, each a fresh world running the candidates in its own shuffled order: a slow
+    # drift over a long run (it was seen: 350 to 590 ms for five pp2 plans of the same work run
+    # one after another) then spreads over every plan instead of landing on the last ones.
+    configs = [options_of(c.config) for c in runnable]
+    got, steps = {}, [[] for _ in runnable]
+    for r in range(a.rounds):
+        order = list(range(len(configs)))
+        random.Random(r).shuffle(order)
+        ran = spawn(_world, a.world, args=(configs, a.steps, calls, order, r == 0),
+                    timeout=3600)[0]
+        got = got or ran
+        for i, s in enumerate(ran["steps"]):
+            steps[i] += s[1:]   # each world's first step of a plan warms it up
     link = Link(*got["link"])
     measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))
     from tilework.cluster.matmul_curve import MatmulCurve
@@ -129,26 +192,44 @@ def main(argv=None) -> int:
                                               got["overhead_s"])}
     by_curve = {label(c): c for c in _priced(meta, measured_here, a.world, curve,
                                              got["overhead_s"])}
+    # The op model is scaled by the one factor that makes it price the plain dp step as
+    # measured (the measurement the rate comes from): it adds how the ops change by plan.
+    unscaled = op_times(calls, got["op_seconds"], got["framework"])
+    plain = next(c for c in _priced(meta, measured_here, a.world, unscaled, got["overhead_s"])
+                 if label(c) == f"dp{a.world}")
+    measured_step = 3 * forward_flops_of(meta, a.world) / got["flops"]
+    scale = measured_step / plain.parts["compute"]
+    by_ops = {label(c): c for c in _priced(meta, measured_here, a.world,
+                                           op_times(calls, got["op_seconds"], got["framework"],
+                                                    scale), got["overhead_s"])}
     rows = []
-    for c, steps in zip(runnable, got["steps"]):
-        p, q = predicted[label(c)], by_curve[label(c)]
-        measured = statistics.median(steps[1:])
+    for c, taken in zip(runnable, steps):
+        p, q, r = predicted[label(c)], by_curve[label(c)], by_ops[label(c)]
+        measured = statistics.median(taken)
         rows.append({"plan": label(c), "predicted_ms": p.step_s * 1e3,
-                     "curve_ms": q.step_s * 1e3, "measured_ms": measured * 1e3,
+                     "curve_ms": q.step_s * 1e3, "ops_ms": r.step_s * 1e3,
+                     "measured_ms": measured * 1e3,
                      "error": abs(p.step_s - measured) / measured,
-                     "curve_error": abs(q.step_s - measured) / measured})
+                     "curve_error": abs(q.step_s - measured) / measured,
+                     "ops_error": abs(r.step_s - measured) / measured})
     summary = _summary(rows, "predicted_ms", "error") | {
-        "curve": _summary(rows, "curve_ms", "curve_error"), "flops": got["flops"],
+        "curve": _summary(rows, "curve_ms", "curve_error"),
+        "ops": _summary(rows, "ops_ms", "ops_error") | {"scale": scale, "calls": len(calls)},
+        "flops": got["flops"], "framework": got["framework"],
         "link": got["link"], "overhead_s": got["overhead_s"], "world": a.world}
     print(f"{a.world} ranks on loopback: FLOP/s per rank {got['flops']:.3g}, link "
           f"{link.bandwidth_gbps:.3g} Gb/s {link.latency_us:.0f} us, o "
           f"{got['overhead_s'] * 1e3:.2f} ms")
-    print("| plan | predicted ms (one rate) | predicted ms (curve) | measured ms | error (rate) "
-          "| error (curve) |\n|---|---:|---:|---:|---:|---:|")
+    print(f"op model: {len(calls)} distinct calls, scale {scale:.2f}, framework per call "
+          + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in got["framework"].items()))
+    print("| plan | predicted ms (one rate) | (curve) | (ops) | measured ms | error (rate) "
+          "| (curve) | (ops) |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: r["measured_ms"]):
         print(f"| {r['plan']} | {r['predicted_ms']:.1f} | {r['curve_ms']:.1f} | "
-              f"{r['measured_ms']:.1f} | {r['error'] * 100:.0f}% | {r['curve_error'] * 100:.0f}% |")
-    for name, m in (("one rate", summary), ("curve", summary["curve"])):
+              f"{r['ops_ms']:.1f} | {r['measured_ms']:.1f} | {r['error'] * 100:.0f}% | "
+              f"{r['curve_error'] * 100:.0f}% | {r['ops_error'] * 100:.0f}% |")
+    for name, m in (("one rate", summary), ("curve", summary["curve"]),
+                    ("ops", summary["ops"])):
         print(f"{name}: {m['plans']} plans, median error {m['median_error'] * 100:.1f}%, "
               f"Kendall's tau {m['kendall_tau']:.2f}; chosen {m['chosen']} measured "
               f"{(m['chosen_over_fastest'] - 1) * 100:.1f}% over the fastest ({m['fastest']})")
@@ -183,8 +264,11 @@ def _plot(rows: list[dict], summary: dict, path: Path) -> None:
                                    f"tau {summary['kendall_tau']:.2f}")
     ax.scatter(xs, zs, s=14, marker="x", label=f"matmul curve: median error "
                f"{summary['curve']['median_error']:.0%}, tau {summary['curve']['kendall_tau']:.2f}")
+    us = [r["ops_ms"] for r in rows]
+    ax.scatter(xs, us, s=14, marker="+", label=f"recorded ops: median error "
+               f"{summary['ops']['median_error']:.0%}, tau {summary['ops']['kendall_tau']:.2f}")
     ax.legend(fontsize=7)
-    top = max(xs + ys + zs) * 1.05
+    top = max(xs + ys + zs + us) * 1.05
     ax.plot([0, top], [0, top], lw=0.8, color="grey")
     ax.set_xlabel("measured step (ms)")
     ax.set_ylabel("predicted step (ms)")

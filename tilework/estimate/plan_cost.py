@@ -96,7 +96,7 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
             return PlanCost(comm, memory=memory(), entries=entries)
         # Any model: its counted FLOPs at the rate, then the data-parallel exchanges (not
         # overlapped: the bound the step cannot exceed).
-        compute = step_flops(model, example_inputs, plan.recompute).seconds(flops)
+        compute = _counted_compute(model, example_inputs, plan.recompute, flops)
         return PlanCost(comm, compute, compute + comm, memory(), entries,
                         {"compute": compute, "dp": comm})
     if replica_batch is None or seq is None:
@@ -110,6 +110,19 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
         return PlanCost(comm, entries=entries, parts=parts, why=found.why)
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
     return PlanCost(comm, parts.get("compute"), found.step_s, memory(), entries, parts)
+
+
+def _counted_compute(model, example_inputs: tuple, recompute, rate) -> float:
+    """A step's compute: its counted FLOPs at `rate` (one FLOP/s or a MatmulCurve), or, given
+    OpTimes, every op of its forward and backward at its measured time."""
+    from .ops import OpTimes, record
+
+    if not isinstance(rate, OpTimes):
+        return step_flops(model, example_inputs, recompute).seconds(rate)
+    from .meta_forward import on_meta
+
+    inputs = tuple(x.to("meta") if hasattr(x, "to") else x for x in example_inputs)
+    return sum(rate.seconds(record(on_meta(model), inputs, recompute)))
 
 
 def _steps_like_the_reference_gpt(model) -> bool:

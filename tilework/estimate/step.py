@@ -14,7 +14,10 @@ plan` shows for a model-parallel job (report/job.py).
   stages: bubble and hops included;
 - dp: the gradient all-reduce of the rank's parameters over its dp (x cp) group, in buckets,
   after the last backward (not overlapped: an upper bound); ZeRO-1's and ZeRO-3's gathers 1.5x that;
-- recompute: "full" runs each recomputed block's forward again in its stage's backward.
+- recompute: "full" runs each recomputed block's forward again in its stage's backward;
+- or, given measured op times (estimate/ops.py) instead of a rate, each stage's compute is the
+  ops its microbatch runs forward and backward, recorded on the rank's shape-only copy, each at
+  its measured time: norms, softmax, copies and recompute (selective's too) included.
 
 A step that cannot run keeps the reason (a layout that does not split, more stages than
 blocks, a batch that does not divide).
@@ -30,6 +33,8 @@ from ..cluster.mesh import parallel_mesh
 from ..cluster.topology import Cluster, Link
 from ..config.parallel import ParallelConfig
 from .cost import seconds
+from .op_stages import stage_recordings
+from .ops import OpTimes
 
 
 @dataclass(frozen=True)
@@ -153,8 +158,9 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
             seq: int, flops_per_s, itemsize: int = 4,
             message_overhead_s: float = 0.0) -> MeshCandidate:
     """One candidate's predicted step (see the module's docstring) for `replica_batch`
-    sequences per dp replica, or why it cannot run. `flops_per_s`: one rate, or a MatmulCurve
-    (stage_seconds). `message_overhead_s`: LogP's o, what each
+    sequences per dp replica, or why it cannot run. `flops_per_s`: one rate, a MatmulCurve
+    (stage_seconds), or OpTimes: each stage's recorded ops at their measured times
+    (estimate/op_stages.py). `message_overhead_s`: LogP's o, what each
     message costs the CPU at each end beside the link's time (pipeline_runs.message_overhead
     measures it on busy CPU ranks; about 0 where collectives run on their own engines)."""
     from ..parallel.pipeline import build, simulate, split_stages
@@ -192,13 +198,21 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     ends = _message_ends(model, config, stages, schedule)
     recomputed = _recomputed(model, config)
     fwd, bwd, comm, compute, flops = [], [], {"tp": 0.0, "cp": 0.0}, 0.0, []
+    recorded = stage_recordings(model, config, replica_batch, seq) \
+        if isinstance(flops_per_s, OpTimes) else None
     for k, mods in enumerate(modules):
         flops.append(forward_flops(mods, tokens, seq, config.tp) / m)
-        # A microbatch's products are what the rate (a curve: by shape) applies to.
-        f, b = (m * t for t in stage_seconds(mods, tokens / m, seq, config.tp, flops_per_s))
-        # Full recompute runs the stage's recomputed blocks' forward again in backward.
-        again = m * stage_seconds(_inside(mods, recomputed), tokens / m, seq, config.tp,
-                                  flops_per_s)[0]
+        if recorded is not None:
+            # Every op the stage's microbatch runs at its measured time, what recompute runs
+            # again included.
+            (f, b), again = (m * t for t in flops_per_s.seconds(recorded[k])), 0.0
+        else:
+            # A microbatch's products are what the rate (a curve: by shape) applies to.
+            f, b = (m * t for t in stage_seconds(mods, tokens / m, seq, config.tp,
+                                                 flops_per_s))
+            # Full recompute runs the stage's recomputed blocks' forward again in backward.
+            again = m * stage_seconds(_inside(mods, recomputed), tokens / m, seq, config.tp,
+                                      flops_per_s)[0]
         compute = max(compute, f + b + again)
         sent = per_rank[schedule.rank_of(k)]    # a rank's bytes, over the stages it holds
         share = len(schedule.stages_of(schedule.rank_of(k)))

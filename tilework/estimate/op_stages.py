@@ -1,0 +1,64 @@
+"""What each pipeline stage of a mesh plan runs, as recorded ops (estimate/ops.py): the rank's
+shape-only copy at tp and cp rank 0 (planner/model_parallel.shape_only_copy, what the memory
+estimate transforms too), cut into the plan's stages, each recorded on one microbatch of its
+1/cp of the sequence with the plan's recompute. Pure; cached per model, since a search asks
+for the same stages under every ZeRO stage and bucket size."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ..config.parallel import ParallelConfig
+from .ops import Recording, record
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stage_recordings(model: nn.Module, config: ParallelConfig, replica_batch: int,
+                     seq: int) -> list[Recording]:
+    """One Recording per pipeline stage (one for the whole model without pp): a microbatch's
+    forward and backward on the first tp and cp rank (their peers run alike)."""
+    m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
+    key = (config.tp, config.cp, config.pp, m, config.schedule, config.stages_per_rank,
+           config.sequence_parallel, repr(config.recompute), repr(config.layout),
+           replica_batch, seq)
+    seen = _CACHE.setdefault(model, {})
+    if key not in seen:
+        seen[key] = _record(model, config, replica_batch // m, seq)
+    return seen[key]
+
+
+def _record(model: nn.Module, config: ParallelConfig, microbatch: int, seq: int):
+    from ..planner.model_parallel import shape_only_copy
+    from ..plans.analysis import recompute_choices
+    from .plan_memory import _cut_sequence
+
+    meta, _ = shape_only_copy(model, config, {"tp": 0, "cp": 0})
+    ids = torch.zeros(microbatch, seq, dtype=torch.long, device="meta")
+    tokens, targets = _cut_sequence((ids, ids), 0, config.cp)[:2]
+    recompute = recompute_choices(meta, config.recompute)
+    if config.pp == 1:
+        return [record(meta, (tokens, targets), recompute)]
+    from ..parallel.pipeline import build, split_stages
+
+    schedule = build(config.schedule, config.pp, config.microbatches or 2 * config.pp,
+                     config.stages_per_rank)
+    stages = split_stages(meta, schedule.stages)
+    last = len(stages) - 1
+    out = []
+    for s, stage in enumerate(stages):
+        if config.sequence_parallel:   # boundaries carry sequence slices
+            stage.sequence_parts = config.tp
+        inside = {id(mod): name for name, mod in stage.named_modules()}
+        mine = [(inside[id(meta.get_submodule(n))], policy) for n, policy in recompute
+                if id(meta.get_submodule(n)) in inside]
+        x = tokens if s == 0 else stage.boundary_like(tokens).requires_grad_()
+        out.append(record(stage, (x, targets if s == last else None), mine,
+                          grad_of_output=s != last))
+    return out
+
+
+__all__ = ["stage_recordings"]

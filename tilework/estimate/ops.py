@@ -1,0 +1,275 @@
+"""A step's compute as the ops it runs, each at its measured time: what one FLOP rate and the
+matmul curve cannot see.
+
+On a CPU rank a training step is not only its matmuls: norms, softmax, GELU, dropout, the
+copies tp and cp add, and every op's own dispatch cost are a fifth to a half of it at small
+widths, and they are exactly what selective recompute runs again and what more pipeline
+microbatches multiply. So, as Proteus and vTrain profile operators:
+
+- `record` (pure): one forward and its backward of a module on the meta device (the rank's
+  shape-only copy under tp and cp, one pipeline stage on one microbatch), with the plan's
+  recompute applied as the runtime applies it (runtime/recompute.py), so what backward runs
+  again is recorded where it runs. Each aten op is kept as an `OpCall`: its name and its
+  arguments' shapes and dtypes. Forward and backward apart, since the pipeline simulator needs
+  both.
+- `measure` (on the device): each distinct call timed on real tensors of those shapes
+  (floating point random, integers zero: valid indices, masks all false), repeated until a
+  floor of time has passed; `OpTimes` holds the seconds.
+- `OpTimes.seconds(recording)`: the sum over the calls. A call that was not measured (or
+  failed on made-up values) is priced at the median measured call, and counted in `missing`.
+
+What it leaves out, by design: the optimizer step (the step models leave it out everywhere),
+and the autograd engine's own per-node bookkeeping beside each op (a few microseconds).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class TensorSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class OpCall(NamedTuple):
+    op: str          # "aten::mm.default"
+    args: tuple      # the arguments with tensors as TensorSpec (lists as tuples)
+    kwargs: tuple    # sorted (name, value) pairs, the same way
+
+
+@dataclass
+class Recording:
+    forward: Counter = field(default_factory=Counter)    # OpCall -> calls
+    backward: Counter = field(default_factory=Counter)
+    # (phase, policy) -> calls: how many ran inside a recomputed module ("full",
+    # "selective") or outside any ("none"), which the framework charges differently
+    regions: Counter = field(default_factory=Counter)
+
+    def calls(self) -> set[OpCall]:
+        return set(self.forward) | set(self.backward)
+
+
+def _spec(x):
+    if torch.is_tensor(x):
+        return TensorSpec(tuple(x.shape), str(x.dtype).removeprefix("torch."))
+    if isinstance(x, torch.device):
+        return "device"        # made on the measuring device
+    if isinstance(x, list):
+        return tuple(_spec(v) for v in x)
+    if isinstance(x, (torch.dtype, torch.memory_format, torch.layout)):
+        return str(x)
+    return x
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, into: Counter, regions: Counter, phase: str, policy: list):
+        super().__init__()
+        self.into, self.regions, self.phase, self.policy = into, regions, phase, policy
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "aten":
+            try:
+                call = OpCall(f"aten::{func.__name__}", tuple(_spec(a) for a in args),
+                              tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
+                hash(call)
+                self.into[call] += 1
+                self.regions[self.phase, self.policy[-1]] += 1
+            except TypeError:   # an argument with no hashable form: not priced
+                pass
+        return func(*args, **kwargs)
+
+
+def record(module: nn.Module, inputs: tuple, recompute=(), grad_of_output: bool = False) \
+        -> Recording:
+    """The ops of one forward of `module` (on the meta device) on `inputs` and its backward:
+    of the loss if the output is one element, else of the output against a made-up gradient
+    (a pipeline stage's); `recompute`: the (module name, policy) pairs to run as the runtime
+    runs them."""
+    from ..runtime.changes import Changes
+    from ..runtime.recompute import apply_recompute
+    from .meta_forward import WorstCaseUnique
+
+    changes = Changes()
+    apply_recompute(module, recompute, changes)
+    policy = ["none"]
+    for name, chosen in recompute:   # both runs of a recomputed forward pass through here
+        wrapped = module.get_submodule(name).forward
+        wrapped.forward = _Marked(wrapped.forward, chosen, policy)
+    out = Recording()
+    try:
+        with WorstCaseUnique(), _Recorder(out.forward, out.regions, "forward", policy):
+            y = module(*inputs)
+        outputs = [y] if torch.is_tensor(y) else [t for t in (y or ()) if torch.is_tensor(t)]
+        outputs = [t for t in outputs if t.requires_grad]
+        if outputs:
+            with WorstCaseUnique(), _Recorder(out.backward, out.regions, "backward", policy):
+                grads = [None if t.numel() == 1 and not grad_of_output else torch.empty_like(t)
+                         for t in outputs]
+                torch.autograd.backward(outputs, grads)
+    finally:
+        changes.undo()
+    return out
+
+
+class _Marked:
+    def __init__(self, forward, policy: str, stack: list):
+        self.forward, self.policy, self.stack = forward, policy, stack
+
+    def __call__(self, *args, **kwargs):
+        self.stack.append(self.policy)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            self.stack.pop()
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """Seconds per measured call, and what the framework adds per call beside the op itself
+    (`per_call`, by region: "none" outside any recomputed module, "selective" and "full"
+    inside one, where torch's checkpoint runs Python around every op: `framework_costs`);
+    `scale` multiplies the total (1: as measured)."""
+    seconds_of: dict = field(default_factory=dict)      # OpCall -> seconds
+    scale: float = 1.0
+    per_call: dict = field(default_factory=dict)        # region -> seconds
+
+    def priced(self, calls: Counter) -> tuple[float, int]:
+        """(seconds of `calls`, how many were not measured)."""
+        fallback = statistics.median(self.seconds_of.values()) if self.seconds_of else 0.0
+        total, missing = 0.0, 0
+        for call, n in calls.items():
+            t = self.seconds_of.get(call)
+            if t is None:
+                t, missing = fallback, missing + n
+            total += n * t
+        return total * self.scale, missing
+
+    def seconds(self, recording: Recording) -> tuple[float, float]:
+        """(forward, backward) seconds of `recording`."""
+        def framework(phase):
+            return self.scale * sum(self.per_call.get(region, 0.0) * n
+                                    for (p, region), n in recording.regions.items() if p == phase)
+
+        return (self.priced(recording.forward)[0] + framework("forward"),
+                self.priced(recording.backward)[0] + framework("backward"))
+
+    def __float__(self) -> float:
+        raise TypeError("OpTimes prices ops, not FLOPs: it has no one rate")
+
+
+class Collecting(OpTimes):
+    """Prices every call at zero and keeps what it was asked for: a first pass over the
+    candidates gathers the calls to `measure`."""
+
+    def __init__(self):
+        super().__init__({}, 1.0)
+        object.__setattr__(self, "asked", set())
+
+    def priced(self, calls: Counter) -> tuple[float, int]:
+        self.asked.update(calls)
+        return 0.0, 0
+
+
+def _resolve(name: str):
+    packet, _, overload = name.removeprefix("aten::").partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default")
+
+
+def _made(spec, device):
+    if isinstance(spec, TensorSpec):
+        dtype = getattr(torch, spec.dtype)
+        if dtype.is_floating_point or dtype.is_complex:
+            return torch.randn(spec.shape, dtype=dtype, device=device)
+        return torch.zeros(spec.shape, dtype=dtype, device=device)
+    if spec == "device":
+        return device
+    if isinstance(spec, str) and spec.startswith("torch."):
+        return getattr(torch, spec.removeprefix("torch."))
+    if isinstance(spec, tuple):
+        return [_made(v, device) for v in spec]
+    return spec
+
+
+def measure(calls, device=None, min_seconds: float = 2e-3) -> dict:
+    """Seconds of each of `calls` on `device` (default the CPU, on the threads this process
+    has), run on tensors of the recorded shapes until `min_seconds` have passed (at least
+    twice, after one warm-up). A call that fails on made-up values is left out."""
+    device = torch.device(device or "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    out = {}
+    with torch.no_grad():
+        for call in sorted(calls, key=repr):
+            try:
+                func = _resolve(call.op)
+                args = tuple(_made(a, device) for a in call.args)
+                kwargs = {k: _made(v, device) for k, v in call.kwargs}
+                func(*args, **kwargs)
+            except Exception:   # noqa: BLE001 - values the op refuses: priced by the median
+                continue
+            sync(device)
+            repeats = 2
+            while True:
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    func(*args, **kwargs)
+                sync(device)
+                elapsed = time.perf_counter() - start
+                if elapsed >= min_seconds:
+                    out[call] = elapsed / repeats
+                    break
+                repeats *= 2
+    return out
+
+
+def framework_costs(device=None, steps: int = 12) -> dict:
+    """What the framework adds per call, by region, measured on a tiny reference GPT (width 16,
+    where the ops are next to nothing): its measured step minus its recorded calls' measured
+    seconds, over its calls; outside recompute first, then each policy's calls beyond that."""
+    from ..models.gpt import TinyGPT
+    from ..plans.analysis import recompute_choices
+    from ..runtime.changes import Changes
+    from ..runtime.recompute import apply_recompute
+    from .meta_forward import on_meta
+
+    device = torch.device(device or "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    costs: dict = {}
+    for policy in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = TinyGPT(64, 16, 2, 2, 8)
+        chosen = recompute_choices(model, policy)
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        recording = record(on_meta(model), (ids.to("meta"), ids.to("meta")), chosen)
+        ops = sum(OpTimes(measure(recording.calls(), device)).seconds(recording))
+        model = model.to(device)
+        apply_recompute(model, chosen, Changes())
+        ids = ids.to(device)
+        took = []
+        for _ in range(steps + 2):
+            sync(device)
+            start = time.perf_counter()
+            model(ids, ids).backward()
+            sync(device)
+            took.append(time.perf_counter() - start)
+        step = statistics.median(took[2:])
+        inside = sum(n for (_, region), n in recording.regions.items() if region == policy)
+        outside = sum(n for (_, region), n in recording.regions.items() if region == "none")
+        if policy == "none":
+            costs["none"] = max(0.0, (step - ops) / outside)
+        else:
+            costs[policy] = max(0.0, (step - ops - costs["none"] * outside) / inside)
+    return costs
+
+
+__all__ = ["Collecting", "OpCall", "OpTimes", "Recording", "TensorSpec", "framework_costs",
+           "measure", "record"]
