@@ -15,8 +15,10 @@ microbatches multiply. So, as Proteus and vTrain profile operators:
 - `measure` (on the device): each distinct call timed on real tensors of those shapes
   (floating point random, integers zero: valid indices, masks all false), repeated until a
   floor of time has passed; `OpTimes` holds the seconds.
-- `OpTimes.seconds(recording)`: the sum over the calls. A call that was not measured (or
-  failed on made-up values) is priced at the median measured call, and counted in `missing`.
+- `OpTimes.seconds(recording)`: the sum over the calls, plus the framework's cost per call.
+  Given a MatmulCurve, the matmul family not measured is priced by its shape there (a live
+  plan="auto" measures the rest only); any other call not measured (or that failed on made-up
+  values) at the median measured call, and counted in `missing`.
 
 What it leaves out, by design: the optimizer step (the step models leave it out everywhere),
 and the autograd engine's own per-node bookkeeping beside each op (a few microseconds).
@@ -121,6 +123,17 @@ def record(module: nn.Module, inputs: tuple, recompute=(), grad_of_output: bool 
     return out
 
 
+# The products a MatmulCurve prices, and how their (m, k, n, count) reads off the arguments.
+MATMULS = {"aten::mm.default": (0, 1), "aten::addmm.default": (1, 2),
+           "aten::bmm.default": (0, 1), "aten::baddbmm.default": (1, 2)}
+
+
+def matmul_shape(call: OpCall) -> tuple[int, int, int, int]:
+    a, b = (call.args[i].shape for i in MATMULS[call.op])
+    count = a[0] if len(a) == 3 else 1
+    return a[-2], a[-1], b[-1], count
+
+
 class _Marked:
     def __init__(self, forward, policy: str, stack: list):
         self.forward, self.policy, self.stack = forward, policy, stack
@@ -142,6 +155,7 @@ class OpTimes:
     seconds_of: dict = field(default_factory=dict)      # OpCall -> seconds
     scale: float = 1.0
     per_call: dict = field(default_factory=dict)        # region -> seconds
+    curve: object = None   # a MatmulCurve: the matmul family priced by shape, not measured
 
     def priced(self, calls: Counter) -> tuple[float, int]:
         """(seconds of `calls`, how many were not measured)."""
@@ -149,6 +163,8 @@ class OpTimes:
         total, missing = 0.0, 0
         for call, n in calls.items():
             t = self.seconds_of.get(call)
+            if t is None and self.curve is not None and call.op in MATMULS:
+                t = self.curve.seconds(*matmul_shape(call))
             if t is None:
                 t, missing = fallback, missing + n
             total += n * t
@@ -200,15 +216,19 @@ def _made(spec, device):
     return spec
 
 
-def measure(calls, device=None, min_seconds: float = 2e-3) -> dict:
+def measure(calls, device=None, min_seconds: float = 2e-3, matmuls: bool = True) -> dict:
     """Seconds of each of `calls` on `device` (default the CPU, on the threads this process
     has), run on tensors of the recorded shapes until `min_seconds` have passed (at least
-    twice, after one warm-up). A call that fails on made-up values is left out."""
+    twice, after one warm-up). A call that fails on made-up values is left out, and so is the
+    matmul family without `matmuls` (a curve prices it: a large model's products would take
+    long to time one by one on a CPU)."""
     device = torch.device(device or "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     out = {}
     with torch.no_grad():
         for call in sorted(calls, key=repr):
+            if not matmuls and call.op in MATMULS:
+                continue
             try:
                 func = _resolve(call.op)
                 args = tuple(_made(a, device) for a in call.args)
@@ -243,17 +263,24 @@ def framework_costs(device=None, steps: int = 12) -> dict:
 
     device = torch.device(device or "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    policies = ("none", "selective", "full")
+    torch.manual_seed(0)
+    model = TinyGPT(64, 16, 2, 2, 8)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    meta_ids = ids.to("meta")
+    recordings = {p: record(on_meta(model), (meta_ids, meta_ids), recompute_choices(model, p))
+                  for p in policies}
+    # The calls are microseconds each: half a millisecond of repeats times them well.
+    times = OpTimes(measure(set().union(*(r.calls() for r in recordings.values())), device,
+                            min_seconds=5e-4))
+    ids = ids.to(device)
     costs: dict = {}
-    for policy in ("none", "selective", "full"):
+    for policy in policies:
+        recording, chosen = recordings[policy], recompute_choices(model, policy)
+        ops = sum(times.seconds(recording))
         torch.manual_seed(0)
-        model = TinyGPT(64, 16, 2, 2, 8)
-        chosen = recompute_choices(model, policy)
-        ids = torch.zeros(2, 8, dtype=torch.long)
-        recording = record(on_meta(model), (ids.to("meta"), ids.to("meta")), chosen)
-        ops = sum(OpTimes(measure(recording.calls(), device)).seconds(recording))
-        model = model.to(device)
+        model = TinyGPT(64, 16, 2, 2, 8).to(device)
         apply_recompute(model, chosen, Changes())
-        ids = ids.to(device)
         took = []
         for _ in range(steps + 2):
             sync(device)

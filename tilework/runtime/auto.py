@@ -2,8 +2,9 @@
 world is. The ranks' hosts come from the discovered topology, the links from the cluster file
 (or, without one, an all-reduce fit timed here: inside a host and across hosts, as `tilework
 calibrate` fits them), each rank's memory from the cluster file or else from the device (a GPU's
-memory; on a CPU host its RAM over the ranks sharing it), and the compute rate from a matmul
-efficiency curve measured here (each product priced by its shape). Every rank must choose the
+memory; on a CPU host its RAM over the ranks sharing it), and the compute from the ops each
+candidate runs (estimate/ops.py): the matmuls by an efficiency curve measured here (each
+product priced by its shape), every other op timed here. Every rank must choose the
 same plan: the rates and the memory are the smallest any rank measured (all-reduces), so the
 pure search gives one answer everywhere.
 """
@@ -44,12 +45,15 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
         config = dataclasses.replace(config, zero=0, mode="allreduce")
         space = dataclasses.replace(space, zero=())
     o = _message_overhead(groups) if space.axes else 0.0
-    found = auto(model, config, live, example_inputs, flops,
-                 optimizer if optimizer is not None else "sgd", traffic, memory, space,
+    stepped = optimizer if optimizer is not None else "sgd"
+    ops = _measured_ops(groups, model, config, live, example_inputs, space, stepped, traffic,
+                        flops, o)
+    found = auto(model, config, live, example_inputs, ops, stepped, traffic, memory, space,
                  message_overhead_s=o)
     if log and groups.rank == 0:
         print(f"tilework plan='auto' ({len(found.candidates)} candidates, compute up to "
-              f"{float(flops) / 1e9:,.1f} GFLOP/s per rank, by matmul shape"
+              f"{float(flops) / 1e9:,.1f} GFLOP/s per rank by matmul shape, "
+              f"{len(ops.seconds_of)} other ops timed"
               + (f"; {o * 1e3:.2f} ms of CPU per message end" if o else "")
               + f"): {found.why()}")
     return found.chosen.config
@@ -131,6 +135,33 @@ def _measured_curve(groups: Groups):
     from ..cluster.calibrate import measure_curve
 
     return measure_curve(groups.world, groups.world_size, groups.device)
+
+
+def _measured_ops(groups: Groups, model: nn.Module, config: ParallelConfig, cluster: Cluster,
+                  example_inputs: tuple, space, optimizer, traffic, curve, o: float):
+    """The op-level compute model (estimate/ops.py) for this search: every op any candidate
+    runs, gathered by pricing them once at nothing, the ones beside the matmuls timed here
+    (the matmuls go by the curve: a large model's products would take long to time one by one
+    on a CPU), and the framework's cost per call; every rank times at once and the slowest
+    time of each is agreed. It charges what one FLOP rate cannot: the norms, softmax and
+    copies, selective recompute's second run of them, more microbatches' per-op cost."""
+    from ..estimate.ops import Collecting, OpTimes, framework_costs, measure
+    from ..planner.search import search
+
+    asked = Collecting()
+    search(model, cluster, example_inputs, asked, optimizer, config, space, traffic,
+           message_overhead_s=o)
+    calls = sorted(asked.asked, key=repr)
+    timed = measure(calls, groups.device, matmuls=False)
+    costs = framework_costs(groups.device)
+    regions = sorted(costs)
+    values = torch.tensor([timed.get(c, -1.0) for c in calls] + [costs[r] for r in regions],
+                          dtype=torch.float64, device=groups.device)
+    if groups.world is not None:
+        all_reduce(values, groups.world, Stats(), "setup", op=dist.ReduceOp.MAX)
+    values = values.tolist()
+    seconds = {c: v for c, v in zip(calls, values) if v > 0}
+    return OpTimes(seconds, 1.0, dict(zip(regions, values[len(calls):])), curve)
 
 
 def _device_memory(groups: Groups) -> float:
