@@ -150,3 +150,19 @@ def test_the_mesh_step_priced_by_ops_charges_selective_recompute():
     by_rate = {r: predict(model, ParallelConfig(recompute=r), cluster, 8, 8, 1e9).step_s
                for r in ("none", "selective")}
     assert by_rate["none"] == by_rate["selective"]
+
+
+@pytest.mark.parametrize("axis", ["tp", "cp"])
+def test_the_recorded_exchanges_are_the_formula_s_and_recompute_adds_the_forward_s_again(axis):
+    """The message ends counted on the shape-only exchanges equal tensor/cost's and ring
+    attention's per-layer count; recompute runs the forward's exchanges a second time, which
+    the formula leaves out."""
+    from tilework.estimate.step import _message_ends
+
+    model = gpt()
+    plain = ParallelConfig(**{axis: 2})
+    counted = stage_recordings(model, plain, 8, 8)[0].messages[axis]
+    assert counted == _message_ends(model, plain, None, None)[axis][0] > 0
+    again = stage_recordings(model, ParallelConfig(**{axis: 2}, recompute="full"), 8,
+                             8)[0].messages[axis]
+    assert again > counted

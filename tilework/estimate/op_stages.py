@@ -7,6 +7,7 @@ for the same stages under every ZeRO stage and bucket size."""
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 
 import torch
 from torch import nn
@@ -37,11 +38,12 @@ def _record(model: nn.Module, config: ParallelConfig, microbatch: int, seq: int)
     from .plan_memory import _cut_sequence
 
     meta, _ = shape_only_copy(model, config, {"tp": 0, "cp": 0})
+    messages = _count_messages(meta)
     ids = torch.zeros(microbatch, seq, dtype=torch.long, device="meta")
     tokens, targets = _cut_sequence((ids, ids), 0, config.cp)[:2]
     recompute = recompute_choices(meta, config.recompute)
     if config.pp == 1:
-        return [record(meta, (tokens, targets), recompute)]
+        return [_with(record(meta, (tokens, targets), recompute), messages)]
     from ..parallel.pipeline import build, split_stages
 
     schedule = build(config.schedule, config.pp, config.microbatches or 2 * config.pp,
@@ -56,9 +58,52 @@ def _record(model: nn.Module, config: ParallelConfig, microbatch: int, seq: int)
         mine = [(inside[id(meta.get_submodule(n))], policy) for n, policy in recompute
                 if id(meta.get_submodule(n)) in inside]
         x = tokens if s == 0 else stage.boundary_like(tokens).requires_grad_()
-        out.append(record(stage, (x, targets if s == last else None), mine,
-                          grad_of_output=s != last))
+        out.append(_with(record(stage, (x, targets if s == last else None), mine,
+                                grad_of_output=s != last), messages))
     return out
+
+
+def _with(recording: Recording, messages: Counter) -> Recording:
+    """`recording` with the message ends counted while it ran (and the count started over)."""
+    recording.messages.update(messages)
+    messages.clear()
+    return recording
+
+
+def _count_messages(meta: nn.Module) -> Counter:
+    """Count, into the Counter returned, the message ends of every exchange the shape-only tp
+    and ring objects in `meta` make: a ring all-reduce over n ranks 4 (n - 1), an all-gather or
+    reduce-scatter 2 (n - 1) (as tensor/cost.tp_step_calls charges them), a ring shift 2 (a
+    send and a receive)."""
+    from ..parallel.context.comm import ShapeOnlyRing
+    from ..parallel.tensor.regions import ShapeOnlyTP
+
+    counts: Counter = Counter()
+    done: set[int] = set()
+    for module in meta.modules():
+        for value in vars(module).values():
+            if id(value) in done:
+                continue
+            if isinstance(value, ShapeOnlyTP) and value.size > 1:
+                n = value.size
+                for name, ends in (("all_reduce", 4 * (n - 1)), ("gather_seq", 2 * (n - 1)),
+                                   ("reduce_scatter_seq", 2 * (n - 1))):
+                    _counting(value, name, counts, "tp", ends)
+                done.add(id(value))
+            elif isinstance(value, ShapeOnlyRing) and value.size > 1:
+                _counting(value, "shift", counts, "cp", 2)
+                done.add(id(value))
+    return counts
+
+
+def _counting(exchange, name: str, counts: Counter, axis: str, ends: int) -> None:
+    own = getattr(exchange, name)
+
+    def counted(*args, **kwargs):
+        counts[axis] += ends
+        return own(*args, **kwargs)
+
+    object.__setattr__(exchange, name, counted)   # ShapeOnlyTP is a frozen dataclass
 
 
 __all__ = ["stage_recordings"]

@@ -55,6 +55,9 @@ class Recording:
     # (phase, policy) -> calls: how many ran inside a recomputed module ("full",
     # "selective") or outside any ("none"), which the framework charges differently
     regions: Counter = field(default_factory=Counter)
+    # axis -> message ends (sends and receives) the tp and cp exchanges made, recompute's
+    # second run included (estimate/op_stages.py counts them on the shape-only exchanges)
+    messages: Counter = field(default_factory=Counter)
 
     def calls(self) -> set[OpCall]:
         return set(self.forward) | set(self.backward)

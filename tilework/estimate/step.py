@@ -133,8 +133,8 @@ def allreduce_seconds(sent: int, n: int, link: Link, bucket_mb: float,
 
 
 def _message_ends(model, config: ParallelConfig, stages, schedule) -> dict:
-    """Per stage, the message ends (sends and receives) its tp and cp exchanges make in a
-    step: a ring all-reduce 4 (n - 1), an all-gather or reduce-scatter 2 (n - 1)
+    """Per stage, the message ends (sends and receives) its tp and cp exchanges make on one
+    microbatch: a ring all-reduce 4 (n - 1), an all-gather or reduce-scatter 2 (n - 1)
     (tensor.cost.tp_step_calls), and ring attention's shifts, 3 cp - 2 a layer each way."""
     from ..parallel.tensor import layout_for, plan_layout
     from ..parallel.tensor.cost import tp_step_calls
@@ -219,8 +219,11 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         extra = 0.0
         for axis, n in (("tp", config.tp), ("cp", config.cp)):
             if sent.get(axis):
+                # Every microbatch makes its exchanges (recorded: recompute's second run of
+                # the forward's included).
+                made = m * (ends[axis][k] if recorded is None else recorded[k].messages[axis])
                 took = seconds(sent[axis] / share, links[axis], 2 * (n - 1)) \
-                    + message_overhead_s * ends[axis][k]
+                    + message_overhead_s * made
                 comm[axis] = max(comm[axis], took)
                 extra += took
         # A step's exchanges sit on the critical path, a third forward, two thirds backward.
