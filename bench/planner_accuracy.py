@@ -8,6 +8,7 @@ The GPT of bench/mesh_search.py on `--world` gloo ranks on this machine (loopbac
 runnable candidate of tilework/planner/search.py is run through `tilework.parallelize` for
 `--steps` steps in each of `--rounds` fresh worlds (each in its own shuffled order); its median
 step over the rounds (barrier to the slowest rank's optimizer step, each world's first dropped)
+(and each world measures the inputs below, each taken as the median over the worlds)
 is set beside `estimate(plan)`'s step, priced with what was measured in the same world first and
 never fitted to the steps (bench/mesh_search.py's way): the FLOP rate on the whole model (every
 rank computing at once, averaged), calibrate's all-reduce fit for the link, the per-message CPU
@@ -118,6 +119,29 @@ def _op_times(world_size: int, calls: list) -> tuple[list, dict]:
             {r: v / world_size for r, v in zip(regions, each.tolist())})
 
 
+def _median_of(rounds: list[dict]) -> dict:
+    """The calibration of several worlds, each figure the median over them (the curve and the
+    op times element by element)."""
+    from tilework.cluster.matmul_curve import MatmulCurve
+
+    def med(values):
+        return statistics.median(values)
+
+    curves = [MatmulCurve.from_dict(r["curve"]) for r in rounds]
+    c0, n = curves[0], len(curves[0].sizes)
+    grid = [[[med([c.flops_per_s[i][j][k] for c in curves]) for k in range(n)]
+             for j in range(n)] for i in range(n)]
+    ops = [r["op_seconds"] for r in rounds]
+    return {"flops": med([r["flops"] for r in rounds]),
+            "link": tuple(med([r["link"][i] for r in rounds]) for i in range(2)),
+            "overhead_s": med([r["overhead_s"] for r in rounds]),
+            "curve": MatmulCurve(c0.sizes, grid).as_dict(),
+            "op_seconds": [med([o[i] for o in ops]) for i in range(len(ops[0]))],
+            "framework": {k: med([r["framework"][k] for r in rounds])
+                          for k in rounds[0]["framework"]},
+            "flops_by_round": [r["flops"] for r in rounds]}
+
+
 def op_times(calls: list, seconds: list, framework: dict, scale: float = 1.0):
     from tilework.estimate.ops import OpTimes
 
@@ -174,15 +198,18 @@ def main(argv=None) -> int:
     # drift over a long run (it was seen: 350 to 590 ms for five pp2 plans of the same work run
     # one after another) then spreads over every plan instead of landing on the last ones.
     configs = [options_of(c.config) for c in runnable]
-    got, steps = {}, [[] for _ in runnable]
+    rounds, steps = [], [[] for _ in runnable]
     for r in range(a.rounds):
         order = list(range(len(configs)))
         random.Random(r).shuffle(order)
-        ran = spawn(_world, a.world, args=(configs, a.steps, calls, order, r == 0),
+        ran = spawn(_world, a.world, args=(configs, a.steps, calls, order, True),
                     timeout=3600)[0]
-        got = got or ran
+        rounds.append(ran)
         for i, s in enumerate(ran["steps"]):
             steps[i] += s[1:]   # each world's first step of a plan warms it up
+    # Every world measures the inputs too, and each is the median over the worlds: one
+    # measurement disturbed (by anything else the machine ran then) moves every prediction.
+    got = _median_of(rounds)
     link = Link(*got["link"])
     measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))
     from tilework.cluster.matmul_curve import MatmulCurve
@@ -215,9 +242,11 @@ def main(argv=None) -> int:
     summary = _summary(rows, "predicted_ms", "error") | {
         "curve": _summary(rows, "curve_ms", "curve_error"),
         "ops": _summary(rows, "ops_ms", "ops_error") | {"scale": scale, "calls": len(calls)},
-        "flops": got["flops"], "framework": got["framework"],
+        "flops": got["flops"], "flops_by_round": got["flops_by_round"],
+        "framework": got["framework"],
         "link": got["link"], "overhead_s": got["overhead_s"], "world": a.world}
-    print(f"{a.world} ranks on loopback: FLOP/s per rank {got['flops']:.3g}, link "
+    print(f"{a.world} ranks on loopback: FLOP/s per rank {got['flops']:.3g} (each world: "
+          + ", ".join(f"{f:.3g}" for f in got["flops_by_round"]) + "), link "
           f"{link.bandwidth_gbps:.3g} Gb/s {link.latency_us:.0f} us, o "
           f"{got['overhead_s'] * 1e3:.2f} ms")
     print(f"op model: {len(calls)} distinct calls, scale {scale:.2f}, framework per call "

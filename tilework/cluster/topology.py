@@ -8,6 +8,7 @@ A cluster file (TOML) looks like:
     address = "192.0.2.1"             # optional; what other hosts use to reach this one
     procs = 2                         # processes (ranks) on this host
     memory_gb = 80                    # optional: memory per process, for `tilework plan`
+    speed = 1.0                       # optional: each process's compute, relative to others'
     [[hosts]]
     name = "node1"
     procs = 2
@@ -73,9 +74,14 @@ class Host:
     procs: int = 1
     address: str | None = None
     memory_gb: float | None = None    # memory for each process (a GPU's, or host RAM / procs)
+    speed: float = 1.0                # each process's compute, relative to the others'
 
     def __post_init__(self):
         check(bool(self.name.strip()), "name", "a non-empty host name")
+        check(isinstance(self.speed, (int, float)) and not isinstance(self.speed, bool)
+              and 0 < self.speed < float("inf"), "speed",
+              f"a positive relative speed (1.0: as fast as a reference process), got "
+              f"{self.speed!r}")
         check(self.memory_gb is None or self.memory_gb > 0, "memory_gb",
               f"a positive number of GB per process, got {self.memory_gb}")
         check(self.procs >= 1, "procs", f"at least 1 process per host, got {self.procs}")
@@ -167,6 +173,14 @@ class Cluster:
 
     def topology(self) -> "Topology":
         return Topology.from_sizes([h.procs for h in self.hosts])
+
+    def speeds(self) -> list[float]:
+        """Every rank's relative speed, rank order (host by host)."""
+        return [h.speed for h in self.hosts for _ in range(h.procs)]
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len({h.speed for h in self.hosts}) > 1
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,13 @@ class ParallelConfig:
     """Under tp > 1, also split the sequence between the split layers (norms, dropout):
     all-gather / reduce-scatter in place of all-reduce, activations tp times smaller."""
 
+    batch_shares: list[int] | None = None
+    """Samples of each global batch per data-parallel rank, in rank order, for ranks that
+    differ in speed or memory (planner/shares.batch_shares computes them; docs/heterogeneous.md):
+    each rank's gradient is weighted by its share, so the update is one process's on the
+    global batch; each rank must feed its own count (tilework.data.ShardedBatches(shares=...)
+    hands them out; the input checks say which rank did not). None: every rank the same."""
+
     @property
     def model_parallel(self) -> bool:
         return self.tp * self.pp * self.cp > 1
@@ -180,6 +187,19 @@ class ParallelConfig:
                   "partitions", f"a positive number of partitions, got {value!r}")
         self._check_recompute()
         self._check_mesh()
+        self._check_shares()
+
+    def _check_shares(self) -> None:
+        shares = self.batch_shares
+        if shares is None:
+            return
+        check(isinstance(shares, (list, tuple)) and len(shares) >= 1 and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shares),
+            "batch_shares", f"a list of positive sample counts, one per rank, got {shares!r}")
+        self.batch_shares = list(shares)
+        check(not self.model_parallel and not self.auto_axes, "batch_shares",
+              "shares for data parallelism only: with tp, pp or cp, uneven shares are not "
+              "built yet (every replica takes the same batch)")
 
     def _check_mesh(self) -> None:
         def count(value) -> bool:

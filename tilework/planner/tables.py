@@ -59,7 +59,7 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
     if topology is None:
         topology = cluster.topology() if cluster is not None else Topology.from_sizes([1])
     links = cluster.links if cluster is not None else Links()
-    return make_plan(analyze(model, density), topology.world_size, config.mode, config.overrides,
+    made = make_plan(analyze(model, density), topology.world_size, config.mode, config.overrides,
                      config.partitions, config.row_map, config.sparse_reduce,
                      config.local_aggregation, bucket_bytes(config.bucket_mb),
                      config.density_threshold, topology, links, traffic, zero=config.zero,
@@ -67,6 +67,9 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      units=(units if units is not None else owning_units(model))
                      if config.zero == 3 else None,
                      offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope)
+    if config.batch_shares is None:
+        return made
+    return dataclasses.replace(made, batch_shares=tuple(config.batch_shares))
 
 
 def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",

@@ -34,6 +34,7 @@ from ..config.parallel import (
     SparseReduce,
     ZeroScope,
 )
+from ..errors import PlanError
 
 Kind = Literal["sparse", "embedding", "dense"]
 
@@ -198,10 +199,18 @@ class Plan:
     # tp, pp and cp: None for a data-parallel run (mesh: host x local); on a mesh (dp, pp, cp,
     # tp) the model-parallel axes, and `params` every parameter as one rank holds it.
     parallel: ParallelPlan | None = None
+    # Samples of each global batch per data-parallel rank (None: even); gradients weighted by
+    # them (planner/shares.py, runtime/shares.py).
+    batch_shares: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.mesh is None:
             object.__setattr__(self, "mesh", Mesh((("world", self.world_size),)))
+        if self.batch_shares is not None:
+            object.__setattr__(self, "batch_shares", tuple(int(n) for n in self.batch_shares))
+            if len(self.batch_shares) != self.world_size:
+                raise PlanError(f"batch_shares: one per rank ({self.world_size}), got "
+                                f"{len(self.batch_shares)}: {list(self.batch_shares)}")
         # As tuples whatever came in (JSON gives lists), so equal plans compare equal.
         object.__setattr__(self, "recompute", tuple((str(m), p) for m, p in self.recompute))
         for module, policy in self.recompute:
@@ -356,7 +365,8 @@ def config_of(plan: Plan) -> ParallelConfig:
         offload_dir=plan.offload_dir, recompute=dict(plan.recompute) or "none", **sizes,
         layout=dict(par.layout) or None, sequence_parallel=par.sequence_parallel,
         schedule=par.schedule or "1f1b", microbatches=par.microbatches or None,
-        stages_per_rank=par.stages_per_rank if par.schedule == "interleaved" else 2)
+        stages_per_rank=par.stages_per_rank if par.schedule == "interleaved" else 2,
+        batch_shares=list(plan.batch_shares) if plan.batch_shares else None)
 
 
 # -- the row map: pure functions shared by the runtime and the cost model ---------------------

@@ -77,6 +77,10 @@ class Engine:
         dense = self._serve_parameters()
         self._bucket_dense(dense, check_inputs)
         self._hook_model()
+        if plan.batch_shares is not None:
+            from .shares import install
+
+            install(model, plan.batch_shares, groups.rank, self.checks, self.changes)
         if optimizer is not None:
             self._hook_optimizer()
         self.changes.set_attribute(model, "_tilework_engine", self, "model._tilework_engine")

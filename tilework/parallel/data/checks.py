@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,32 @@ class InputChecks:
         # group). Each dp group agrees on its own; the verdict then crosses this group so that
         # every rank of the world drops the step together (runtime/apply.py sets it).
         self.across = None
+        # With uneven batch shares (Plan.batch_shares): this rank's samples a step. Batches are
+        # then compared as fractions of each rank's share (a rank accumulating over k
+        # microbatches feeds 1/k of it each time, as every other rank does).
+        self.share: int | None = None
+
+    def _compared(self, batches: list[tuple]) -> list[tuple]:
+        """What the ranks compare: the leading dims, where a rank's own share (over the
+        forwards of the step) reads "share", so ranks feeding their own shares agree while
+        inputs that do not scale with the batch must still be equal."""
+        if self.share is None or not batches:
+            return batches
+        per = Fraction(self.share, len(batches))
+        return [tuple("share" if d == per else d for d in dims) for dims in batches]
+
+    def _misfed(self, batches: list[tuple]) -> str | None:
+        """With shares: a forward none of whose inputs has this rank's share of the batch."""
+        if self.share is None or not batches:
+            return None
+        per = Fraction(self.share, len(batches))
+        for i, dims in enumerate(batches):
+            if not any(d == per for d in dims):
+                sizes = ", ".join(str(d) for d in dims if d is not None)
+                return (f"its batch_shares entry is {self.share} samples a step ({per} in each of "
+                        f"its {len(batches)} forward calls), but forward call {i + 1} had inputs "
+                        f"with leading dims {sizes}")
+        return None
 
     def install(self, model, embeddings: dict, changes) -> None:
         """The hooks that feed these checks: the model's inputs and output, and the ids each
@@ -123,10 +150,11 @@ class InputChecks:
         """This rank's CHECK_WORDS numbers for what it recorded so far this step, on `device`
         (the bucket's that carries them)."""
         limit = max(2, math.isqrt((2**24 - 1) // self.groups.world_size))
-        raw = hashlib.blake2b(repr(self.batches).encode(), digest_size=4 * DIGESTS).digest()
+        raw = hashlib.blake2b(repr(self._compared(self.batches)).encode(),
+                              digest_size=4 * DIGESTS).digest()
         digests = [1 + int.from_bytes(raw[4 * k:4 * k + 4], "little") % (limit - 1)
                    for k in range(DIGESTS)]
-        words = [float(self.nonfinite is not None)]
+        words = [float(self.nonfinite is not None or self._misfed(self.batches) is not None)]
         for d in digests:
             words += [float(d), float(d * d)]
         self.dirty = False
@@ -142,10 +170,12 @@ class InputChecks:
         step = self.steps  # counted from 1 since parallelize
         batches, nonfinite = self.batches, self.nonfinite
         self.batches, self.nonfinite = [], None
+        misfed = self._misfed(batches)
+        batches = self._compared(batches)
         carried, dirty = self.carried, self.dirty
         self.carried, self.dirty = None, False
         if self.groups.world_size == 1:
-            bad_values, uneven = nonfinite is not None, False
+            bad_values, uneven = nonfinite is not None or misfed is not None, False
         elif carried is not None and not dirty:
             n = self.groups.world_size
             bad_values = carried[0] > 0
@@ -153,7 +183,8 @@ class InputChecks:
         else:
             digest = int.from_bytes(hashlib.blake2b(repr(batches).encode(), digest_size=7).digest(),
                                     "little")
-            mine = torch.tensor([int(nonfinite is not None), digest], dtype=torch.int64,
+            mine = torch.tensor([int(nonfinite is not None or misfed is not None), digest],
+                                dtype=torch.int64,
                                 device=self.groups.device)
             everyone = torch.stack(all_gather(mine, self.groups.world, self.stats, "check",
                                               self.successor_remote))
@@ -167,25 +198,33 @@ class InputChecks:
             bad_values, uneven = bool(flags[0]), bool(flags[1])
         if not (bad_values or uneven):
             return
-        error = self._explain(step, nonfinite, batches, bad_values)
+        error = self._explain(step, nonfinite, batches, bad_values, misfed)
         if self.across is not None:
             error = _shared(error, self.across)
         raise error
 
-    def _explain(self, step: int, nonfinite, batches, bad_values: bool) -> InputError | None:
+    def _explain(self, step: int, nonfinite, batches, bad_values: bool,
+                 misfed: str | None = None) -> InputError | None:
         """What this dp group saw go wrong (None: it was another tp shard's group). Rare:
         everyone is here, so the detail can travel as objects."""
-        details: list = [(nonfinite, batches)]
+        details: list = [(nonfinite, batches, misfed)]
         if self.groups.world_size > 1:
             details = [None] * self.groups.world_size
-            dist.all_gather_object(details, (nonfinite, batches), group=self.groups.world)
-        culprits = tuple(self._global(r) for r, (what, _) in enumerate(details) if what)
+            dist.all_gather_object(details, (nonfinite, batches, misfed),
+                                   group=self.groups.world)
+        culprits = tuple(self._global(r) for r, (what, _, _) in enumerate(details) if what)
         if bad_values and culprits:
-            first = next(what for what, _ in details if what)
+            first = next(what for what, _, _ in details if what)
             return InputError(f"step {step}: rank {culprits[0]}: {first} has NaN or inf "
                               f"values (ranks at fault: {', '.join(map(str, culprits))}); "
                               "nothing was updated", ranks=culprits)
-        shapes = [b for _, b in details]
+        misfed_by = tuple(self._global(r) for r, (_, _, m) in enumerate(details) if m)
+        if bad_values and misfed_by:
+            first = next(m for _, _, m in details if m)
+            return InputError(f"step {step}: rank {misfed_by[0]}: {first}; its gradient would "
+                              "be weighted by its share, so nothing was updated (ranks at "
+                              f"fault: {', '.join(map(str, misfed_by))})", ranks=misfed_by)
+        shapes = [b for _, b, _ in details]
         if not bad_values and any(b != shapes[0] for b in shapes):
             return _uneven(step, shapes, self._global)
         return None
@@ -228,6 +267,8 @@ def _uneven(step: int, batches: list[list[tuple]], named=lambda r: r) -> InputEr
         what = (f"model input {arg} has a batch of {size} on rank {named(r)} but {want} on "
                 f"rank {named(ref_rank)}"
                 + (f" (forward call {call + 1} of the step)" if len(reference) > 1 else ""))
+    if any(d == "share" for call in reference for d in call):
+        what += " (\"share\": that rank's batch_shares entry)"
     return InputError(f"step {step}: batches differ across ranks: {what}; with a mean over "
                       "ranks they would weigh samples unequally, so nothing was updated "
                       "(parallelize(check_inputs=False) allows it)",
