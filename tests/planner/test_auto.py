@@ -126,13 +126,15 @@ def test_options_of_a_candidate_give_back_what_the_search_varied():
     """The benchmarks run each candidate through parallelize(**options_of(config)): every
     field the search varies must survive (offload was once dropped, so the benchmarks ran
     ZeRO-3 without it)."""
-    from tilework.planner.search import options_of
+    from tilework.planner.search import options_of, with_shares
 
-    cluster = Cluster([Host("a", 2), Host("b", 2)])
     space = Space(axes=("tp", "pp", "cp"), schedules=("1f1b", "gpipe"))
     varied = ("tp", "pp", "cp", "zero", "zero_scope", "offload", "recompute", "microbatches",
-              "schedule")
-    for config in configs(ParallelConfig(), space, cluster, layers=4):
+              "schedule", "batch_shares")
+    uneven = Cluster([Host("a", 2, speed=2.0), Host("b", 2)])
+    found = with_shares(configs(ParallelConfig(), space, uneven, layers=4), uneven, tokens())
+    assert any(c.batch_shares for c in found)
+    for config in found:
         again = ParallelConfig(**options_of(config))
         for field in varied:
             if field != "schedule" or config.pp > 1:
@@ -329,3 +331,22 @@ def test_tilework_plan_trial_trains_the_closest_candidates_and_keeps_the_fastest
     best = min(trials, key=lambda t: t["measured_step_s"])
     assert out["auto"]["chosen"] == best["plan"]
     assert trials[0]["predicted_step_s"] <= trials[1]["predicted_step_s"]
+
+
+def test_hosts_of_different_speeds_get_batch_shares_by_speed():
+    """Speeds 4 and 1: every candidate is also priced with the batch split 8 / 2 (the global
+    batch: the example's 5 per rank, times 2): its ranks finish together at the additive ideal,
+    2 / (4 + 1) of the even split's pace, which the slow rank sets; the shares win."""
+    fast_slow = Cluster([Host("a", 1, speed=4.0), Host("b", 1, speed=1.0)])
+    choice = auto(gpt(), ParallelConfig(plan="auto"), fast_slow, tokens(batch=5), RATE)
+    assert choice.chosen.config.batch_shares == [8, 2]
+    even = next(c for c in choice.candidates if c.config.batch_shares is None
+                and (c.config.zero, c.config.recompute) == (choice.chosen.config.zero,
+                                                             choice.chosen.config.recompute))
+    assert choice.chosen.parts["compute"] == pytest.approx(even.parts["compute"] * 0.4)
+    assert "shares 8/2" in label(choice.chosen)
+
+
+def test_equal_hosts_get_no_share_candidates():
+    choice = auto(gpt(), ParallelConfig(plan="auto"), Cluster([Host("a", 2)]), tokens(), RATE)
+    assert all(c.config.batch_shares is None for c in choice.candidates)

@@ -316,3 +316,31 @@ def test_tilework_train_with_plan_auto_trains_as_one_process(tmp_path):
     assert "plan='auto'" in done.stdout and "runner-up" in done.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     _assert_close([r["loss"] for r in records if "loss" in r], one.losses)
+
+
+def _train_on_hosts(rank, world_size, job, cluster):
+    import torch.distributed as dist
+
+    from tilework.cluster.topology import Topology
+    from tilework.comm import build_groups
+
+    groups = build_groups(dist.group.WORLD, Topology.uniform(len(cluster.hosts), 1))
+    result = train(job, groups=groups, cluster=cluster)
+    return result.losses, result.evals
+
+
+def test_hosts_of_different_speeds_get_batch_shares_and_train_as_one_process(tmp_path):
+    """A cluster file whose hosts differ in speed: `tilework train` gives each rank its share
+    of the global batch by speed (6 and 2 of 8 at speeds 3 and 1), written in plan.json, and
+    the logged losses (the ranks' means weighted by their shares) are one process's."""
+    from tilework.cluster.topology import Cluster, Host
+    from tilework.testing import spawn
+
+    one = train(gpt_job(tmp_path / "one", steps=4))
+    cluster = Cluster([Host("fast", 1, speed=3.0), Host("slow", 1, speed=1.0)])
+    job = gpt_job(tmp_path / "uneven", steps=4)
+    for losses, evals in spawn(_train_on_hosts, 2, (job, cluster), timeout=240):
+        _assert_close(losses, one.losses)
+        _assert_evals(evals, one.evals)
+    plan = json.loads((tmp_path / "uneven" / "plan.json").read_text())
+    assert plan["batch_shares"] == [6, 2]

@@ -127,12 +127,14 @@ class Cluster:
 
     @classmethod
     def of_topology(cls, topology: "Topology", links: Links | None = None,
-                    memory_gb: list[float | None] | None = None) -> "Cluster":
+                    memory_gb: list[float | None] | None = None,
+                    speeds: list[float] | None = None) -> "Cluster":
         """The ranks as discovered (host i named "host{i}"), on `links` (default: the
-        defaults), host i with `memory_gb[i]` per process where given."""
-        memory = list(memory_gb or [])
+        defaults), host i with `memory_gb[i]` per process and `speeds[i]` where given."""
+        memory, speed = list(memory_gb or []), list(speeds or [])
         return cls(hosts=[Host(f"host{i}", len(ranks),
-                               memory_gb=memory[i] if i < len(memory) else None)
+                               memory_gb=memory[i] if i < len(memory) else None,
+                               speed=speed[i] if i < len(speed) else 1.0)
                           for i, ranks in enumerate(topology.hosts)],
                    links=links if links is not None else Links())
 

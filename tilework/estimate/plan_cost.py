@@ -96,7 +96,8 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
             return PlanCost(comm, memory=memory(), entries=entries)
         # Any model: its counted FLOPs at the rate, then the data-parallel exchanges (not
         # overlapped: the bound the step cannot exceed).
-        compute = _counted_compute(model, example_inputs, plan.recompute, flops)
+        compute = _counted_compute(model, example_inputs, plan.recompute, flops) \
+            * pace(plan, cluster)
         return PlanCost(comm, compute, compute + comm, memory(), entries,
                         {"compute": compute, "dp": comm})
     if replica_batch is None or seq is None:
@@ -109,7 +110,25 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
     if found.step_s is None:
         return PlanCost(comm, entries=entries, parts=parts, why=found.why)
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
-    return PlanCost(comm, parts.get("compute"), found.step_s, memory(), entries, parts)
+    step = found.step_s
+    slowest = pace(plan, cluster)
+    if slowest != 1.0:
+        # Ranks that differ: the slowest rank's compute (its share at its speed) sets the
+        # pace of the stages' timeline (exchanges inside it are scaled too: a bound).
+        step += parts["pipeline"] * (slowest - 1.0)
+        parts["compute"] *= slowest
+        parts["pace"] = slowest
+    return PlanCost(comm, parts.get("compute"), step, memory(), entries, parts)
+
+
+def pace(plan: Plan, cluster: Cluster) -> float:
+    """How much longer than an even share on a speed-1 rank the slowest rank computes, which a
+    data-parallel step waits for: max over ranks of (its share / the mean share) / its speed
+    (1 on a cluster of equal hosts with even shares)."""
+    speeds = cluster.speeds()
+    shares = plan.batch_shares or (1,) * len(speeds)
+    mean = sum(shares) / len(shares)
+    return max(n / mean / s for n, s in zip(shares, speeds))
 
 
 def _counted_compute(model, example_inputs: tuple, recompute, rate) -> float:
@@ -152,4 +171,4 @@ def _from_mesh(mesh):
     return Topology.from_sizes([mesh.size])
 
 
-__all__ = ["EntryCost", "PlanCost", "comm_seconds", "entry_costs", "estimate"]
+__all__ = ["EntryCost", "PlanCost", "comm_seconds", "entry_costs", "estimate", "pace"]

@@ -119,6 +119,23 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
     return out
 
 
+def with_shares(found: list[ParallelConfig], cluster: Cluster,
+                example_inputs: tuple) -> list[ParallelConfig]:
+    """On a cluster whose hosts differ in speed, each data-parallel candidate also with every
+    rank's batch share by speed (planner/shares.py; the global batch: one rank's batch, the
+    example's, times the world), which the estimate prices by the slowest rank's pace."""
+    if not cluster.heterogeneous or not example_inputs or not torch.is_tensor(example_inputs[0]) \
+            or example_inputs[0].dim() == 0:
+        return found
+    from .shares import batch_shares
+
+    total = example_inputs[0].shape[0] * cluster.world_size
+    shares = list(batch_shares(total, cluster.speeds()))
+    extra = [dataclasses.replace(c, batch_shares=shares) for c in found
+             if c.batch_shares is None and not c.model_parallel]
+    return found + extra
+
+
 def _pipelines(base: ParallelConfig, space: Space, pp: int):
     if pp == 1:
         return [(base.schedule, None)]
@@ -235,9 +252,11 @@ def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_
     base = base or ParallelConfig()
     space = space or Space()
     cache: dict = {}
+    enumerated = with_shares(configs(base, space, cluster, _layers(model)), cluster,
+                             example_inputs)
     priced = sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
                                 message_overhead_s, cache=cache)
-                     for c in configs(base, space, cluster, _layers(model))), key=_order)
+                     for c in enumerated), key=_order)
     out, fits = [], 0
     for c in priced:
         if c.step_s is not None and (every or fits < 2):
@@ -254,7 +273,8 @@ def _order(c: Candidate) -> tuple:
 
 def _complexity(c: Candidate) -> tuple:
     cfg = c.config
-    return (cfg.tp * cfg.pp * cfg.cp, cfg.zero, cfg.offload != "none",
+    return (cfg.tp * cfg.pp * cfg.cp, cfg.batch_shares is not None, cfg.zero,
+            cfg.offload != "none",
             cfg.zero_scope != "world", ("none", "selective", "full").index(cfg.recompute),
             cfg.microbatches or 0)
 
@@ -317,6 +337,8 @@ def options_of(config: ParallelConfig) -> dict:
         out["offload"] = config.offload
     if config.recompute != "none":
         out["recompute"] = config.recompute
+    if config.batch_shares is not None:
+        out["batch_shares"] = list(config.batch_shares)
     return out
 
 
@@ -335,6 +357,8 @@ def label(c: Candidate) -> str:
         out += f", recompute={cfg.recompute}"
     if cfg.pp > 1:
         out += f", {cfg.microbatches} microbatches {cfg.schedule}"
+    if cfg.batch_shares is not None:
+        out += f", shares {'/'.join(map(str, cfg.batch_shares))}"
     return out
 
 

@@ -248,6 +248,7 @@ class Plan:
         out["mesh"] = self.mesh.as_dict()
         out["parallel"] = None if self.parallel is None else self.parallel.as_dict()
         out["recompute"] = [list(pair) for pair in self.recompute]
+        out["batch_shares"] = None if self.batch_shares is None else list(self.batch_shares)
         out["params"] = [_entry_dict(p) for p in self.params]
         return out
 

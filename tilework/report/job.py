@@ -62,7 +62,28 @@ def report(job: Job, cluster: Cluster, flops: float | None = None,
         mode = chosen.mode
     return {"world_size": cluster.world_size, "hosts": cluster.topology().num_hosts,
             "mode": mode, "plan": chosen.as_dict(), "recompute": chosen.recompute_line(),
-            **sections, "memory": memory_per_rank(job, cluster, chosen)}
+            **sections, "memory": memory_per_rank(job, cluster, chosen),
+            **shares_section(chosen, cluster)}
+
+
+def shares_section(chosen: Plan, cluster: Cluster) -> dict:
+    """Where ranks differ in speed or take uneven shares: each rank's share and speed, and
+    the compute pace (the slowest rank's time, in units of an even share on a speed-1 rank)
+    under the plan, under the even split, and at the additive ideal (the batch at the sum of
+    the speeds)."""
+    if chosen.batch_shares is None and not cluster.heterogeneous:
+        return {}
+    import dataclasses
+
+    from ..estimate.plan_cost import pace
+
+    speeds = cluster.speeds()
+    even = dataclasses.replace(chosen, batch_shares=None)
+    return {"shares": {"speeds": speeds,
+                       "batch_shares": list(chosen.batch_shares) if chosen.batch_shares
+                       else None,
+                       "pace": pace(chosen, cluster), "even_pace": pace(even, cluster),
+                       "ideal_pace": len(speeds) / sum(speeds)}}
 
 
 def memory_per_rank(job: Job, cluster: Cluster, chosen: Plan) -> list[dict]:

@@ -64,6 +64,21 @@ def print_plan(plan, console=None) -> None:
 
 # -- `tilework plan`'s report ---------------------------------------------------------------------
 
+def _shares_lines(out: dict) -> list[str]:
+    """Uneven batch shares (report/job.shares_section): who takes what, and the compute pace
+    against the even split and the ideal."""
+    found = out.get("shares")
+    if not found:
+        return []
+    speeds, shares = found["speeds"], found["batch_shares"]
+    per_rank = ", ".join(f"rank {r}: {'even' if shares is None else shares[r]} at speed {s:g}"
+                         for r, s in enumerate(speeds))
+    return [f"batch shares: {per_rank}",
+            f"compute pace (slowest rank, 1 = an even share at speed 1): {found['pace']:.3g}; "
+            f"even split {found['even_pace']:.3g}; ideal (the sum of speeds) "
+            f"{found['ideal_pace']:.3g}: {found['ideal_pace'] / found['pace']:.0%} of the ideal"]
+
+
 def print_report(out: dict, title: str, console: Console | None = None) -> None:
     """The report of any job: a head line, the per-parameter table with the recompute line under
     it, the sections the report holds (a data-parallel job's communication per mode; a mesh's
@@ -73,7 +88,8 @@ def print_report(out: dict, title: str, console: Console | None = None) -> None:
     hosts = f"{out['hosts']} host" + ("s" if out["hosts"] != 1 else "")
     console.print(Text(f"{title}: {hosts}, {out['world_size']} ranks"))
     print_table(_params_table(out), console)
-    for line in _comm_lines(out) + _mesh_lines(out) + _memory_lines(out["memory"]):
+    for line in (_comm_lines(out) + _mesh_lines(out) + _shares_lines(out)
+                 + _memory_lines(out["memory"])):
         console.print(Text(line))
     for line in _over_budget_lines(out["memory"]):
         console.print(Text(line, style="bold red"))

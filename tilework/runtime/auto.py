@@ -65,7 +65,8 @@ def _live_cluster(groups: Groups, cluster: Cluster | None, timed: Links | None) 
     if cluster is None:
         return Cluster.of_topology(groups.topology, timed)
     return Cluster.of_topology(groups.topology, cluster.links,
-                               [h.memory_gb for h in cluster.hosts])
+                               [h.memory_gb for h in cluster.hosts],
+                               [h.speed for h in cluster.hosts])
 
 
 def _timed_links(groups: Groups) -> Links | None:

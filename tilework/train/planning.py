@@ -72,14 +72,40 @@ def table_traffic(job: Job, infos: list[ParamInfo], cluster: Cluster) -> dict[st
 
 def job_cluster(topology: Topology, cluster: Cluster | None) -> Cluster:
     """The cluster a job runs on, as the planner sees it: the ranks as discovered, the links of
-    the cluster file when there is one."""
-    return Cluster.of_topology(topology, cluster.links if cluster is not None else None)
+    the cluster file when there is one, and its hosts' memory and speeds where its hosts are
+    the ones discovered (as many, as many ranks each)."""
+    if cluster is None:
+        return Cluster.of_topology(topology)
+    same = [h.procs for h in cluster.hosts] == [len(h) for h in topology.hosts]
+    return Cluster.of_topology(topology, cluster.links,
+                               [h.memory_gb for h in cluster.hosts] if same else None,
+                               [h.speed for h in cluster.hosts] if same else None)
+
+
+def job_config(job: Job, cluster: Cluster):
+    """The configuration `tilework train` and `tilework plan` run `job` under on `cluster`: the
+    job's, with each rank's batch share chosen by speed where the cluster's hosts differ (the
+    slowest rank no longer sets the pace: planner/shares.py) and the job left it to the planner
+    (no batch_shares given, data parallel, plan="config"; plan="auto" searches both)."""
+    config = job.parallel
+    if (config.batch_shares is not None or not cluster.heterogeneous
+            or config.model_parallel or config.plan == "auto"):
+        return config
+    from ..planner.shares import batch_shares
+
+    return dataclasses.replace(config, batch_shares=list(
+        batch_shares(global_batch(job, cluster.world_size), cluster.speeds())))
+
+
+def global_batch(job: Job, world_size: int) -> int:
+    return job.data.batch_size * (world_size if job.data.scaling == "weak" else 1)
 
 
 def job_plan(job: Job, cluster: Cluster, mode: str | None = None) -> Plan:
     """The plan `tilework train` runs for `job` on `cluster` (another `mode` for comparisons)."""
     model = meta_model(job)
-    config = job.parallel if mode is None else dataclasses.replace(job.parallel, mode=mode)
+    config = job_config(job, cluster)
+    config = config if mode is None else dataclasses.replace(config, mode=mode)
     return plan(model, config, cluster, traffic=table_traffic(job, analyze(model), cluster))
 
 

@@ -47,6 +47,9 @@ class _Session:
         self.rank = groups.rank
         self.world_size = groups.world_size
         self.mesh = None   # runtime/apply.MeshParallel under tp, pp or cp > 1
+        # Uneven batch shares: this rank's mean counts W n_r / N times in the mean over ranks
+        # (planner/shares.gradient_weights), so the logged loss is the global batch's.
+        self.weight = 1.0
 
     @property
     def pipelined(self) -> bool:
@@ -72,7 +75,7 @@ class _Session:
             values = self._from_last_stage(values)
         if self.world_size == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.groups.device)
+        t = torch.tensor(values, dtype=torch.float64, device=self.groups.device) * self.weight
         dist.all_reduce(t, group=self.groups.world)
         return (t / self.world_size).tolist()
 
@@ -90,7 +93,7 @@ def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
     `tilework plan` plans the job: the job's model of its ids gives each table's traffic, the
     cluster file (when given) the links."""
     from ..api import parallelize
-    from .planning import example_batch, job_cluster, table_traffic
+    from .planning import example_batch, job_cluster, job_config, table_traffic
 
     model = work.model
     opt = optim.make(job.train.optimizer, model.parameters(), job.train.lr)
@@ -102,7 +105,7 @@ def _prepare(job: Job, work: Workload, session: _Session, cluster=None):
     # On a mesh with pp > 1 what comes back is another module (a PipelineModel: model.step).
     # plan="auto" prices its candidates on one rank's batch: its shapes, as the loop makes it.
     example = example_batch(job, cluster) if job.parallel.plan == "auto" else None
-    model, opt = parallelize(model, opt, job.parallel, groups=session.groups,
+    model, opt = parallelize(model, opt, job_config(job, cluster), groups=session.groups,
                              cluster=given if job.parallel.plan == "auto" else cluster,
                              traffic=traffic, log=session.rank == 0, example_inputs=example)
     session.mesh = getattr(model._tilework_engine, "mesh", None)
@@ -127,7 +130,12 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
     console = console or Console(quiet=session.rank != 0, soft_wrap=True)
     work = build(job)
     model, opt = _prepare(job, work, session, cluster)
-    sampler = _sampler(job, work, session)
+    shares = model._tilework_engine.plan.batch_shares
+    if shares is not None:
+        from ..planner.shares import gradient_weights
+
+        session.weight = gradient_weights(shares)[session.rank]
+    sampler = _sampler(job, work, session, shares)
     out = Path(job.train.out_dir)
     ckpt_dir = out / "checkpoints"
     start = _resume(job, model, opt, ckpt_dir, console) if resume else 0
@@ -144,11 +152,11 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
     return result
 
 
-def _sampler(job: Job, work: Workload, session: _Session) -> ShardedBatches:
+def _sampler(job: Job, work: Workload, session: _Session, shares=None) -> ShardedBatches:
     shard, shards = session.data_shard()
     sampler = ShardedBatches(len(work.train_set), job.data.batch_size, shard, shards,
                              seed=job.data.seed, scaling=job.data.scaling,
-                             shuffle=job.data.shuffle)
+                             shuffle=job.data.shuffle, shares=shares)
     if session.pipelined:
         per_replica = sampler.global_batch // shards
         m = session.mesh.pipeline.schedule.microbatches
