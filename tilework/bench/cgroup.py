@@ -1,4 +1,5 @@
-"""A memory cgroup of its own for worker processes: a real out-of-memory kill past its cap.
+"""Cgroups of their own for worker processes: a memory cap with a real out-of-memory kill past
+it (`MemoryCap`), and a CPU quota that makes a rank as fast as a smaller host (`CpuQuota`).
 
 cgroup v2 where its memory controller is enabled (memory.max, memory.swap.max = 0); else cgroup
 v1 (memory.limit_in_bytes and memory.memsw.limit_in_bytes both at the cap). The group is made
@@ -140,3 +141,57 @@ def _own_memory_cgroup() -> tuple[int, str]:
         if "memory" in controllers.split(","):
             return 1, os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
     raise OSError("no memory cgroup controller is mounted")
+
+
+class CpuQuota:
+    """A CPU cgroup whose processes together get `cores` CPUs' worth of time (cgroup v2's
+    cpu.max, or v1's cpu.cfs_quota_us over cpu.cfs_period_us): a host that is `cores` fast
+    on one machine. `join(pid)` moves a whole process (every thread) into it. Needs root."""
+
+    PERIOD_US = 100_000
+
+    def __init__(self, cores: float, name: str = "quota"):
+        self.version, parent = _own_cpu_cgroup()
+        self.path = os.path.join(parent, f"tilework-{name}-{os.getpid()}")
+        os.mkdir(self.path)
+        self.cores = cores
+        quota = max(1000, int(cores * self.PERIOD_US))
+        try:
+            if self.version == 2:
+                self._write("cpu.max", f"{quota} {self.PERIOD_US}")
+            else:
+                self._write("cpu.cfs_period_us", self.PERIOD_US)
+                self._write("cpu.cfs_quota_us", quota)
+        except OSError:
+            os.rmdir(self.path)
+            raise
+
+    def _write(self, name: str, value) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(str(value))
+
+    def join(self, pid: int | None = None) -> None:
+        self._write("cgroup.procs", pid or os.getpid())
+
+    def remove(self) -> None:
+        os.rmdir(self.path)
+
+
+def _own_cpu_cgroup() -> tuple[int, str]:
+    """(cgroup version, the directory of this process's cpu cgroup)."""
+    with open("/proc/self/cgroup") as f:
+        entries = [line.rstrip("\n").split(":", 2) for line in f]
+    root = "/sys/fs/cgroup"
+    controllers = os.path.join(root, "cgroup.controllers")
+    if os.path.exists(controllers) and "cpu" in open(controllers).read().split():
+        path = next(p for i, c, p in entries if i == "0")
+        own = os.path.join(root, path.lstrip("/"))
+        if "cpu" not in open(os.path.join(own, "cgroup.subtree_control")).read().split():
+            raise OSError(f"cgroup v2: {own} does not delegate the cpu controller")
+        return 2, own
+    for _, controllers, path in entries:
+        if "cpu" in controllers.split(","):
+            for mount in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"):
+                if os.path.isdir(mount):
+                    return 1, os.path.join(mount, path.lstrip("/"))
+    raise OSError("no cpu cgroup controller is mounted")

@@ -1,0 +1,182 @@
+"""Uneven batch shares on ranks of different speeds, measured side by side on one machine.
+
+    sudo .venv/bin/python bench/heterogeneous.py [--speeds 1 0.25] [--batch 40] [--steps 8]
+        [--rounds 3] [--out FILE] [--png FILE]
+
+Each rank runs inside a CPU cgroup of its own holding `speeds[r]` cores' worth of time
+(tilework/bench/cgroup.CpuQuota: cgroup v1's cfs quota or v2's cpu.max), so a 4:1 skew is real:
+the slow rank's compute, its gloo threads and its Python all run at a quarter of the time.
+The GPT below trains data parallel on gloo over loopback, global batches of `--batch`
+sequences, in `--rounds` rounds; each round is a fresh world that runs the even split and then
+the shares the planner gives these speeds (planner/shares.batch_shares, what `tilework train`
+runs for a cluster file with these `speed`s), `--steps` steps each, and the median step of
+each is kept. Before that, each rank alone (a world of one at its quota, on its share of the
+batch) gives its samples per second; the additive ideal is their sum.
+
+Prints, per round and as medians: the step and throughput of each split, throughput as a
+fraction of the ideal, the shares' speed-up over the even split, and the predicted step (the
+planner's pace: the slowest rank's share at its measured solo rate; no communication) beside
+the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from tilework.bench.cgroup import CpuQuota  # noqa: E402
+from tilework.planner.shares import batch_shares  # noqa: E402
+from tilework.testing import spawn  # noqa: E402
+
+VOCAB, DIM, HEADS, LAYERS, SEQ = 256, 64, 4, 4, 128
+SAMPLES = 4096
+
+
+def new_model():
+    from tilework.models.gpt import TinyGPT
+
+    torch.manual_seed(0)
+    return TinyGPT(VOCAB, DIM, HEADS, LAYERS, SEQ)
+
+
+def batch(indices):
+    g = torch.Generator().manual_seed(int(indices[0]))
+    tokens = torch.randint(0, VOCAB, (len(indices), SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _join(path: str) -> None:
+    with open(f"{path}/cgroup.procs", "w") as f:
+        f.write(str(__import__("os").getpid()))
+    torch.set_num_threads(1)
+
+
+def _solo(rank, world_size, path, n, steps):
+    """One rank alone at its quota: seconds per step on n sequences."""
+    _join(path)
+    model = new_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    took = []
+    for step in range(steps + 1):
+        tokens, targets = batch(range(step * n, step * n + n))
+        start = time.perf_counter()
+        model(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        took.append(time.perf_counter() - start)
+    return statistics.median(took[1:])
+
+
+def _world(rank, world_size, paths, splits, steps):
+    """Each split in turn, parallelized as `tilework train` would: the median step (barrier to
+    the slowest rank's optimizer step)."""
+    import torch.distributed as dist
+
+    import tilework
+    from tilework.data import ShardedBatches
+
+    _join(paths[rank])
+    out = {}
+    for name, shares in splits:
+        model = new_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        tilework.parallelize(model, opt, log=False,
+                             batch_shares=list(shares) if len(set(shares)) > 1 else None)
+        sampler = ShardedBatches(SAMPLES, sum(shares), rank, world_size, shares=shares)
+        took = []
+        for step in range(steps + 1):
+            tokens, targets = batch(sampler.indices(step))
+            dist.barrier()
+            start = time.perf_counter()
+            model(tokens, targets).backward()
+            opt.step()
+            opt.zero_grad()
+            t = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            took.append(t.item())
+        out[name] = statistics.median(took[1:])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--speeds", type=float, nargs="+", default=[1.0, 0.25])
+    ap.add_argument("--batch", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--png", type=Path)
+    a = ap.parse_args(argv)
+    world = len(a.speeds)
+    quotas = [CpuQuota(s, name=f"rank{r}") for r, s in enumerate(a.speeds)]
+    try:
+        even = batch_shares(a.batch, [1.0] * world)
+        by_speed = batch_shares(a.batch, a.speeds)
+        solo = [spawn(_solo, 1, args=(q.path, n, a.steps), timeout=1800)[0]
+                for q, n in zip(quotas, by_speed)]
+        rates = [n / t for n, t in zip(by_speed, solo)]   # sequences per second, alone
+        rounds = [spawn(_world, world, args=([q.path for q in quotas],
+                                             [("even", even), ("shares", by_speed)], a.steps),
+                        timeout=1800)[0] for _ in range(a.rounds)]
+    finally:
+        for q in quotas:
+            q.remove()
+    ideal = sum(rates)
+    step = {k: statistics.median(r[k] for r in rounds) for k in ("even", "shares")}
+    predicted = {k: max(n / rate for n, rate in zip(split, rates))
+                 for k, split in (("even", even), ("shares", by_speed))}
+    result = {"speeds": a.speeds, "batch": a.batch, "even": list(even),
+              "shares": list(by_speed), "solo_rates": rates, "ideal": ideal,
+              "rounds": rounds, "step": step, "predicted": predicted,
+              "throughput": {k: a.batch / v for k, v in step.items()}}
+    print(f"speeds {a.speeds} (CPU cores each), global batch {a.batch}: even {list(even)}, "
+          f"shares {list(by_speed)}")
+    print("alone: " + ", ".join(f"rank {r} {rate:.1f} seq/s" for r, rate in enumerate(rates))
+          + f"; additive ideal {ideal:.1f} seq/s")
+    print("| split | step ms (per round) | median ms | predicted ms (pace) | seq/s | of ideal |")
+    print("|---|---|---:|---:|---:|---:|")
+    for k in ("even", "shares"):
+        per = ", ".join(f"{r[k] * 1e3:.0f}" for r in rounds)
+        tput = a.batch / step[k]
+        print(f"| {k} | {per} | {step[k] * 1e3:.0f} | {predicted[k] * 1e3:.0f} | "
+              f"{tput:.1f} | {tput / ideal:.0%} |")
+    print(f"shares over even: {step['even'] / step['shares']:.2f}x; shares at "
+          f"{a.batch / step['shares'] / ideal:.0%} of the ideal; predicted step within "
+          f"{abs(predicted['shares'] - step['shares']) / step['shares']:.0%} (shares), "
+          f"{abs(predicted['even'] - step['even']) / step['even']:.0%} (even)")
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1))
+    if a.png:
+        _plot(result, a.png)
+    return 0
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    names = ["even split", "shares by speed", "additive ideal"]
+    values = [result["throughput"]["even"], result["throughput"]["shares"], result["ideal"]]
+    ax.bar(names, values, color=["#999999", "#3b75af", "#cccccc"])
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("sequences / s")
+    ax.set_title(f"speeds {result['speeds']}, batch {result['batch']}: shares "
+                 f"{result['shares']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
