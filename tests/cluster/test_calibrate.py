@@ -186,3 +186,44 @@ def test_the_matmul_curve_written_beside_the_cluster_file_is_what_plan_reads(tmp
     write_calibration(path, results, spans_hosts=False, when="T", flops_per_s=3.25e10,
                       curve=curve)
     assert calibrated_curve(path) == curve
+
+
+def test_hosts_speeds_are_written_into_the_cluster_file(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text("[[hosts]]\nname = \"a\"\n[[hosts]]\nname = \"b\"\n")
+    results = {"all_reduce": _fit("all_reduce", 2, 800e-6, 1e9)}
+    write_calibration(path, results, spans_hosts=True, when="T", flops_per_s=3e10,
+                      speeds=[1.0, 0.25])
+    assert Cluster.load(path).speeds() == [1.0, 0.25]
+    assert "hosts' speed from their matmul rates: [1.0, 0.25]" in path.read_text()
+    write_calibration(path, results, spans_hosts=True, when="T2", flops_per_s=3e10)
+    assert Cluster.load(path).speeds() == [1.0, 0.25]   # None: the file's are kept
+
+
+def _speeds_at(rank, world_size, quota_paths):
+    from tilework.cluster.calibrate import measure_speeds
+
+    if quota_paths:
+        with open(f"{quota_paths[rank]}/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+    return measure_speeds(dist.group.WORLD, world_size, [[0], [1]])
+
+
+def test_measured_speeds_see_a_slow_host_and_not_noise():
+    """Two ranks as two hosts: alike they give None (an even cluster stays even); one in a
+    quarter-core CPU cgroup reads about a quarter of the other's speed (root only)."""
+    assert spawn(_speeds_at, 2, args=(None,), timeout=60)[0] is None
+    if os.geteuid() != 0:
+        pytest.skip("the slow host's CPU quota needs root")
+    from tilework.bench.cgroup import CpuQuota
+
+    try:
+        quotas = [CpuQuota(1.0, name="fast"), CpuQuota(0.25, name="slow")]
+    except OSError as e:
+        pytest.skip(f"no cpu cgroup here: {e}")
+    try:
+        speeds = spawn(_speeds_at, 2, args=([q.path for q in quotas],), timeout=60)[0]
+    finally:
+        for q in quotas:
+            q.remove()
+    assert speeds[0] == 1.0 and 0.1 <= speeds[1] <= 0.45, speeds

@@ -50,3 +50,27 @@ def test_cli_prints_the_shares(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "batch shares: rank 0: 8 at speed 4, rank 1: 2 at speed 1" in text
     assert "100% of the ideal" in text
+
+
+def test_a_host_with_less_memory_gets_a_share_that_fits():
+    """Equal speeds, but host b's budget holds fewer samples than the even split gives it:
+    `tilework plan` (and so `tilework train`) gives b what fits and a the rest, and every
+    rank's estimated peak is within its budget, where b's was over it under the even split."""
+    from tilework.estimate.memory import estimate_per_rank
+    from tilework.estimate.plan_memory import share_caps, with_batch
+    from tilework.train.planning import example_batch, job_plan, meta_model
+
+    job = gpt_job()
+    roomy = Cluster([Host("a", 1), Host("b", 1)])
+    even = job_plan(job, roomy)
+    model, inputs = meta_model(job), example_batch(job, roomy)
+    assert share_caps(model, even, inputs, [None, None], 10) == [None, None]
+    # A budget that holds 3 samples a step (the even split gives 5).
+    peak = [estimate_per_rank(model, even, with_batch(inputs, n), "adam", [1])[0].peak
+            for n in (3, 4)]
+    budget = (peak[0] + peak[1]) / 2
+    tight = Cluster([Host("a", 1), Host("b", 1, memory_gb=budget / 0.8 / 1e9)])
+    out = report(job, tight)
+    assert out["plan"]["batch_shares"] == [7, 3]
+    assert not any(m["over_budget"] for m in out["memory"])
+    assert report(gpt_job(batch_shares=[5, 5]), tight)["memory"][1]["over_budget"]

@@ -411,6 +411,29 @@ def measure_compute(group, world_size: int) -> float:
     return float(rate.item())
 
 
+# Hosts whose slowest ranks compute within this factor of each other are taken as equal: a
+# calibration's noise must not turn an even cluster uneven (issue 27: its plan is unchanged).
+SPEED_SPREAD = 1.15
+
+
+def measure_speeds(group, world_size: int, hosts: list[list[int]]) -> list[float] | None:
+    """Every rank's matmul rate at once (as they compute in training), each host's slowest
+    rank's over the fastest host's: the hosts' relative `speed`s, or None where they are within
+    SPEED_SPREAD of each other."""
+    import torch
+    import torch.distributed as dist
+
+    # The best of three: what interference takes away is noise, what a quota takes is not.
+    mine = torch.tensor([max(matmul_flops() for _ in range(3))], dtype=torch.float64)
+    rates = [mine.clone() for _ in range(world_size)]
+    if world_size > 1:
+        dist.all_gather(rates, mine, group=group)
+    per_host = [min(float(rates[r]) for r in ranks) for ranks in hosts]
+    if max(per_host) < SPEED_SPREAD * min(per_host):
+        return None
+    return [float(f"{rate / max(per_host):.2g}") for rate in per_host]
+
+
 # -- a bare worker for benchmarks ---------------------------------------------------------------
 
 def _sizes_arg(text: str) -> list[int]:

@@ -58,7 +58,8 @@ def calibration_path(cluster_path: str | Path) -> Path:
 
 def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
                       spans_hosts: bool, when: str | None = None,
-                      flops_per_s: float | None = None, curve=None) -> tuple[str, Path]:
+                      flops_per_s: float | None = None, curve=None,
+                      speeds: list[float] | None = None) -> tuple[str, Path]:
     """Put the all-reduce fit into the cluster file's `links.inter` (`spans_hosts`) or
     `links.intra`, and every fit into `calibration_path(cluster_path)`. Returns the link's key and
     the JSON's path. Other keys of the file are kept; its comments are not (TOML writers drop
@@ -76,6 +77,10 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     if not isinstance(links, dict):
         raise UserError(f"{path}: links: expected a table")
     links.setdefault(kind, {}).update(values)
+    hosts = data.get("hosts")
+    if speeds is not None and isinstance(hosts, list) and len(hosts) == len(speeds):
+        for host, speed in zip(hosts, speeds):   # hosts that differ: their relative speeds
+            host["speed"] = speed
     from_dict(Cluster, data, source=str(path))  # still valid after the change
 
     original = path.read_text(encoding="utf-8")
@@ -87,7 +92,8 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
             header.append(line)
     n = results["all_reduce"].world_size
     header.append(f"# tilework calibrate: links.{kind} from {n}-rank all_reduce on {when} "
-                  f"(all fits in {calibration_path(path).name})")
+                  f"(all fits in {calibration_path(path).name})"
+                  + (f"; hosts' speed from their matmul rates: {speeds}" if speeds else ""))
     write_atomic(path, "\n".join(header) + "\n" + toml_text(data))
 
     report = {"cluster": path.name, "when": when, "world_size": n,
@@ -98,6 +104,7 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
                              "how": "one thread's fp32 512x512 matmul, the slowest rank's"}
         if curve is not None:
             report["compute"]["matmul_curve"] = curve.as_dict()
+        report["compute"]["host_speeds"] = speeds
     json_path = calibration_path(path)
     write_atomic(json_path, json.dumps(report, indent=2) + "\n")
     return f"links.{kind}", json_path

@@ -53,7 +53,17 @@ def plan_memory(model: nn.Module, plan: Plan, example_inputs: tuple, optimizer="
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank: expected 0..{plan.world_size - 1}, got {rank}")
     if plan.parallel is None:
-        return estimate_per_rank(model, plan, example_inputs, optimizer, ranks)
+        shares = plan.batch_shares
+        if shares is None or len(set(shares)) == 1:
+            return estimate_per_rank(model, plan, example_inputs, optimizer, ranks)
+        # Uneven shares: each rank on its own count of the batch.
+        found = {}
+        for n in sorted({shares[r] for r in ranks}):
+            mine = [r for r in ranks if shares[r] == n]
+            for e in estimate_per_rank(model, plan, with_batch(example_inputs, n), optimizer,
+                                       mine):
+                found[e.rank] = e
+        return [found[r] for r in ranks]
     seen: dict[tuple, MemoryEstimate] = {}
     out = []
     for rank in ranks:
@@ -63,6 +73,52 @@ def plan_memory(model: nn.Module, plan: Plan, example_inputs: tuple, optimizer="
             seen[key] = _on_mesh(model, plan, example_inputs, optimizer, rank)
         out.append(dataclasses.replace(seen[key], rank=rank))
     return out
+
+
+def with_batch(example_inputs: tuple, n: int) -> tuple:
+    """`example_inputs` (one rank's batch) as a batch of `n`: every tensor whose leading dim is
+    the batch's made that long (zeros: the estimates read shapes); others (sampled negatives)
+    kept."""
+    import torch
+
+    tensors = [x for x in example_inputs if torch.is_tensor(x) and x.dim()]
+    if not tensors:
+        return tuple(example_inputs)
+    b = tensors[0].shape[0]
+    return tuple(torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+                 if torch.is_tensor(x) and x.dim() and x.shape[0] == b else x
+                 for x in example_inputs)
+
+
+def share_caps(model: nn.Module, plan: Plan, example_inputs: tuple,
+               budgets: list[float | None], most: int, optimizer="adam") -> list[int | None]:
+    """The most samples (up to `most`) each rank's memory holds a step under `plan` (a
+    data-parallel plan): the largest batch whose estimated peak on that rank is within its
+    budget, by bisection (the peak grows with the batch, though not linearly: at a few samples
+    the optimizer's step, not the activations, sets it). None: no budget, no cap; 0: not even
+    one sample fits."""
+    import dataclasses
+
+    even = dataclasses.replace(plan, batch_shares=None)
+
+    def fits(rank: int, n: int, budget: float) -> bool:
+        found = estimate_per_rank(model, even, with_batch(example_inputs, n), optimizer, [rank])
+        return found[0].peak <= budget
+
+    caps: list[int | None] = []
+    for rank, budget in enumerate(budgets):
+        if budget is None:
+            caps.append(None)
+            continue
+        low, high = 0, most   # fits(low) holds (0: nothing), the answer is in [low, high]
+        while low < high:
+            mid = (low + high + 1) // 2
+            if fits(rank, mid, budget):
+                low = mid
+            else:
+                high = mid - 1
+        caps.append(low)
+    return caps
 
 
 def estimate_mesh_memory(model: nn.Module, config, example_inputs: tuple, world_size: int,

@@ -107,15 +107,18 @@ def _calibrate(spec: dict, env: WorkerEnv) -> int:
     results = calibrate.measure(groups.world, groups.world_size, sizes, repeats)
     flops = calibrate.measure_compute(groups.world, groups.world_size)
     curve = calibrate.measure_curve(groups.world, groups.world_size)
+    speeds = calibrate.measure_speeds(groups.world, groups.world_size, groups.topology.hosts)
     if groups.rank == 0:
         key, json_path = calibrate.write_calibration(spec["cluster"], results,
                                                      spans_hosts=groups.topology.num_hosts > 1,
-                                                     flops_per_s=flops, curve=curve)
+                                                     flops_per_s=flops, curve=curve,
+                                                     speeds=speeds)
         print(calibrate.summary(results))
         print(f"compute: {flops / 1e9:.1f} GFLOP/s per rank (fp32 matmul, one thread); by "
               f"shape {min(min(min(r) for r in p) for p in curve.flops_per_s) / 1e9:.2f}-"
               f"{float(curve) / 1e9:.1f} GFLOP/s over (m, k, n) in {curve.sizes}")
-        print(f"{spec['cluster']}: {key} set from the all_reduce fit; every fit in {json_path}")
+        print(f"{spec['cluster']}: {key} set from the all_reduce fit; every fit in {json_path}"
+              + (f"; hosts' speeds {speeds}" if speeds else "; the hosts compute alike"))
     return _done(groups)
 
 

@@ -84,17 +84,31 @@ def job_cluster(topology: Topology, cluster: Cluster | None) -> Cluster:
 
 def job_config(job: Job, cluster: Cluster):
     """The configuration `tilework train` and `tilework plan` run `job` under on `cluster`: the
-    job's, with each rank's batch share chosen by speed where the cluster's hosts differ (the
-    slowest rank no longer sets the pace: planner/shares.py) and the job left it to the planner
-    (no batch_shares given, data parallel, plan="config"; plan="auto" searches both)."""
+    job's, with each rank's batch share chosen by speed, within what its memory holds, where
+    the cluster's hosts differ in speed or memory (the slowest rank no longer sets the pace,
+    the smallest memory no longer the batch: planner/shares.py) and the job left it to the
+    planner (no batch_shares given, data parallel, plan="config"; plan="auto" searches both).
+    Equal shares are left as the even split."""
     config = job.parallel
-    if (config.batch_shares is not None or not cluster.heterogeneous
-            or config.model_parallel or config.plan == "auto"):
+    memories = {h.memory_gb for h in cluster.hosts}
+    if (config.batch_shares is not None or config.model_parallel or config.plan == "auto"
+            or (not cluster.heterogeneous and len(memories) == 1)):
         return config
     from ..planner.shares import batch_shares
 
-    return dataclasses.replace(config, batch_shares=list(
-        batch_shares(global_batch(job, cluster.world_size), cluster.speeds())))
+    caps = None
+    if memories != {None}:   # each rank's share within what its memory holds
+        from ..estimate.memory import rank_budgets
+        from ..estimate.plan_memory import share_caps
+
+        model = meta_model(job)
+        even = plan(model, config, cluster, traffic=table_traffic(job, analyze(model), cluster))
+        caps = share_caps(model, even, example_batch(job, cluster), rank_budgets(cluster),
+                          global_batch(job, cluster.world_size), job.train.optimizer)
+    shares = batch_shares(global_batch(job, cluster.world_size), cluster.speeds(), caps)
+    if len(set(shares)) == 1:
+        return config
+    return dataclasses.replace(config, batch_shares=list(shares))
 
 
 def global_batch(job: Job, world_size: int) -> int:
