@@ -36,6 +36,8 @@ import torch  # noqa: E402
 from tilework.bench.cgroup import MemoryCap, run_capped  # noqa: E402
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 8192, 384, 6, 6, 128, 8   # BATCH: sequences per step
+SHAPE = {"vocab": VOCAB, "dim": DIM, "heads": HEADS, "layers": LAYERS, "seq": SEQ,
+         "batch": BATCH}
 STEPS = 2
 SHARE = 0.8
 # The workers' allocator: glibc as it comes, and with its mmap threshold fixed at 64 KiB, so
@@ -47,14 +49,17 @@ ALLOCATORS = {"default": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 LEGEND = {"default": "glibc malloc as it comes", "mmap64k": "glibc mmap threshold fixed at 64 KiB"}
 
 
-def new_model():
+def new_model(shape: dict | None = None):
     from tilework.models.gpt import TinyGPT
 
-    return TinyGPT(VOCAB, DIM, HEADS, LAYERS, SEQ)
+    s = shape or SHAPE
+    return TinyGPT(s["vocab"], s["dim"], s["heads"], s["layers"], s["seq"])
 
 
-def worker(options: dict | None, port: int) -> None:
-    """One rank: the process group and tilework, then (options not None) the plan trained."""
+def worker(options: dict | None, port: int, shape: dict | None = None) -> None:
+    """One rank: the process group and tilework, then (options not None) the plan trained on
+    `shape`'s GPT (default SHAPE), each rank on its slice of the global batch (its
+    batch_shares entry where the options give shares)."""
     import torch.distributed as dist
 
     import tilework
@@ -68,14 +73,17 @@ def worker(options: dict | None, port: int) -> None:
     dist.barrier()
     if options is not None:
         torch.manual_seed(0)
-        model = new_model()
+        s = shape or SHAPE
+        model = new_model(s)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = tilework.parallelize(model, opt, log=False, **options)
         at, dp = tilework.data_parallel_rank(model)
+        shares = options.get("batch_shares")
         for step in range(STEPS):
             g = torch.Generator().manual_seed(step)
-            tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-            part = tokens.chunk(dp)[at]
+            tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), generator=g)
+            part = tokens.chunk(dp)[at] if not shares else \
+                tokens[sum(shares[:at]):sum(shares[:at + 1])]
             x, y = part[:, :-1].contiguous(), part[:, 1:].contiguous()
             if options.get("pp", 1) > 1:
                 model.step(x, y)
@@ -88,9 +96,9 @@ def worker(options: dict | None, port: int) -> None:
 
 
 def trial(caps: list[MemoryCap], options: dict | None, timeout: float,
-          env: dict | None = None) -> dict:
-    """The ranks started, rank r in caps[r], with `env` added: "fits", "oom", "timeout" or
-    "error", and each rank's cgroup peak."""
+          env: dict | None = None, shape: dict | None = None) -> dict:
+    """The ranks started, rank r in caps[r], with `env` added, training `shape`'s GPT: "fits",
+    "oom", "timeout" or "error", and each rank's cgroup peak."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, len(caps) + 1, is_master=True,
@@ -98,7 +106,8 @@ def trial(caps: list[MemoryCap], options: dict | None, timeout: float,
     for c in caps:
         c.empty()
         c.reset_peak()
-    got = run_capped([__file__, "--worker", json.dumps(options), str(store.port)], caps, timeout,
+    got = run_capped([__file__, "--worker", json.dumps(options), str(store.port),
+                      json.dumps(shape or SHAPE)], caps, timeout,
                      {**os.environ, **(env or {}),
                       "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     return got | {"peaks": [c.peak() for c in caps], "seconds": round(got["seconds"], 1)}
@@ -172,7 +181,7 @@ def summarise(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
-        worker(json.loads(argv[1]), int(argv[2]))
+        worker(json.loads(argv[1]), int(argv[2]), json.loads(argv[3]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
