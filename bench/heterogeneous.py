@@ -7,16 +7,17 @@ Each rank runs inside a CPU cgroup of its own holding `speeds[r]` cores' worth o
 (tilework/bench/cgroup.CpuQuota: cgroup v1's cfs quota or v2's cpu.max), so a 4:1 skew is real:
 the slow rank's compute, its gloo threads and its Python all run at a quarter of the time.
 The GPT below trains data parallel on gloo over loopback, global batches of `--batch`
-sequences, in `--rounds` rounds; each round is a fresh world that runs the even split and then
-the shares the planner gives these speeds (planner/shares.batch_shares, what `tilework train`
-runs for a cluster file with these `speed`s), `--steps` steps each, and the median step of
-each is kept. Before that, each rank alone (a world of one at its quota, on its share of the
-batch) gives its samples per second; the additive ideal is their sum.
+sequences, in `--rounds` rounds; each round is a fresh world that runs three splits, `--steps`
+steps each, the median step of each kept: the even split; the shares the planner gives the
+quotas as speeds (planner/shares.batch_shares, what `tilework train` runs for a cluster file
+with these `speed`s); and the shares it gives the speeds measured for this model (each rank
+alone, a world of one at its quota, on the even share: its sequences per second; the additive
+ideal is their sum).
 
 Prints, per round and as medians: the step and throughput of each split, throughput as a
-fraction of the ideal, the shares' speed-up over the even split, and the predicted step (the
-planner's pace: the slowest rank's share at its measured solo rate; no communication) beside
-the measured one.
+fraction of the ideal, the speed-up over the even split, and the predicted step (the planner's
+pace: the slowest rank alone on its share, measured; no communication) beside the measured
+one.
 """
 
 from __future__ import annotations
@@ -117,41 +118,61 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     world = len(a.speeds)
     quotas = [CpuQuota(s, name=f"rank{r}") for r, s in enumerate(a.speeds)]
+    solo: dict = {}
+
+    def alone(rank: int, n: int) -> float:
+        """Rank `rank`'s step alone at its quota on n sequences (each measured once)."""
+        if (rank, n) not in solo:
+            solo[rank, n] = spawn(_solo, 1, args=(quotas[rank].path, n, a.steps),
+                                  timeout=1800)[0]
+        return solo[rank, n]
+
     try:
         even = batch_shares(a.batch, [1.0] * world)
-        by_speed = batch_shares(a.batch, a.speeds)
-        solo = [spawn(_solo, 1, args=(q.path, n, a.steps), timeout=1800)[0]
-                for q, n in zip(quotas, by_speed)]
-        rates = [n / t for n, t in zip(by_speed, solo)]   # sequences per second, alone
-        rounds = [spawn(_world, world, args=([q.path for q in quotas],
-                                             [("even", even), ("shares", by_speed)], a.steps),
-                        timeout=1800)[0] for _ in range(a.rounds)]
+        # The speeds as calibration would give them for this model: each rank's sequences per
+        # second alone on the even share (a quota's fraction of a core is not the model's
+        # rate: small batches run less efficiently).
+        rates = [n / alone(r, n) for r, n in enumerate(even)]
+        by_quota, by_rate = batch_shares(a.batch, a.speeds), batch_shares(a.batch, rates)
+        splits = {"even": even, "by quota": by_quota} if by_quota == by_rate else \
+            {"even": even, "by quota": by_quota, "by measured speed": by_rate}
+        # The planner's step: the slowest rank alone on its share (no communication).
+        predicted = {k: max(alone(r, n) for r, n in enumerate(split))
+                     for k, split in splits.items()}
+        rounds = [spawn(_world, world, args=([q.path for q in quotas], list(splits.items()),
+                                             a.steps), timeout=1800)[0]
+                  for _ in range(a.rounds)]
     finally:
         for q in quotas:
             q.remove()
     ideal = sum(rates)
-    step = {k: statistics.median(r[k] for r in rounds) for k in ("even", "shares")}
-    predicted = {k: max(n / rate for n, rate in zip(split, rates))
-                 for k, split in (("even", even), ("shares", by_speed))}
-    result = {"speeds": a.speeds, "batch": a.batch, "even": list(even),
-              "shares": list(by_speed), "solo_rates": rates, "ideal": ideal,
-              "rounds": rounds, "step": step, "predicted": predicted,
+    step = {k: statistics.median(r[k] for r in rounds) for k in splits}
+    # The stricter ideal of a split: every rank alone on its own share, added up (a rank's
+    # rate grows with its batch, so the even share's rates understate a larger share's).
+    own = {k: sum(n / alone(r, n) for r, n in enumerate(split)) for k, split in splits.items()}
+    result = {"speeds": a.speeds, "batch": a.batch,
+              "splits": {k: list(v) for k, v in splits.items()}, "rates": rates,
+              "ideal": ideal, "own_ideal": own, "rounds": rounds, "step": step,
+              "predicted": predicted,
+              "solo": {f"{r}:{n}": t for (r, n), t in solo.items()},
               "throughput": {k: a.batch / v for k, v in step.items()}}
-    print(f"speeds {a.speeds} (CPU cores each), global batch {a.batch}: even {list(even)}, "
-          f"shares {list(by_speed)}")
-    print("alone: " + ", ".join(f"rank {r} {rate:.1f} seq/s" for r, rate in enumerate(rates))
-          + f"; additive ideal {ideal:.1f} seq/s")
-    print("| split | step ms (per round) | median ms | predicted ms (pace) | seq/s | of ideal |")
-    print("|---|---|---:|---:|---:|---:|")
-    for k in ("even", "shares"):
+    print(f"quotas {a.speeds} (CPU cores each), global batch {a.batch}")
+    print("alone on the even share: " + ", ".join(
+        f"rank {r} {rate:.1f} seq/s" for r, rate in enumerate(rates))
+        + f"; additive ideal {ideal:.1f} seq/s")
+    print("| split | shares | step ms (per round) | median ms | predicted ms | seq/s | "
+          "of the ideal | of its own ideal |\n|---|---|---|---:|---:|---:|---:|---:|")
+    for k, split in splits.items():
         per = ", ".join(f"{r[k] * 1e3:.0f}" for r in rounds)
         tput = a.batch / step[k]
-        print(f"| {k} | {per} | {step[k] * 1e3:.0f} | {predicted[k] * 1e3:.0f} | "
-              f"{tput:.1f} | {tput / ideal:.0%} |")
-    print(f"shares over even: {step['even'] / step['shares']:.2f}x; shares at "
-          f"{a.batch / step['shares'] / ideal:.0%} of the ideal; predicted step within "
-          f"{abs(predicted['shares'] - step['shares']) / step['shares']:.0%} (shares), "
-          f"{abs(predicted['even'] - step['even']) / step['even']:.0%} (even)")
+        print(f"| {k} | {list(split)} | {per} | {step[k] * 1e3:.0f} | "
+              f"{predicted[k] * 1e3:.0f} | {tput:.1f} | {tput / ideal:.0%} | "
+              f"{tput / own[k]:.0%} |")
+    best = list(splits)[-1]
+    print(f"{best} over even: {step['even'] / step[best]:.2f}x, at "
+          f"{a.batch / step[best] / ideal:.0%} of the ideal ({a.batch / step[best] / own[best]:.0%}"
+          f" of its own); predicted within " + ", ".join(
+              f"{abs(predicted[k] - step[k]) / step[k]:.0%} ({k})" for k in splits))
     if a.out:
         a.out.write_text(json.dumps(result, indent=1))
     if a.png:
@@ -166,14 +187,14 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    names = ["even split", "shares by speed", "additive ideal"]
-    values = [result["throughput"]["even"], result["throughput"]["shares"], result["ideal"]]
-    ax.bar(names, values, color=["#999999", "#3b75af", "#cccccc"])
+    names = [*result["throughput"], "additive ideal"]
+    values = [*result["throughput"].values(), result["ideal"]]
+    ax.bar(names, values, color=["#999999", "#8fb3d9", "#3b75af", "#cccccc"][-len(names):])
     for i, v in enumerate(values):
         ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("sequences / s")
-    ax.set_title(f"speeds {result['speeds']}, batch {result['batch']}: shares "
-                 f"{result['shares']}", fontsize=9)
+    ax.set_title(f"CPU quotas {result['speeds']}, global batch {result['batch']}", fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
+from ..errors import PlanError
 from ..planner.shares import gradient_weights
 from .hooks import PicklesAsNoop
 
@@ -31,13 +32,27 @@ class _Weighted(torch.autograd.Function):
 
 
 def weight_output(weight: float):
-    """A forward hook giving the output's gradient `weight` times what it would be."""
+    """A forward hook giving the output's gradient `weight` times what it would be. An output
+    in which no tensor that needs a gradient can be reached (a container pytree does not
+    know) is refused: its gradient would go unweighted."""
     def hook(module, args, output):
         if not torch.is_grad_enabled():
             return output
-        return tree_map_only(torch.Tensor,
-                             lambda t: _Weighted.apply(t, weight) if t.requires_grad else t,
-                             output)
+        weighted = []
+
+        def weigh(t):
+            if not t.requires_grad:
+                return t
+            weighted.append(t)
+            return _Weighted.apply(t, weight)
+
+        out = tree_map_only(torch.Tensor, weigh, output)
+        if not weighted and any(p.requires_grad for p in module.parameters()):
+            raise PlanError(f"batch_shares: the model's output ({type(output).__name__}) holds "
+                            "no tensor that needs a gradient where tilework can reach it, so "
+                            "its gradient cannot be weighted by this rank's share; return "
+                            "tensors (or a tuple, list or dict of them)")
+        return out
 
     return hook
 
