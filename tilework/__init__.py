@@ -14,6 +14,7 @@ if tuple(int(x) for x in _torch.__version__.split("+")[0].split(".")[:2]) < MIN_
                       f"pip install 'torch>={_floor}' (or your CUDA build)")
 
 from .api import (
+    batch_shares,
     clip_grad_norm_,
     clip_grad_value_,
     data_parallel_rank,
@@ -38,4 +39,4 @@ __all__ = ["parallelize", "unparallelize", "plan", "ParallelConfig", "clip_grad_
            "clip_grad_value_",
            "stats", "save", "load", "state_dict", "load_state_dict", "Cluster", "Host", "Link",
            "Topology", "UserError", "estimate_memory", "full_parameters", "data_parallel_rank",
-           "prefetch"]
+           "prefetch", "batch_shares"]

@@ -192,6 +192,15 @@ def data_parallel_rank(model: nn.Module) -> tuple[int, int]:
     return _runtime(model).data_parallel_rank()
 
 
+def batch_shares(model: nn.Module) -> list[int] | None:
+    """Each data-parallel rank's samples of the global batch under the plan the model runs
+    (ParallelConfig.batch_shares, given or chosen by plan="auto" with batch_shares="auto"), or
+    None where every rank takes the same: e.g. `ShardedBatches(n, sum(shares),
+    *tilework.data_parallel_rank(model), shares=shares)`."""
+    shares = _runtime(model).engine.plan.batch_shares
+    return None if shares is None else list(shares)
+
+
 def full_parameters(model: nn.Module):
     """A context in which every ZeRO-3 parameter holds its full values (FSDP's
     `summon_full_params`): for code that reads parameters directly rather than through a

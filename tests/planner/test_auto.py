@@ -338,7 +338,8 @@ def test_hosts_of_different_speeds_get_batch_shares_by_speed():
     batch: the example's 5 per rank, times 2): its ranks finish together at the additive ideal,
     2 / (4 + 1) of the even split's pace, which the slow rank sets; the shares win."""
     fast_slow = Cluster([Host("a", 1, speed=4.0), Host("b", 1, speed=1.0)])
-    choice = auto(gpt(), ParallelConfig(plan="auto"), fast_slow, tokens(batch=5), RATE)
+    choice = auto(gpt(), ParallelConfig(plan="auto", batch_shares="auto"), fast_slow,
+                  tokens(batch=5), RATE)
     assert choice.chosen.config.batch_shares == [8, 2]
     even = next(c for c in choice.candidates if c.config.batch_shares is None
                 and (c.config.zero, c.config.recompute) == (choice.chosen.config.zero,
@@ -347,6 +348,15 @@ def test_hosts_of_different_speeds_get_batch_shares_by_speed():
     assert "shares 8/2" in label(choice.chosen)
 
 
-def test_equal_hosts_get_no_share_candidates():
-    choice = auto(gpt(), ParallelConfig(plan="auto"), Cluster([Host("a", 2)]), tokens(), RATE)
+def test_equal_hosts_get_no_share_candidates_and_nor_does_a_loop_that_feeds_even_batches():
+    """Shares change what each rank must feed: without batch_shares="auto" (the loop reads its
+    count from tilework.batch_shares) the search keeps the even split, however the hosts
+    differ."""
+    choice = auto(gpt(), ParallelConfig(plan="auto", batch_shares="auto"),
+                  Cluster([Host("a", 2)]), tokens(), RATE)
     assert all(c.config.batch_shares is None for c in choice.candidates)
+    fast_slow = Cluster([Host("a", 1, speed=4.0), Host("b", 1, speed=1.0)])
+    choice = auto(gpt(), ParallelConfig(plan="auto"), fast_slow, tokens(batch=5), RATE)
+    assert all(c.config.batch_shares is None for c in choice.candidates)
+    with pytest.raises(tilework.UserError, match="batch_shares.*needs plan='auto'"):
+        ParallelConfig(batch_shares="auto")

@@ -344,3 +344,9 @@ def test_hosts_of_different_speeds_get_batch_shares_and_train_as_one_process(tmp
         _assert_evals(evals, one.evals)
     plan = json.loads((tmp_path / "uneven" / "plan.json").read_text())
     assert plan["batch_shares"] == [6, 2]
+    # plan="auto" weighs the shares against the even split, live, and takes them.
+    job = gpt_job(tmp_path / "auto", steps=4, plan="auto")
+    for losses, evals in spawn(_train_on_hosts, 2, (job, cluster), timeout=240):
+        _assert_close(losses, one.losses)
+    plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    assert plan["batch_shares"] == [6, 2]

@@ -132,12 +132,14 @@ class ParallelConfig:
     """Under tp > 1, also split the sequence between the split layers (norms, dropout):
     all-gather / reduce-scatter in place of all-reduce, activations tp times smaller."""
 
-    batch_shares: list[int] | None = None
+    batch_shares: list[int] | Auto | None = None
     """Samples of each global batch per data-parallel rank, in rank order, for ranks that
     differ in speed or memory (planner/shares.batch_shares computes them; docs/heterogeneous.md):
     each rank's gradient is weighted by its share, so the update is one process's on the
     global batch; each rank must feed its own count (tilework.data.ShardedBatches(shares=...)
-    hands them out; the input checks say which rank did not). None: every rank the same."""
+    hands them out; the input checks say which rank did not). None: every rank the same.
+    "auto" (with plan="auto"): the planner may choose them where the cluster's hosts differ,
+    so the loop must read this rank's count from tilework.batch_shares(model)."""
 
     @property
     def model_parallel(self) -> bool:
@@ -192,6 +194,11 @@ class ParallelConfig:
     def _check_shares(self) -> None:
         shares = self.batch_shares
         if shares is None:
+            return
+        if shares == "auto":
+            check(self.plan == "auto", "batch_shares",
+                  "a list of sample counts; 'auto' is the planner's choice, which needs "
+                  "plan='auto'")
             return
         check(isinstance(shares, (list, tuple)) and len(shares) >= 1 and all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shares),

@@ -116,6 +116,8 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
                     for schedule, microbatches in _pipelines(base, space, pp):
                         out.append(dataclasses.replace(
                             base, plan="config", auto_axes=None, tp=tp, pp=pp, cp=cp,
+                            batch_shares=None if base.batch_shares == "auto"
+                            else base.batch_shares,
                             zero=zero, zero_scope=scope, offload=offload, recompute=recompute,
                             schedule=schedule, microbatches=microbatches,
                             mode="hybrid" if pp * tp * cp > 1 and base.mode == "ps"
@@ -125,7 +127,8 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
 
 def with_shares(found: list[ParallelConfig], cluster: Cluster,
                 example_inputs: tuple) -> list[ParallelConfig]:
-    """On a cluster whose hosts differ in speed, each data-parallel candidate also with every
+    """On a cluster whose hosts differ in speed (and the config's batch_shares "auto": the
+    loop hands each rank its count), each data-parallel candidate also with every
     rank's batch share by speed (planner/shares.py; the global batch: one rank's batch, the
     example's, times the world), which the estimate prices by the slowest rank's pace."""
     if not cluster.heterogeneous or not example_inputs or not torch.is_tensor(example_inputs[0]) \
@@ -256,8 +259,9 @@ def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_
     base = base or ParallelConfig()
     space = space or Space()
     cache: dict = {}
-    enumerated = with_shares(configs(base, space, cluster, _layers(model)), cluster,
-                             example_inputs)
+    enumerated = configs(base, space, cluster, _layers(model))
+    if base.batch_shares == "auto":   # the loop reads its count: shares may be chosen
+        enumerated = with_shares(enumerated, cluster, example_inputs)
     priced = sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
                                 message_overhead_s, cache=cache)
                      for c in enumerated), key=_order)

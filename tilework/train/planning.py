@@ -91,6 +91,8 @@ def job_config(job: Job, cluster: Cluster):
     Equal shares are left as the even split."""
     config = job.parallel
     memories = {h.memory_gb for h in cluster.hosts}
+    if config.plan == "auto" and config.batch_shares is None and cluster.heterogeneous:
+        return dataclasses.replace(config, batch_shares="auto")   # the trainer hands them out
     if (config.batch_shares is not None or config.model_parallel or config.plan == "auto"
             or (not cluster.heterogeneous and len(memories) == 1)):
         return config
