@@ -350,3 +350,22 @@ def test_hosts_of_different_speeds_get_batch_shares_and_train_as_one_process(tmp
         _assert_close(losses, one.losses)
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert plan["batch_shares"] == [6, 2]
+
+
+def test_a_pipeline_over_hosts_of_different_speeds_gives_the_faster_more_blocks(tmp_path):
+    """pp=2 over hosts of speeds 3 and 1: the plan cuts the 4 blocks 3 and 1 (balance over
+    each stage's speed, as AMP cuts them), the runtime runs that cut, and the losses are one
+    process's."""
+    from tilework.cluster.topology import Cluster, Host
+    from tilework.testing import spawn
+
+    one = train(gpt_job(tmp_path / "one", steps=4))
+    cluster = Cluster([Host("fast", 1, speed=3.0), Host("slow", 1, speed=1.0)])
+    job = gpt_job(tmp_path / "pp", steps=4, pp=2, microbatches=4)
+    for losses, evals in spawn(_train_on_hosts, 2, (job, cluster), timeout=240):
+        _assert_close(losses, one.losses)
+    from tilework.cluster.topology import Topology
+    from tilework.train.planning import job_cluster, job_plan
+
+    ran_on = job_cluster(Topology.uniform(2, 1), cluster)
+    assert job_plan(job, ran_on).parallel.stages == ((0, 3), (3, 4))

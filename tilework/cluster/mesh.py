@@ -129,3 +129,15 @@ def parallel_mesh(world_size: int, ranks_per_host: int | None = None, tp: int = 
                              "group would straddle hosts; choose a tp that divides "
                              f"{ranks_per_host} (or a multiple of it, whole hosts per group)")
     return Mesh((("dp", world_size // inner), ("pp", pp), ("cp", cp), ("tp", tp)))
+
+
+def pp_speeds(mesh: Mesh, cluster, pp: int) -> list[float] | None:
+    """Each pipeline rank's speed on `cluster` (the slowest of the ranks at that pp
+    coordinate), where the cluster's hosts differ in speed; None where they do not, or
+    without a pipeline."""
+    if pp == 1 or cluster is None or not cluster.heterogeneous \
+            or cluster.world_size != mesh.size:
+        return None
+    speeds = cluster.speeds()
+    return [min(speeds[r] for r in range(mesh.size) if mesh.coords(r)["pp"] == p)
+            for p in range(pp)]

@@ -112,7 +112,7 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
     step = found.step_s
     slowest = pace(plan, cluster)
-    if slowest != 1.0:
+    if slowest != 1.0 and config.pp == 1:   # under pp the step model times each stage's speed
         # Ranks that differ: the slowest rank's compute (its share at its speed) sets the
         # pace of the stages' timeline (exchanges inside it are scaled too: a bound).
         step += parts["pipeline"] * (slowest - 1.0)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..cluster.mesh import parallel_mesh
+from ..cluster.mesh import parallel_mesh, pp_speeds
 from ..cluster.topology import Cluster, Link
 from ..config.parallel import ParallelConfig
 from .cost import seconds
@@ -180,7 +180,11 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
                              f"{2 * config.cp} chunks")
         schedule = build(config.schedule if config.pp > 1 else "1f1b", config.pp, m,
                          config.stages_per_rank)
-        stages = split_stages(model, schedule.stages) if config.pp > 1 else None
+        speeds = pp_speeds(mesh, cluster, config.pp)
+        stage_speeds = None if speeds is None else \
+            [speeds[schedule.rank_of(k)] for k in range(schedule.stages)]
+        stages = split_stages(model, schedule.stages, speeds=stage_speeds) \
+            if config.pp > 1 else None
         first = [r for r in range(world) if _first_of_replica(mesh, r)]
         per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize)
                     for r in first]
@@ -213,6 +217,8 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
             # Full recompute runs the stage's recomputed blocks' forward again in backward.
             again = m * stage_seconds(_inside(mods, recomputed), tokens / m, seq, config.tp,
                                       flops_per_s)[0]
+        if stage_speeds is not None:   # ranks that differ: this stage's at its own speed
+            f, b, again = (t / stage_speeds[k] for t in (f, b, again))
         compute = max(compute, f + b + again)
         sent = per_rank[schedule.rank_of(k)]    # a rank's bytes, over the stages it holds
         share = len(schedule.stages_of(schedule.rank_of(k)))

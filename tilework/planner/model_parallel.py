@@ -15,7 +15,7 @@ import dataclasses
 
 from torch import nn
 
-from ..cluster.mesh import Mesh, parallel_mesh
+from ..cluster.mesh import Mesh, parallel_mesh, pp_speeds
 from ..cluster.topology import Topology
 from ..comm.counted import Stats
 from ..config.parallel import ParallelConfig
@@ -36,7 +36,7 @@ def plan_mesh(model: nn.Module, config: ParallelConfig, topology: Topology, clus
                          pp=config.pp, cp=config.cp)
     meta, layout = shape_only_copy(model, config, {"tp": 0, "cp": 0})
     specs = layout.specs() if layout is not None else {}
-    parts, cut, schedule = pipeline_parts(meta, config)
+    parts, cut, schedule = pipeline_parts(meta, config, pp_speeds(mesh, cluster, config.pp))
     axes = ("dp", "cp") if config.cp > 1 else ("dp",)
     merged: dict[str, ParamPlan] = {}
     dp_mesh = None
@@ -114,9 +114,10 @@ def shape_only_copy(model: nn.Module, config: ParallelConfig, at: dict[str, int]
     return meta, layout
 
 
-def pipeline_parts(meta: nn.Module, config: ParallelConfig):
+def pipeline_parts(meta: nn.Module, config: ParallelConfig, rank_speeds=None):
     """Each pp rank's part of `meta` (one part, `meta` itself, without pp), the cut as
-    (stack, block ranges) or None, and the schedule (None without pp)."""
+    (stack, block ranges) or None, and the schedule (None without pp). `rank_speeds`: each pp
+    rank's speed, so a slower rank's stages get fewer blocks."""
     if config.pp == 1:
         return [meta], None, None
     from ..parallel.pipeline import build
@@ -124,7 +125,9 @@ def pipeline_parts(meta: nn.Module, config: ParallelConfig):
 
     schedule = build(config.schedule, config.pp, config.microbatches or 2 * config.pp,
                      config.stages_per_rank)
-    stages = cut_stages(meta, schedule.stages)
+    speeds = None if rank_speeds is None else \
+        [rank_speeds[schedule.rank_of(k)] for k in range(schedule.stages)]
+    stages = cut_stages(meta, schedule.stages, speeds=speeds)
     parts = [local_part(meta, [m for s in schedule.stages_of(r) for m in stage_modules(stages[s])])
              for r in range(config.pp)]
     stack = "blocks.layers" if is_reference_gpt(meta) else stages[0].stack_name

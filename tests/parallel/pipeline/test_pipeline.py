@@ -290,6 +290,12 @@ def test_stages_are_balanced_by_cost_and_chain_to_the_models_own_loss():
     assert balance([5, 1, 1, 1, 1, 5], 3) == [range(0, 1), range(1, 5), range(5, 6)]
     with pytest.raises(ValueError, match="cannot cut 2 blocks into 3 stages"):
         balance([1, 1], 3)
+    # Ranks that differ: a stage's time is its cost over its ranks' speed.
+    assert balance([1] * 8, 2, speeds=[3, 1]) == [range(0, 6), range(6, 8)]
+    assert balance([1] * 8, 2, speeds=[1, 3]) == [range(0, 2), range(2, 8)]
+    assert balance([1] * 4, 2, last=2, speeds=[1, 1]) == balance([1] * 4, 2, last=2)
+    with pytest.raises(ValueError, match="stage speeds: one positive speed per stage"):
+        balance([1] * 4, 2, speeds=[1])
     model = new_gpt()
     tokens, targets = gpt_batch(0)
     x = tokens

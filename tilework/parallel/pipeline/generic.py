@@ -328,7 +328,8 @@ class _BoundaryShapes:
 
 def split_model(model: nn.Module, stages: int, stack: str | None = None,
                 costs: Sequence[float] | None = None,
-                blocks: Sequence[range] | None = None) -> list[ModelStage]:
+                blocks: Sequence[range] | None = None,
+                speeds: Sequence[float] | None = None) -> list[ModelStage]:
     """`model` cut into `stages` ModelStages over its stack of blocks (found, or named),
     balanced by each block's matmul weights; the head's count towards the last stage.
     `blocks`: the cut a plan made, taken as it is."""
@@ -340,6 +341,6 @@ def split_model(model: nn.Module, stages: int, stack: str | None = None,
         raise PlanError(f"{len(costs)} costs for {len(container)} blocks")
     last = sum(matmul_params(m) for m in outside_stack(model, stack))
     shapes = _BoundaryShapes(model, stack)
-    cut = balance(costs, stages, last=last) if blocks is None \
+    cut = balance(costs, stages, last=last, speeds=speeds) if blocks is None \
         else checked_cut(blocks, stages, len(container))
     return [ModelStage(model, stack, part, k, stages, shapes) for k, part in enumerate(cut)]

@@ -60,12 +60,13 @@ def is_reference_gpt(model: nn.Module) -> bool:
     return isinstance(model, TinyGPT)
 
 
-def cut_stages(model: nn.Module, stages: int, blocks=None) -> list[nn.Module]:
+def cut_stages(model: nn.Module, stages: int, blocks=None, speeds=None) -> list[nn.Module]:
     """The reference GPT's stages (stages.py), or any model's over its stack (generic.py);
-    `blocks`: a plan's cut (each stage's block range), else balanced here."""
+    `blocks`: a plan's cut (each stage's block range), else balanced here, by `speeds` (each
+    stage's ranks' relative speed) where given."""
     if is_reference_gpt(model):
-        return split_stages(model, stages, blocks=blocks)
-    return split_model(model, stages, blocks=blocks)
+        return split_stages(model, stages, blocks=blocks, speeds=speeds)
+    return split_model(model, stages, blocks=blocks, speeds=speeds)
 
 
 def _blocks_of_stage(stage: nn.Module) -> nn.Module:

@@ -26,11 +26,13 @@ def matmul_params(module: nn.Module) -> int:
                for p in m.parameters(recurse=False))
 
 
-def balance(costs: Sequence[float], parts: int, first: float = 0.0, last: float = 0.0
-            ) -> list[range]:
+def balance(costs: Sequence[float], parts: int, first: float = 0.0, last: float = 0.0,
+            speeds: Sequence[float] | None = None) -> list[range]:
     """Contiguous ranges of `costs` (at least one block each) that minimise the largest part's
     cost, `first` and `last` added to the first and last part (the embedding and the head).
-    Exact, by dynamic programming over split points: blocks are few."""
+    `speeds`: each part's ranks' relative speed, the part's time its cost over it (uneven
+    stages for ranks that differ, as AMP and Metis cut them). Exact, by dynamic programming
+    over split points: blocks are few."""
     n = len(costs)
     if not 1 <= parts <= n:
         raise PlanError(f"cannot cut {n} blocks into {parts} stages of at least one block each")
@@ -38,9 +40,13 @@ def balance(costs: Sequence[float], parts: int, first: float = 0.0, last: float 
     for c in costs:
         prefix.append(prefix[-1] + c)
 
+    if speeds is not None and (len(speeds) != parts or any(not v > 0 for v in speeds)):
+        raise PlanError(f"stage speeds: one positive speed per stage ({parts}), got "
+                        f"{list(speeds)}")
+
     def part(i: int, j: int, k: int) -> float:
         ends = (first if k == 0 else 0.0) + (last if k == parts - 1 else 0.0)
-        return prefix[j] - prefix[i] + ends
+        return (prefix[j] - prefix[i] + ends) / (speeds[k] if speeds is not None else 1.0)
 
     # best[k][j]: the smallest largest cost of cutting blocks [0, j) into k + 1 parts
     best = [[float("inf")] * (n + 1) for _ in range(parts)]
@@ -114,12 +120,14 @@ class GPTStage(nn.Module):
 
 
 def split_stages(model: nn.Module, stages: int, costs: Sequence[float] | None = None,
-                 blocks: Sequence[range] | None = None) -> list[GPTStage]:
+                 blocks: Sequence[range] | None = None,
+                 speeds: Sequence[float] | None = None) -> list[GPTStage]:
     """`model` (TinyGPT-shaped: tokens, positions, blocks.layers, norm, head, causal) cut into
     `stages` GPTStages, balanced by `costs` per block (default: each block's matmul weights; the
     head's count towards the last stage). Training cuts any other model by generic.py; the
     estimates that cut stages here (memory, the mesh search) refuse one by name. `blocks`: the
-    cut a plan made (its stages' block ranges), taken as it is."""
+    cut a plan made (its stages' block ranges), taken as it is; `speeds`: each stage's ranks'
+    relative speed (balance)."""
     if not all(hasattr(model, a) for a in ("tokens", "positions", "blocks", "norm", "head")):
         raise PlanError(f"pp: the estimate of pipeline stages is built for the reference GPT "
                         f"only, not {type(model).__name__} yet (training with pp cuts it)")
@@ -129,6 +137,6 @@ def split_stages(model: nn.Module, stages: int, costs: Sequence[float] | None = 
     if len(costs) != len(layers):
         raise PlanError(f"{len(costs)} costs for {len(layers)} blocks")
     last = matmul_params(model.head) + matmul_params(model.norm)
-    parts = balance(costs, stages, first=0.0, last=last) if blocks is None \
+    parts = balance(costs, stages, first=0.0, last=last, speeds=speeds) if blocks is None \
         else checked_cut(blocks, stages, len(layers))
     return [GPTStage(model, part, k == 0, k == stages - 1) for k, part in enumerate(parts)]
