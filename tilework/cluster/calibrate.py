@@ -428,7 +428,13 @@ def measure_speeds(group, world_size: int, hosts: list[list[int]]) -> list[float
     rates = [mine.clone() for _ in range(world_size)]
     if world_size > 1:
         dist.all_gather(rates, mine, group=group)
-    per_host = [min(float(rates[r]) for r in ranks) for ranks in hosts]
+    return host_speeds([float(r) for r in rates], hosts)
+
+
+def host_speeds(rates: list[float], hosts: list[list[int]]) -> list[float] | None:
+    """Each host's slowest rank's rate over the fastest host's (two digits), or None where
+    the hosts are within SPEED_SPREAD of each other. Pure."""
+    per_host = [min(rates[r] for r in ranks) for ranks in hosts]
     if max(per_host) < SPEED_SPREAD * min(per_host):
         return None
     return [float(f"{rate / max(per_host):.2g}") for rate in per_host]
