@@ -69,7 +69,7 @@ def test_a_host_with_less_memory_gets_a_share_that_fits():
     peak = [estimate_per_rank(model, even, with_batch(inputs, n), "adam", [1])[0].peak
             for n in (3, 4)]
     budget = (peak[0] + peak[1]) / 2
-    tight = Cluster([Host("a", 1), Host("b", 1, memory_gb=budget / 0.8 / 1e9)])
+    tight = Cluster([Host("a", 1, memory_gb=64.0), Host("b", 1, memory_gb=budget / 0.8 / 1e9)])
     out = report(job, tight)
     assert out["plan"]["batch_shares"] == [7, 3]
     assert not any(m["over_budget"] for m in out["memory"])

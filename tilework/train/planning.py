@@ -88,18 +88,20 @@ def job_config(job: Job, cluster: Cluster):
     the cluster's hosts differ in speed or memory (the slowest rank no longer sets the pace,
     the smallest memory no longer the batch: planner/shares.py) and the job left it to the
     planner (no batch_shares given, data parallel, plan="config"; plan="auto" searches both).
-    Equal shares are left as the even split."""
+    Equal shares, or none that fits every rank's memory, leave the even split (whose memory
+    the report then flags)."""
     config = job.parallel
-    memories = {h.memory_gb for h in cluster.hosts}
+    memories = {h.memory_gb for h in cluster.hosts} - {None}   # the hosts that say
     if config.plan == "auto" and config.batch_shares is None and cluster.heterogeneous:
         return dataclasses.replace(config, batch_shares="auto")   # the trainer hands them out
     if (config.batch_shares is not None or config.model_parallel or config.plan == "auto"
-            or (not cluster.heterogeneous and len(memories) == 1)):
+            or (not cluster.heterogeneous and len(memories) <= 1)):
         return config
+    from ..errors import ConfigError
     from ..planner.shares import batch_shares
 
     caps = None
-    if memories != {None}:   # each rank's share within what its memory holds
+    if memories:   # each rank's share within what its memory holds
         from ..estimate.memory import rank_budgets
         from ..estimate.plan_memory import share_caps
 
@@ -107,7 +109,10 @@ def job_config(job: Job, cluster: Cluster):
         even = plan(model, config, cluster, traffic=table_traffic(job, analyze(model), cluster))
         caps = share_caps(model, even, example_batch(job, cluster), rank_budgets(cluster),
                           global_batch(job, cluster.world_size), job.train.optimizer)
-    shares = batch_shares(global_batch(job, cluster.world_size), cluster.speeds(), caps)
+    try:
+        shares = batch_shares(global_batch(job, cluster.world_size), cluster.speeds(), caps)
+    except ConfigError:   # no split fits: the even one, which the memory report flags
+        return config
     if len(set(shares)) == 1:
         return config
     return dataclasses.replace(config, batch_shares=list(shares))
