@@ -269,7 +269,7 @@ def framework_costs(device=None, steps: int = 12) -> dict:
     policies = ("none", "selective", "full")
     torch.manual_seed(0)
     model = TinyGPT(64, 16, 2, 2, 8)
-    ids = torch.zeros(2, 8, dtype=torch.long)
+    ids = torch.zeros(2, 8, dtype=torch.long, device="cpu")
     meta_ids = ids.to("meta")
     recordings = {p: record(on_meta(model), (meta_ids, meta_ids), recompute_choices(model, p))
                   for p in policies}
