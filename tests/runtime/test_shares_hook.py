@@ -64,3 +64,19 @@ def test_a_dict_output_is_reached_and_an_opaque_one_refused():
         model(torch.randn(2, 3))
     with torch.no_grad():   # evaluation: nothing to weigh
         model(torch.randn(2, 3))
+
+
+def test_the_user_may_change_the_output_in_place():
+    """`loss /= steps` on what the model returned, as accumulation loops write it."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+    plain = model(x).sum()
+    plain.backward()
+    expected = model.weight.grad.clone() * 0.5 / 2
+    model.zero_grad()
+    model.register_forward_hook(weight_output(0.5))
+    out = model(x)
+    out /= 2
+    out.sum().backward()
+    torch.testing.assert_close(model.weight.grad, expected)

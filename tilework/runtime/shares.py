@@ -3,8 +3,8 @@ data-parallel rank feeds its own number of samples, and its gradient is weighted
 usual mean over ranks is the gradient of the global batch's mean loss.
 
 One place does it for every path a gradient takes (dense buckets, ZeRO, the servers' rows,
-tables all-gathered): the model's output passes through an identity whose backward multiplies
-by the rank's weight W n_r / N, so everything backward computes from it is weighted before
+tables all-gathered): a hook on the model's output multiplies its gradient by the rank's
+weight W n_r / N, so everything backward computes from it is weighted before
 any of it is synchronised, and every synchronisation stays the mean it already is. A term of
 the loss that does not come from the model's output (a penalty on the parameters, the same on
 every rank) is left unweighted, which is also what one process on the global batch computes.
@@ -20,17 +20,6 @@ from ..planner.shares import gradient_weights
 from .hooks import PicklesAsNoop
 
 
-class _Weighted(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight: float):
-        ctx.weight = weight
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.weight, None
-
-
 def weight_output(weight: float):
     """A forward hook giving the output's gradient `weight` times what it would be. An output
     in which no tensor that needs a gradient can be reached (a container pytree does not
@@ -41,18 +30,20 @@ def weight_output(weight: float):
         weighted = []
 
         def weigh(t):
-            if not t.requires_grad:
-                return t
-            weighted.append(t)
-            return _Weighted.apply(t, weight)
+            # A hook on the output's gradient, not a new tensor: the user's in-place changes
+            # to what the model returned (`loss /= steps`) stay allowed.
+            if t.requires_grad:
+                t.register_hook(lambda grad: grad * weight)
+                weighted.append(t)
+            return t
 
-        out = tree_map_only(torch.Tensor, weigh, output)
+        tree_map_only(torch.Tensor, weigh, output)
         if not weighted and any(p.requires_grad for p in module.parameters()):
             raise PlanError(f"batch_shares: the model's output ({type(output).__name__}) holds "
                             "no tensor that needs a gradient where tilework can reach it, so "
                             "its gradient cannot be weighted by this rank's share; return "
                             "tensors (or a tuple, list or dict of them)")
-        return out
+        return output
 
     return hook
 
