@@ -15,13 +15,16 @@ microbatches multiply. So, as Proteus and vTrain profile operators:
 - `measure` (on the device): each distinct call timed on real tensors of those shapes
   (floating point random, integers zero: valid indices, masks all false), repeated until a
   floor of time has passed; `OpTimes` holds the seconds.
+- `framework_costs` (on the device): what the framework adds per call beside the op itself
+  (the autograd engine's bookkeeping; inside a checkpointed module, torch's Python around
+  every op), by region, from a tiny GPT whose ops are next to nothing.
 - `OpTimes.seconds(recording)`: the sum over the calls, plus the framework's cost per call.
   Given a MatmulCurve, the matmul family not measured is priced by its shape there (a live
   plan="auto" measures the rest only); any other call not measured (or that failed on made-up
   values) at the median measured call, and counted in `missing`.
 
-What it leaves out, by design: the optimizer step (the step models leave it out everywhere),
-and the autograd engine's own per-node bookkeeping beside each op (a few microseconds).
+What it leaves out: the optimizer step (the step models leave it out everywhere), and what
+the runtime does around the model (ZeRO's copies and gathers, the buckets' copies).
 """
 
 from __future__ import annotations
