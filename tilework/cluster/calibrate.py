@@ -424,7 +424,11 @@ def measure_speeds(group, world_size: int, hosts: list[list[int]]) -> list[float
     import torch.distributed as dist
 
     # The best of three: what interference takes away is noise, what a quota takes is not.
-    mine = torch.tensor([max(matmul_flops() for _ in range(3))], dtype=torch.float64)
+    # Each long enough (about 0.3 s at full speed) to span several scheduler periods: a CPU
+    # quota (a cgroup's, a VM's) is enforced per period, and a short run can fit in the
+    # runtime one period grants.
+    mine = torch.tensor([max(matmul_flops(repeats=100) for _ in range(3))],
+                        dtype=torch.float64)
     rates = [mine.clone() for _ in range(world_size)]
     if world_size > 1:
         dist.all_gather(rates, mine, group=group)
