@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -79,7 +80,7 @@ def _solo(rank, world_size, path, n, steps):
 def _world(rank, world_size, paths, splits, steps):
     """Each split in turn, parallelized as `tilework train` would: the median step (barrier to
     the slowest rank's optimizer step)."""
-    import torch.distributed as dist
+    from mesh_search import slowest_step
 
     import tilework
     from tilework.data import ShardedBatches
@@ -95,14 +96,13 @@ def _world(rank, world_size, paths, splits, steps):
         took = []
         for step in range(steps + 1):
             tokens, targets = batch(sampler.indices(step))
-            dist.barrier()
-            start = time.perf_counter()
-            model(tokens, targets).backward()
-            opt.step()
-            opt.zero_grad()
-            t = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            took.append(t.item())
+
+            def run(tokens=tokens, targets=targets, model=model, opt=opt):
+                model(tokens, targets).backward()
+                opt.step()
+                opt.zero_grad()
+
+            took.append(slowest_step(run))
         out[name] = statistics.median(took[1:])
     return out
 

@@ -76,18 +76,27 @@ def run_candidate(config: dict, steps: int) -> list[float]:
     out = []
     for step in range(steps):
         tokens, targets = batch(step, at, dp)
-        dist.barrier()
-        start = time.perf_counter()
-        if config.get("pp", 1) > 1:
-            model.step(tokens, targets)
-        else:
-            model(tokens, targets).backward()
-        opt.step()
-        opt.zero_grad()
-        took = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        out.append(took.item())
+
+        def run(tokens=tokens, targets=targets):
+            if config.get("pp", 1) > 1:
+                model.step(tokens, targets)
+            else:
+                model(tokens, targets).backward()
+            opt.step()
+            opt.zero_grad()
+
+        out.append(slowest_step(run))
     return out
+
+
+def slowest_step(run) -> float:
+    """Seconds of `run()` on the slowest rank, every rank starting together (a barrier)."""
+    dist.barrier()
+    start = time.perf_counter()
+    run()
+    took = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
 
 
 def _allreduce_link(world_size: int, nbytes: int):

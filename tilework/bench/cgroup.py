@@ -16,7 +16,28 @@ import sys
 import time
 
 
-class MemoryCap:
+class _Group:
+    """A cgroup directory of our own: its files, joining it, removing it."""
+
+    path: str
+
+    def _write(self, name: str, value) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(str(value))
+
+    def _read(self, name: str) -> str:
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def join(self, pid: int | None = None) -> None:
+        """Move process `pid` (default: this one, as a preexec_fn) and every thread of it in."""
+        self._write("cgroup.procs", pid or os.getpid())
+
+    def remove(self) -> None:
+        os.rmdir(self.path)
+
+
+class MemoryCap(_Group):
     """A memory cgroup with `limit` bytes and no swap, inside this process's own; `join` is a
     preexec_fn that moves a starting worker into it."""
 
@@ -43,17 +64,6 @@ class MemoryCap:
             else ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
         for name in order:
             self._write(name, limit)
-
-    def _write(self, name: str, value) -> None:
-        with open(os.path.join(self.path, name), "w") as f:
-            f.write(str(value))
-
-    def _read(self, name: str) -> str:
-        with open(os.path.join(self.path, name)) as f:
-            return f.read()
-
-    def join(self) -> None:
-        self._write("cgroup.procs", os.getpid())
 
     def oom_kills(self) -> int:
         text = self._read("memory.events" if self.version == 2 else "memory.oom_control")
@@ -84,9 +94,6 @@ class MemoryCap:
                                   else "memory.max_usage_in_bytes"))
         except OSError:
             return None
-
-    def remove(self) -> None:
-        os.rmdir(self.path)
 
 
 def run_capped(args: list[str], caps: list[MemoryCap], timeout: float, env: dict) -> dict:
@@ -127,23 +134,35 @@ def run_capped(args: list[str], caps: list[MemoryCap], timeout: float, env: dict
 
 def _own_memory_cgroup() -> tuple[int, str]:
     """(cgroup version, the directory of this process's memory cgroup)."""
+    return _own_cgroup("memory", ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"),
+                       ("/sys/fs/cgroup/memory",))
+
+
+def _own_cgroup(controller: str, v2_roots: tuple[str, ...],
+                v1_mounts: tuple[str, ...]) -> tuple[int, str]:
+    """(cgroup version, the directory of this process's cgroup for `controller`): v2 where a
+    root in `v2_roots` enables it (and this process's group delegates it), else v1 under the
+    first of `v1_mounts` that exists."""
     with open("/proc/self/cgroup") as f:
         entries = [line.rstrip("\n").split(":", 2) for line in f]
-    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+    for root in v2_roots:
         controllers = os.path.join(root, "cgroup.controllers")
-        if os.path.exists(controllers) and "memory" in open(controllers).read().split():
+        if os.path.exists(controllers) and controller in open(controllers).read().split():
             path = next(p for i, c, p in entries if i == "0")
             own = os.path.join(root, path.lstrip("/"))
-            if "memory" not in open(os.path.join(own, "cgroup.subtree_control")).read().split():
-                raise OSError(f"cgroup v2: {own} does not delegate the memory controller")
+            if controller not in open(os.path.join(own, "cgroup.subtree_control")).read() \
+                    .split():
+                raise OSError(f"cgroup v2: {own} does not delegate the {controller} controller")
             return 2, own
     for _, controllers, path in entries:
-        if "memory" in controllers.split(","):
-            return 1, os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
-    raise OSError("no memory cgroup controller is mounted")
+        if controller in controllers.split(","):
+            for mount in v1_mounts:
+                if os.path.isdir(mount):
+                    return 1, os.path.join(mount, path.lstrip("/"))
+    raise OSError(f"no {controller} cgroup controller is mounted")
 
 
-class CpuQuota:
+class CpuQuota(_Group):
     """A CPU cgroup whose processes together get `cores` CPUs' worth of time (cgroup v2's
     cpu.max, or v1's cpu.cfs_quota_us over cpu.cfs_period_us): a host that is `cores` fast
     on one machine. `join(pid)` moves a whole process (every thread) into it. Needs root."""
@@ -166,32 +185,8 @@ class CpuQuota:
             os.rmdir(self.path)
             raise
 
-    def _write(self, name: str, value) -> None:
-        with open(os.path.join(self.path, name), "w") as f:
-            f.write(str(value))
-
-    def join(self, pid: int | None = None) -> None:
-        self._write("cgroup.procs", pid or os.getpid())
-
-    def remove(self) -> None:
-        os.rmdir(self.path)
-
 
 def _own_cpu_cgroup() -> tuple[int, str]:
     """(cgroup version, the directory of this process's cpu cgroup)."""
-    with open("/proc/self/cgroup") as f:
-        entries = [line.rstrip("\n").split(":", 2) for line in f]
-    root = "/sys/fs/cgroup"
-    controllers = os.path.join(root, "cgroup.controllers")
-    if os.path.exists(controllers) and "cpu" in open(controllers).read().split():
-        path = next(p for i, c, p in entries if i == "0")
-        own = os.path.join(root, path.lstrip("/"))
-        if "cpu" not in open(os.path.join(own, "cgroup.subtree_control")).read().split():
-            raise OSError(f"cgroup v2: {own} does not delegate the cpu controller")
-        return 2, own
-    for _, controllers, path in entries:
-        if "cpu" in controllers.split(","):
-            for mount in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"):
-                if os.path.isdir(mount):
-                    return 1, os.path.join(mount, path.lstrip("/"))
-    raise OSError("no cpu cgroup controller is mounted")
+    return _own_cgroup("cpu", ("/sys/fs/cgroup",),
+                       ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"))

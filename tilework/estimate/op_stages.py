@@ -32,6 +32,21 @@ def stage_recordings(model: nn.Module, config: ParallelConfig, replica_batch: in
     return seen[key]
 
 
+def model_recording(model: nn.Module, example_inputs: tuple, recompute) -> Recording:
+    """One forward and backward of any model on `example_inputs` with `recompute` (a plan's
+    (module name, policy) pairs), recorded on a meta copy; cached per model, since a search
+    asks for it under every ZeRO stage and placement."""
+    from .meta_forward import on_meta
+
+    inputs = tuple(x.to("meta") if torch.is_tensor(x) else x for x in example_inputs)
+    key = ("model", tuple(recompute),
+           tuple(tuple(x.shape) if torch.is_tensor(x) else repr(x) for x in inputs))
+    seen = _CACHE.setdefault(model, {})
+    if key not in seen:
+        seen[key] = record(on_meta(model), inputs, recompute)
+    return seen[key]
+
+
 def _record(model: nn.Module, config: ParallelConfig, microbatch: int, seq: int):
     from ..planner.model_parallel import shape_only_copy
     from ..plans.analysis import recompute_choices
@@ -106,4 +121,4 @@ def _counting(exchange, name: str, counts: Counter, axis: str, ends: int) -> Non
     object.__setattr__(exchange, name, counted)   # ShapeOnlyTP is a frozen dataclass
 
 
-__all__ = ["stage_recordings"]
+__all__ = ["model_recording", "stage_recordings"]

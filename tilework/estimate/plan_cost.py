@@ -134,14 +134,12 @@ def pace(plan: Plan, cluster: Cluster) -> float:
 def _counted_compute(model, example_inputs: tuple, recompute, rate) -> float:
     """A step's compute: its counted FLOPs at `rate` (one FLOP/s or a MatmulCurve), or, given
     OpTimes, every op of its forward and backward at its measured time."""
-    from .ops import OpTimes, record
+    from .op_stages import model_recording
+    from .ops import OpTimes
 
     if not isinstance(rate, OpTimes):
         return step_flops(model, example_inputs, recompute).seconds(rate)
-    from .meta_forward import on_meta
-
-    inputs = tuple(x.to("meta") if hasattr(x, "to") else x for x in example_inputs)
-    return sum(rate.seconds(record(on_meta(model), inputs, recompute)))
+    return sum(rate.seconds(model_recording(model, example_inputs, recompute)))
 
 
 def _steps_like_the_reference_gpt(model) -> bool:

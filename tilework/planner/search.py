@@ -256,15 +256,8 @@ def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_
     refused with why. Memory is estimated in that order until two candidates fit (the choice
     and its runner-up; `every`: for all): a slower plan's memory cannot change the choice.
     Those not examined have no "peak_bytes" in their parts."""
-    base = base or ParallelConfig()
-    space = space or Space()
-    cache: dict = {}
-    enumerated = configs(base, space, cluster, _layers(model))
-    if base.batch_shares == "auto":   # the loop reads its count: shares may be chosen
-        enumerated = with_shares(enumerated, cluster, example_inputs)
-    priced = sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
-                                message_overhead_s, cache=cache)
-                     for c in enumerated), key=_order)
+    priced = priced_steps(model, cluster, example_inputs, flops_per_s, base, space, traffic,
+                          message_overhead_s)
     out, fits = [], 0
     for c in priced:
         if c.step_s is not None and (every or fits < 2):
@@ -273,6 +266,23 @@ def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_
             fits += c.step_s is not None
         out.append(c)
     return sorted(out, key=_order)
+
+
+def priced_steps(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_s,
+                 base: ParallelConfig | None = None, space: Space | None = None,
+                 traffic: dict | None = None, message_overhead_s: float = 0.0
+                 ) -> list[Candidate]:
+    """Enumerate and estimate: every candidate of `space` around `base` with its step priced
+    (no memory yet), fastest first."""
+    base = base or ParallelConfig()
+    space = space or Space()
+    cache: dict = {}
+    enumerated = configs(base, space, cluster, _layers(model))
+    if base.batch_shares == "auto":   # the loop reads its count: shares may be chosen
+        enumerated = with_shares(enumerated, cluster, example_inputs)
+    return sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
+                              message_overhead_s, cache=cache)
+                   for c in enumerated), key=_order)
 
 
 def _order(c: Candidate) -> tuple:
