@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from tilework import cli
 from tilework.cluster.topology import Cluster, Host
 from tilework.errors import ConfigError, UserError
 from tilework.launch.launcher import cluster_spec, local_spec
@@ -94,13 +95,26 @@ def test_run_names_the_failed_rank(tmp_path):
     (["run", "--hosts", "", "x.py"], ".: not a file"),  # not local_spec(None)
     (["plan", "--job", "a\nb.toml", "--cluster", "c.toml"], "a\\nb.toml: file not found"),
 ])
-def test_user_errors_are_one_line_exit_2(tmp_path, args, expected):
+def test_user_errors_are_one_line_exit_2(tmp_path, monkeypatch, capsys, args, expected):
+    # In this process (cli.main as `python -m tilework` calls it): a fresh interpreter per case
+    # cost 3 s each; the entry point itself is run for real just below.
     (tmp_path / "x.py").write_text("")
-    r = subprocess.run([sys.executable, "-m", "tilework", *args], capture_output=True, text=True,
-                       cwd=tmp_path, timeout=60)
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = cli.main(args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_user_error_through_the_real_entry_point_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tilework", "run", "-n", "2", "missing.py"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert r.returncode == 2, r.stderr
-    assert expected in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.strip() == "tilework: error: missing.py: script not found", r.stderr
 
 
 def test_cluster_spec_for_each_host():
