@@ -113,11 +113,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=40)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--period-ms", type=float, default=CpuQuota.PERIOD_US / 1e3,
+                    help="the quotas' scheduler period (default the kernel's, 100)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", type=Path)
     a = ap.parse_args(argv)
     world = len(a.speeds)
-    quotas = [CpuQuota(s, name=f"rank{r}") for r, s in enumerate(a.speeds)]
+    quotas = [CpuQuota(s, name=f"rank{r}", period_us=int(a.period_ms * 1e3))
+              for r, s in enumerate(a.speeds)]
     solo: dict = {}
 
     def alone(rank: int, n: int) -> float:

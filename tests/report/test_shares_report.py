@@ -74,3 +74,25 @@ def test_a_host_with_less_memory_gets_a_share_that_fits():
     assert out["plan"]["batch_shares"] == [7, 3]
     assert not any(m["over_budget"] for m in out["memory"])
     assert report(gpt_job(batch_shares=[5, 5]), tight)["memory"][1]["over_budget"]
+
+
+def test_a_host_with_less_memory_serves_fewer_rows():
+    """Hosts that differ in memory serve a server table's rows in proportion to it (the job
+    giving no server_weights of its own): the plan maps the table's partitions 11 to 5 over
+    memories 2:1, and the memory estimate holds each rank's own rows."""
+    from tilework.train.planning import job_plan
+
+    job = Job(workload="lm")
+    cluster = Cluster([Host("a", 1, memory_gb=32.0), Host("b", 1, memory_gb=16.0)])
+    (table,) = job_plan(job, cluster).of("ps")
+    assert table.partitions == 16 and table.servers.count(0) == 11
+    params = [m["parameters"] for m in report(job, cluster)["memory"]]
+    row_bytes = table.shape[1] * 4
+    rows = [len([r for r in range(table.shape[0]) if table.servers[r % 16] == k])
+            for k in (0, 1)]   # hashed rows: row r in partition r % 16
+    assert params[0] - params[1] == (rows[0] - rows[1]) * row_bytes
+    # Equal memories, or a job's own weights, are left as they are.
+    even = Cluster([Host("a", 1, memory_gb=16.0), Host("b", 1, memory_gb=16.0)])
+    assert not job_plan(job, even).of("ps")[0].servers
+    own = job_plan(Job(workload="lm", parallel=ParallelConfig(server_weights=[1, 1])), cluster)
+    assert not own.of("ps")[0].servers

@@ -165,21 +165,26 @@ def _own_cgroup(controller: str, v2_roots: tuple[str, ...],
 class CpuQuota(_Group):
     """A CPU cgroup whose processes together get `cores` CPUs' worth of time (cgroup v2's
     cpu.max, or v1's cpu.cfs_quota_us over cpu.cfs_period_us): a host that is `cores` fast
-    on one machine. `join(pid)` moves a whole process (every thread) into it. Needs root."""
+    on one machine. `join(pid)` moves a whole process (every thread) into it. Needs root.
+
+    The quota is enforced per period (`period_us`, the kernel's 100 ms by default): a process
+    that spent its quarter of a period stops for the rest of it, where a device a quarter as
+    fast would keep going slowly. A 10 ms period measured the same (docs/heterogeneous.md).
+    """
 
     PERIOD_US = 100_000
 
-    def __init__(self, cores: float, name: str = "quota"):
+    def __init__(self, cores: float, name: str = "quota", period_us: int = PERIOD_US):
         self.version, parent = _own_cpu_cgroup()
         self.path = os.path.join(parent, f"tilework-{name}-{os.getpid()}")
         os.mkdir(self.path)
         self.cores = cores
-        quota = max(1000, int(cores * self.PERIOD_US))
+        quota = max(1000, int(cores * period_us))   # the kernel's floor: 1 ms
         try:
             if self.version == 2:
-                self._write("cpu.max", f"{quota} {self.PERIOD_US}")
+                self._write("cpu.max", f"{quota} {period_us}")
             else:
-                self._write("cpu.cfs_period_us", self.PERIOD_US)
+                self._write("cpu.cfs_period_us", period_us)
                 self._write("cpu.cfs_quota_us", quota)
         except OSError:
             os.rmdir(self.path)

@@ -141,6 +141,13 @@ class ParallelConfig:
     "auto" (with plan="auto"): the planner may choose them where the cluster's hosts differ,
     so the loop must read this rank's count from tilework.batch_shares(model)."""
 
+    server_weights: list[float] | None = None
+    """How many rows of each server table every rank serves, relative to the others, in rank
+    order (e.g. each rank's memory: `tilework train` sets it from the cluster file's
+    `memory_gb` where hosts differ). None: each rank the same. The tables are then cut into
+    more partitions, each served by the rank that is furthest below its weight
+    (planner/shares.server_map)."""
+
     @property
     def model_parallel(self) -> bool:
         return self.tp * self.pp * self.cp > 1
@@ -192,6 +199,16 @@ class ParallelConfig:
         self._check_shares()
 
     def _check_shares(self) -> None:
+        weights = self.server_weights
+        if weights is not None:
+            check(isinstance(weights, (list, tuple)) and len(weights) >= 1 and all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")
+                for w in weights), "server_weights",
+                f"a list of positive weights, one per rank, got {weights!r}")
+            self.server_weights = [float(w) for w in weights]
+            check(not self.model_parallel and not self.auto_axes, "server_weights",
+                  "uneven serving for data parallelism only: with tp, pp or cp it is not "
+                  "built yet")
         shares = self.batch_shares
         if shares is None:
             return

@@ -332,28 +332,37 @@ class TableTraffic:
                                  model=self.model, start=h))
                 for h in hot_rows]
 
-    def busiest_share(self, partitions: int, servers: int, row_map: str) -> float:
+    def busiest_share(self, partitions: int, servers: int, row_map: str,
+                      server_map: tuple[int, ...] = ()) -> float:
         """The fraction of one rank's distinct rows that the busiest server owns. Contiguous
         partitions of a frequency-sorted (Zipf) table are not even: the first holds the
         popular rows, and its server hears more than 1/servers of every rank's requests
         (4 ranks on lm100k: 0.60 MB against 0.35 on average). Hashed rows (row % partitions)
         spread a Zipf table evenly; measured ids are counted where they land either way.
-        Traffic without ids or a Zipf model (a measured density) is taken as even."""
-        if servers == 1 or (self.model is None and self.measured is None):
-            return 1 / servers
+        Traffic without ids or a Zipf model (a measured density) is taken as even over the
+        rows. `server_map`: the rank of each partition where ranks serve unevenly (the busiest
+        is then the one with the most rows, even traffic or not)."""
         from ..plans.plan import partition_bounds, server_of
 
+        def even() -> float:   # the busiest server's share of the partitions (of the rows)
+            if not server_map:
+                return 1 / servers
+            return max(np.bincount(server_map, minlength=servers)) / partitions
+
+        if servers == 1 or (self.model is None and self.measured is None):
+            return even() if servers > 1 else 1.0
         if row_map == "hashed":
             if self.measured is None or not self.measured[2]:
-                return 1 / servers
+                return even()
             ids = np.asarray(self.measured[1], dtype=np.int64)
             ids = ids[ids >= self.start]
-            owned = np.bincount(ids % partitions % servers, minlength=servers)
-            return float(owned.max() / len(ids)) if len(ids) else 1 / servers
+            to = np.asarray(server_map) if server_map else np.arange(partitions) % servers
+            owned = np.bincount(to[ids % partitions], minlength=servers)
+            return float(owned.max() / len(ids)) if len(ids) else even()
         if self.measured is not None:
             rows, ids, samples = self.measured
             if not samples:
-                return 1 / servers
+                return even()
             pooled = np.asarray(ids)
 
             def below(row: float) -> float:   # mean distinct ids under `row` per rank and step
@@ -370,9 +379,9 @@ class TableTraffic:
         owned = [0.0] * servers
         for k, (lo, hi) in enumerate(partition_bounds(rows, partitions)):
             lo, hi = max(lo, self.start), max(hi, self.start)
-            owned[server_of(k, servers)] += below(hi) - below(lo)
+            owned[server_of(k, servers, server_map)] += below(hi) - below(lo)
         total = below(rows) - below(self.start)
-        return max(owned) / total if total > 0 else 1 / servers
+        return max(owned) / total if total > 0 else even()
 
     def touched_rows(self, probability: float) -> int:
         """How many of the most frequent rows each rank touches with at least `probability` (0
@@ -416,7 +425,7 @@ def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, link
     servers = min(plan.partitions, n)
     local, hosts = len(topology.hosts[0]), topology.num_hosts
     if not (local_aggregation and topology.can_aggregate_locally):
-        share = traffic.busiest_share(plan.partitions, servers, plan.row_map)
+        share = traffic.busiest_share(plan.partitions, servers, plan.row_map, plan.servers)
         sent, received = _exchange(traffic.per_rank, n, servers, row_bytes, share)
         return Cost(sent, seconds(max(sent, received), link_for(topology, links), 3 * (n - 1)))
     forwarders = min(servers, local)

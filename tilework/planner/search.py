@@ -118,6 +118,7 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
                             base, plan="config", auto_axes=None, tp=tp, pp=pp, cp=cp,
                             batch_shares=None if base.batch_shares == "auto"
                             else base.batch_shares,
+                            server_weights=base.server_weights if pp * tp * cp == 1 else None,
                             zero=zero, zero_scope=scope, offload=offload, recompute=recompute,
                             schedule=schedule, microbatches=microbatches,
                             mode="hybrid" if pp * tp * cp > 1 and base.mode == "ps"

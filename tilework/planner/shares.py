@@ -72,4 +72,35 @@ def gradient_weights(shares) -> tuple[float, ...]:
     return tuple(world * n / total for n in shares)
 
 
-__all__ = ["batch_shares", "gradient_weights", "ideal_time", "step_time"]
+# Partitions per unit of the smallest weight when ranks serve unevenly: a rank's rows are then
+# within one partition (1 / (GRAIN x world) of the table) of its weight's share.
+GRAIN = 8
+
+
+def server_partitions(rows: int, world_size: int) -> int:
+    """How many partitions a server table is cut into for ranks that serve unevenly: enough
+    that every rank's share of the rows is close to its weight's, at most one per row."""
+    return min(rows, GRAIN * world_size)
+
+
+def server_map(partitions: int, weights) -> tuple[int, ...]:
+    """The rank serving each partition: partition by partition, to the rank whose partitions
+    over its weight would be lowest after taking it (ties to the lower rank). As for the batch
+    shares, the greedy order is the min-max optimum: the most loaded rank relative to its
+    weight (its memory) is as light as any split makes it. Equal weights give round robin.
+    Raises ConfigError on a weight that is not positive."""
+    weights = [float(w) for w in weights]
+    if not weights or any(not 0 < w < float("inf") for w in weights):
+        raise ConfigError("server_weights", f"expected a positive weight for every rank, got "
+                                            f"{weights}")
+    served = [0] * len(weights)
+    out = []
+    for _ in range(partitions):
+        r = min(range(len(weights)), key=lambda k: ((served[k] + 1) / weights[k], k))
+        served[r] += 1
+        out.append(r)
+    return tuple(out)
+
+
+__all__ = ["batch_shares", "gradient_weights", "ideal_time", "server_map", "server_partitions",
+           "step_time"]

@@ -19,7 +19,7 @@ import dataclasses
 from ..cluster.mesh import Mesh
 from ..cluster.topology import Cluster, Links, Topology
 from ..config.parallel import Method, Mode, ParallelConfig, RowMap, RowMapChoice, SparseReduce
-from ..errors import PlanError
+from ..errors import ConfigError, PlanError
 from ..estimate.cost import (
     TableTraffic,
     predict,
@@ -30,6 +30,7 @@ from ..estimate.cost import (
 )
 from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
 from ..plans.plan import ParamPlan, Plan, bucket_bytes
+from .shares import server_map, server_partitions
 
 
 def recompute_choices_in(model, part, recompute) -> tuple[tuple[str, str], ...]:
@@ -66,7 +67,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      recompute=recompute_choices(model, config.recompute),
                      units=(units if units is not None else owning_units(model))
                      if config.zero == 3 else None,
-                     offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope)
+                     offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope,
+                     server_weights=config.server_weights)
     if config.batch_shares is None:
         return made
     return dataclasses.replace(made, batch_shares=tuple(config.batch_shares))
@@ -82,11 +84,15 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               recompute: tuple[tuple[str, str], ...] = (),
               units: dict[str, str] | None = None,
               offload: tuple[str, str | None] = ("none", None),
-              zero_scope: str = "world") -> Plan:
+              zero_scope: str = "world", server_weights: list[float] | None = None) -> Plan:
     overrides = _checked(infos, mode, sparse_reduce, overrides)
     topology = topology or Topology.from_sizes([world_size])
     if topology.world_size != world_size:
         raise PlanError(f"topology has {topology.world_size} ranks, expected {world_size}")
+    if server_weights is not None and len(server_weights) != world_size:
+        raise ConfigError("server_weights", f"one weight per rank ({world_size}), got "
+                                            f"{len(server_weights)}")
+    uneven = server_weights is not None and len(set(server_weights)) > 1
     links, traffic = links or Links(), traffic or {}
     if zero and zero_scope == "host" and len({len(h) for h in topology.hosts}) > 1:
         raise PlanError(f"zero_scope: 'host' shards inside each host, which needs hosts of one "
@@ -126,13 +132,18 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
             if wanted is None and searched is not None and searched.method == "ps":
                 wanted = searched.partitions
             parts = min(wanted or world_size, info.shape[0])
+        servers = ()
+        if method == "ps" and uneven and world_size > 1:
+            parts = max(parts, server_partitions(info.shape[0], world_size))
+            servers = server_map(parts, server_weights)
         hot = searched.hot_rows if method == "ps" and searched is not None else 0
         entry = ParamPlan(info.name, info.shape, method, parts,
                           _row_map(row_map, info, method, searched), reason, info.dtype,
                           info.kind, hot_rows=hot, zero=zero if method == "allreduce" else 0,
                           unit=(units or {}).get(info.name, "")
                           if zero == 3 and method == "allreduce" else None,
-                          zero_scope=zero_scope if zero and method == "allreduce" else "world")
+                          zero_scope=zero_scope if zero and method == "allreduce" else "world",
+                          servers=servers)
         params.append(dataclasses.replace(entry, predicted=predict(
             entry, traffic.get(info.name), topology, links, local_aggregation,
             head_rides=info.dtype in bucketed)))

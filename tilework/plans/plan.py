@@ -114,9 +114,18 @@ class ParamPlan(TensorFacts):
     # ranks whose stages hold it (() without pipeline stages: every rank).
     tp_split: str = ""
     pp_ranks: tuple[int, ...] = ()
+    # ps tables: the rank serving each partition, where ranks serve unevenly (by their memory:
+    # planner/shares.server_map); () is partition p on rank p % world size.
+    servers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "servers", tuple(int(r) for r in self.servers))
         dtype_bytes(self.dtype)
+        if self.servers and (self.method != "ps" or len(self.servers) != self.partitions
+                             or min(self.servers) < 0):
+            raise ValueError(f"{self.name}: servers names the rank of each partition of a "
+                             f"server table ({self.partitions} partitions), got "
+                             f"{list(self.servers)} ({self.method})")
         if self.method == "ps" and not 1 <= self.partitions <= self.shape[0]:
             raise ValueError(f"{self.name}: partitions must be in 1..{self.shape[0]} (rows), "
                              f"got {self.partitions}")
@@ -144,7 +153,8 @@ class ParamPlan(TensorFacts):
         if self.method == "allgather":
             return "allgather (replicated, touched rows all-gathered)"
         hot = f"; rows 0..{self.hot_rows - 1} replicated, all-reduced" if self.hot_rows else ""
-        return f"ps (rows in {self.partitions} {self.row_map} partitions{hot})"
+        uneven = ", served unevenly" if self.servers else ""
+        return f"ps (rows in {self.partitions} {self.row_map} partitions{uneven}{hot})"
 
 
 @dataclass(frozen=True)
@@ -336,6 +346,7 @@ def _entry_dict(p: ParamPlan) -> dict:
     d = {f.name: getattr(p, f.name) for f in fields(p)}
     d["shape"] = list(p.shape)
     d["pp_ranks"] = list(p.pp_ranks)
+    d["servers"] = list(p.servers)
     d["predicted"] = None if p.predicted is None else vars(p.predicted).copy()
     d["placement"] = p.placement   # for readers; derived, so from_dict drops it
     return d
@@ -390,12 +401,14 @@ def partition_rows(rows: int, partitions: int, row_map: RowMap, p: int) -> range
     return range(start, end)
 
 
-def server_of(partition: int, world_size: int) -> int:
-    return partition % world_size
+def server_of(partition: int, world_size: int, servers: tuple[int, ...] = ()) -> int:
+    """The rank serving `partition`: the plan's map where it has one, else round robin."""
+    return servers[partition] if servers else partition % world_size
 
 
-def partitions_of(rank: int, partitions: int, world_size: int) -> list[int]:
-    return [p for p in range(partitions) if server_of(p, world_size) == rank]
+def partitions_of(rank: int, partitions: int, world_size: int,
+                  servers: tuple[int, ...] = ()) -> list[int]:
+    return [p for p in range(partitions) if server_of(p, world_size, servers) == rank]
 
 
 def bucket_bytes(mb: float) -> int:

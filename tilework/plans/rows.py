@@ -25,19 +25,23 @@ class TableLayout:
         self.partitions = plan.partitions
         self.row_map = plan.row_map
         self.world_size = world_size
+        self.server_map = plan.servers
+        if self.server_map and max(self.server_map) >= world_size:
+            raise ValueError(f"{plan.name}: its partitions are served by ranks up to "
+                             f"{max(self.server_map)}, in a world of {world_size}")
         self.device = torch.device(device)
         self.starts = torch.tensor([b[0] for b in partition_bounds(self.rows, self.partitions)],
                                    device=self.device)
         # Offset of each partition inside its server's local shard (partitions in ascending order).
         offsets, filled = [0] * self.partitions, [0] * world_size
         for p in range(self.partitions):
-            r = server_of(p, world_size)
+            r = server_of(p, world_size, self.server_map)
             offsets[p] = filled[r]
             filled[r] += len(partition_rows(self.rows, self.partitions, self.row_map, p))
         self.offsets = torch.tensor(offsets, device=self.device)
         self.shard_sizes = filled
-        self.servers = torch.tensor([server_of(p, world_size) for p in range(self.partitions)],
-                                    device=self.device)
+        self.servers = torch.tensor([server_of(p, world_size, self.server_map)
+                                     for p in range(self.partitions)], device=self.device)
 
     def partition_of(self, ids: torch.Tensor) -> torch.Tensor:
         if self.row_map == "hashed":
@@ -55,7 +59,7 @@ class TableLayout:
 
     def shard_rows(self, rank: int) -> torch.Tensor:
         """The global rows rank `rank` serves, in the order of its local shard."""
-        parts = partitions_of(rank, self.partitions, self.world_size)
+        parts = partitions_of(rank, self.partitions, self.world_size, self.server_map)
         ranges = [partition_rows(self.rows, self.partitions, self.row_map, p) for p in parts]
         rows = [torch.arange(r.start, r.stop, r.step, device=self.device) for r in ranges]
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=self.device)

@@ -89,9 +89,16 @@ def job_config(job: Job, cluster: Cluster):
     the smallest memory no longer the batch: planner/shares.py) and the job left it to the
     planner (no batch_shares given, data parallel, plan="config"; plan="auto" searches both).
     Equal shares, or none that fits every rank's memory, leave the even split (whose memory
-    the report then flags)."""
+    the report then flags).
+
+    Hosts that give different `memory_gb` (every host giving one) also serve server tables'
+    rows in proportion to it (`server_weights`), unless the job set its own."""
     config = job.parallel
     memories = {h.memory_gb for h in cluster.hosts} - {None}   # the hosts that say
+    if (len(memories) > 1 and all(h.memory_gb is not None for h in cluster.hosts)
+            and config.server_weights is None and not config.model_parallel):
+        config = dataclasses.replace(config, server_weights=[
+            h.memory_gb for h in cluster.hosts for _ in range(h.procs)])
     if config.plan == "auto" and config.batch_shares is None and cluster.heterogeneous:
         return dataclasses.replace(config, batch_shares="auto")   # the trainer hands them out
     if (config.batch_shares is not None or config.model_parallel or config.plan == "auto"
