@@ -98,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
                        "see README); "
                        "also, not by default: hybrid-zipf hybrid-hot (hot rows), "
                        "hybrid-contiguous (rows in contiguous ranges)")
+    bench.add_argument("--speeds", type=float, nargs="+", metavar="CORES",
+                       help="hosts that differ: one rank per host, each held to this many CPU "
+                            "cores by a cgroup quota (needs root); runs ddp, hybrid and "
+                            "hybrid-shares (the batch shared by speed) by default")
     bench.add_argument("--steps", type=int, default=5, help="measured steps (median)")
     bench.add_argument("--out", default="docs/benchmarks.md", help="markdown report (+ PNG beside)")
 
@@ -332,12 +336,14 @@ def _cmd_calibrate(a, argv, env) -> int:
 def _cmd_bench(a, argv, env) -> int:
     from .bench.suite import run_suite, write_report
 
-    workloads = a.workloads or (["lm100k", "cnn"] if a.quick else
+    speeds = tuple(a.speeds or ())
+    workloads = a.workloads or (["gpt", "cnn"] if speeds else ["lm100k", "cnn"] if a.quick else
                                 ["lm100k", "lm800k", "cnn", "gpt", "recommender"])
     from .bench.worker import SYSTEMS
 
-    systems = a.systems or [s for s in SYSTEMS
-                            if s not in ("hybrid-zipf", "hybrid-hot", "hybrid-contiguous")]
+    systems = a.systems or (["ddp", "hybrid", "hybrid-shares"] if speeds else [
+        s for s in SYSTEMS
+        if s not in ("hybrid-zipf", "hybrid-hot", "hybrid-contiguous", "hybrid-shares")])
     from .bench.workloads import WORKLOADS
 
     for kind, names, known in (("--workloads", workloads, WORKLOADS),
@@ -347,7 +353,15 @@ def _cmd_bench(a, argv, env) -> int:
             raise UserError(f"{kind}: unknown {unknown[0]!r} (expected one of: {', '.join(known)})")
     if a.steps < 1:
         raise UserError(f"--steps: expected at least 1, got {a.steps}")
-    suite = run_suite(workloads, systems, a.quick, a.steps, warmup=2)
+    if speeds and (len(speeds) < 2 or not all(0 < c < float("inf") for c in speeds)):
+        raise UserError(f"--speeds: expected a positive number of cores for each of at least 2 "
+                        f"hosts, got {list(speeds)}")
+    try:
+        suite = run_suite(workloads, systems, a.quick, a.steps, warmup=2, speeds=speeds)
+    except RuntimeError as e:
+        if not str(e).startswith("--speeds"):
+            raise
+        raise UserError(str(e)) from None
     out = Path(a.out)
     write_report(suite, out, out.with_suffix(".png"), "tilework bench " + " ".join(argv[1:]))
     print(f"wrote {out} and {out.with_suffix('.png')}")

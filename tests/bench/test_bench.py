@@ -19,3 +19,31 @@ def test_every_system_runs_one_step_on_one_host():
 def test_two_loopback_ranks_count_bytes():
     r = run_one("lm100k", "hybrid", Setting("loopback", 2, None), steps=1, warmup=0, timeout=120)
     assert r["world_size"] == 2 and r["bytes_per_step"] > 0
+
+
+def test_hosts_of_different_speeds_run_in_quotas_with_the_batch_shared_by_speed():
+    """`tilework bench --speeds 1 0.5`: each host's rank in a CPU quota of its own, and
+    hybrid-shares feeding each rank the share `tilework train` gives those speeds."""
+    import os
+
+    from tilework.bench.cgroup import CpuQuota
+    from tilework.bench.suite import shares_for
+
+    if os.geteuid() != 0:
+        pytest.skip("CPU quotas need root (cgroups)")
+    try:
+        CpuQuota(0.5, name="probe").remove()
+    except OSError as e:
+        pytest.skip(f"no cpu cgroup here: {e}")
+    assert shares_for("cnn", (1, 0.5)) == (22, 10)   # 32 samples at 2:1: both ranks 22 units
+    r = run_one("cnn", "hybrid-shares", Setting("quotas", 2, None, speeds=(1, 0.5)), steps=1,
+                warmup=0, timeout=120)
+    assert r["batch_shares"] == [22, 10] and r["throughput"] > 0 and r["bytes_per_step"] > 0
+
+
+def test_bench_refuses_speeds_for_fewer_than_two_hosts(capsys):
+    from tilework.cli import main
+
+    assert main(["bench", "--speeds", "1"]) == 2
+    assert "--speeds: expected a positive number of cores for each of at least 2 hosts" in \
+        capsys.readouterr().err

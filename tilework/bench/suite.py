@@ -8,6 +8,14 @@ shaped with tbf. The rate is chosen by ratio, not habit: the Parallax testbed ha
 FLOP of GPU compute per byte of network (12 TFLOP/s on 100 Gb/s); this machine's per-process
 matmul FLOP/s over 1,000 gives the "parallax" rate, reported with 10x and 0.1x of it. Without
 root or iproute2 the suite says so and runs on loopback only.
+
+    tilework bench --speeds 1 0.25   # hosts that differ: one rank per host, each in a CPU quota
+
+With --speeds each emulated host's rank runs in a CPU cgroup of that many cores
+(bench/cgroup.CpuQuota, a 10 ms period; the step is then the mean, not the median), on
+loopback and on links at the parallax rate; hybrid-shares gives each rank the share of the
+global batch that `tilework train` gives hosts of those speeds, beside DDP and tilework on the
+even split.
 """
 
 from __future__ import annotations
@@ -22,10 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cluster.worker_env import WorkerEnv
+from .cgroup import CpuQuota
 from .netns import LinkShape, available, emulated_cluster
 from .worker import SYSTEMS, TORCHREC_SYSTEMS
 
 PARALLAX_FLOP_PER_BYTE = 12e12 / (100e9 / 8)   # TITAN Xp fp32 over 100 Gb/s InfiniBand (~960)
+# Steps here take tens of ms: under the kernel's 100 ms period a quarter-core rank would run a
+# step or two at full speed and then stop for 75 ms. 10 ms spreads the stops over the steps.
+QUOTA_PERIOD_US = 10_000
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,7 @@ class Setting:
     hosts: int
     link: LinkShape | None       # None: loopback
     only: tuple[str, ...] = ()   # workloads to run here (empty: all)
+    speeds: tuple[float, ...] = ()   # each host's CPU cores (cgroup quotas); (): unlimited
 
 
 def _free_port() -> int:
@@ -44,9 +57,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(commands: list[list[str]], envs: list[dict], timeout: float) -> None:
-    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c, e in zip(commands, envs)]
+def launch_ranks(commands: list[list[str]], envs: list[dict], timeout: float,
+                 quotas: list | None = None) -> None:
+    """Run every rank's command to its end; `quotas`: each rank's CpuQuota (joined before its
+    command runs, so every thread and child of it is held to the quota)."""
+    quotas = quotas or [None] * len(commands)
+    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=q.join if q is not None else None)
+             for c, e, q in zip(commands, envs, quotas)]
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
@@ -68,6 +86,8 @@ def run_one(workload: str, system: str, setting: Setting, steps: int, warmup: in
                 "--system", system, "--steps", str(steps), "--warmup", str(warmup),
                 "--out", str(out)]
         port, n = _free_port(), setting.hosts
+        if system == "hybrid-shares" and setting.speeds:
+            argv += ["--shares", *map(str, shares_for(workload, setting.speeds))]
         # Each rank inherits this process's environment (PATH, ...) and is told who it is; all
         # run on this one machine (emulated hosts too), hence local ranks 0 to n - 1.
         base = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -79,9 +99,47 @@ def run_one(workload: str, system: str, setting: Setting, steps: int, warmup: in
         else:
             envs = [{**base, **ranks[r], **cluster.gloo_env(r, port)} for r in range(n)]
             commands = [cluster.command(r, argv) for r in range(n)]
-        launch_ranks(commands, envs, timeout)
+        quotas = [CpuQuota(c, name=f"bench-host{h}", period_us=QUOTA_PERIOD_US)
+                  for h, c in enumerate(setting.speeds)]
+        try:
+            launch_ranks(commands, envs, timeout, quotas or None)
+        finally:
+            for q in quotas:
+                q.remove()
         result = json.loads(out.read_text())
+    if setting.speeds:   # a quota stops a rank for whole periods: the median step hides that
+        result |= {"step_s": result["mean_step_s"],
+                   "throughput": result["throughput"] * result["step_s"] / result["mean_step_s"]}
     return {**result, "setting": setting.name, "hosts": setting.hosts}
+
+
+def shares_for(workload: str, speeds) -> tuple[int, ...]:
+    """hybrid-shares' split of the workload's global batch over hosts of these speeds: what
+    `tilework train` gives a cluster file with these `speed`s (planner/shares.batch_shares)."""
+    from ..planner.shares import batch_shares
+    from .workloads import WORKLOADS
+
+    return batch_shares(WORKLOADS[workload].samples, speeds)
+
+
+def uneven_settings(speeds: tuple[float, ...], flops: float) -> tuple[list[Setting], str]:
+    """Hosts of different speeds (`speeds`: CPU cores each, one rank per host): on loopback,
+    and on emulated hosts at the parallax rate where namespaces can be made."""
+    try:
+        CpuQuota(speeds[0], name="probe").remove()
+    except OSError as e:
+        raise RuntimeError(f"--speeds needs CPU cgroups (root): {e}") from None
+    label = "/".join(f"{c:g}" for c in speeds)
+    chosen = [Setting(f"{len(speeds)} hosts of {label} cores, loopback", len(speeds), None,
+                      speeds=speeds)]
+    ok, why = available(LinkShape(rate_mbit=100))
+    if not ok:
+        return chosen, f"CPU quotas {label}; no emulated hosts: {why}"
+    parallax = flops / PARALLAX_FLOP_PER_BYTE * 8 / 1e6
+    chosen.append(Setting(f"{len(speeds)} hosts of {label} cores, {parallax:,.0f} Mbit/s",
+                          len(speeds), LinkShape(rate_mbit=parallax), speeds=speeds))
+    return chosen, (f"CPU quotas {label} (cgroups); emulated hosts: tbf-shaped veth links at "
+                    f"the parallax rate {parallax:,.0f} Mbit/s")
 
 
 def settings(quick: bool, flops: float) -> tuple[list[Setting], str]:
@@ -120,11 +178,11 @@ def _peer_missing(systems: list[str], workloads: list[str], log) -> str | None:
 
 
 def run_suite(workloads: list[str], systems: list[str], quick: bool, steps: int, warmup: int,
-              log=print) -> dict:
+              log=print, speeds: tuple[float, ...] = ()) -> dict:
     from ..cluster.calibrate import matmul_flops
 
     flops = matmul_flops()
-    chosen, note = settings(quick, flops)
+    chosen, note = uneven_settings(tuple(speeds), flops) if speeds else settings(quick, flops)
     log(f"per-process matmul: {flops / 1e9:.1f} GFLOP/s; {note}")
     peer_missing = _peer_missing(systems, workloads, log)
     results = []
@@ -150,7 +208,7 @@ def run_suite(workloads: list[str], systems: list[str], quick: bool, steps: int,
                         f"{r['bytes_per_step'] / 1e6:8.3f} MB"
                         + (f"  ({r['sharding']})" if "sharding" in r else ""))
     return {"flops_per_s": flops, "note": note, "results": results, "quick": quick,
-            "steps": steps, "warmup": warmup}
+            "steps": steps, "warmup": warmup, "speeds": list(speeds)}
 
 
 def ratios(results: list[dict]) -> list[dict]:
@@ -178,7 +236,10 @@ def write_report(suite: dict, markdown: Path, png: Path, command: str) -> None:
         f"Command: `{command}`  ",
         f"Machine: {os.cpu_count()} cores ({cpu}), one thread per rank, gloo, CPU.  ",
         f"Per-process fp32 matmul: {suite['flops_per_s'] / 1e9:.1f} GFLOP/s; {suite['note']}.  ",
-        f"Median of {suite['steps']} measured steps after {suite['warmup']} warm-up steps; "
+        (f"Mean of {suite['steps']} measured steps (CPU quotas: the median would hide the "
+         f"periods a rank is stopped) after {suite['warmup']} warm-up steps; "
+         if suite.get("speeds") else
+         f"Median of {suite['steps']} measured steps after {suite['warmup']} warm-up steps; ") +
         "the step "
         "time of a step is its slowest rank's. Bytes: what one rank sent in a step (tilework: "
         "its counters; DDP: ring all-reduce of dense gradients plus the all-gather of sparse ones; "
@@ -196,8 +257,8 @@ def write_report(suite: dict, markdown: Path, png: Path, command: str) -> None:
     if sharded:
         lines += ["", "TorchRec's sharding (table:type@ranks):", ""] + sharded
     markdown.parent.mkdir(parents=True, exist_ok=True)
-    markdown.write_text("\n".join(lines) + "\n\n![throughput against hosts](" + png.name + ")\n")
-    _plot(rows, png)
+    markdown.write_text("\n".join(lines) + "\n\n![throughput](" + png.name + ")\n")
+    (_plot_settings if suite.get("speeds") else _plot)(rows, png)
 
 
 def _report_row(r: dict) -> str:
@@ -208,6 +269,35 @@ def _report_row(r: dict) -> str:
     return (f"{head} {r['step_s'] * 1e3:.1f} | {r['throughput']:,.0f} {r['unit']}/s | "
             f"{ratio[0]} | {ratio[1]} | {r['bytes_per_step'] / 1e6:.3f} | "
             f"{r['peak_rss_bytes'] / 2**20:.0f} |")
+
+
+def _plot_settings(rows: list[dict], png: Path) -> None:
+    """Hosts that differ: each workload's throughput by system, a group of bars per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "throughput" in r]
+    workloads = sorted({r["workload"] for r in rows})
+    settings_ = list(dict.fromkeys(r["setting"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    width = 0.8 / max(1, len(systems))
+    for ax, w in zip(axes[0], workloads):
+        for k, system in enumerate(systems):
+            ys = [next((r["throughput"] for r in rows if r["workload"] == w
+                        and r["system"] == system and r["setting"] == s), 0.0)
+                  for s in settings_]
+            ax.bar([i + k * width for i in range(len(settings_))], ys, width, label=system)
+        ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(settings_))])
+        ax.set_xticklabels(settings_, fontsize=7)
+        ax.set_title(w)
+        ax.set_ylabel(f"{next(r['unit'] for r in rows if r['workload'] == w)} per second")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
 
 
 def _plot(rows: list[dict], png: Path) -> None:

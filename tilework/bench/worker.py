@@ -9,7 +9,9 @@ hybrid-zipf (hybrid planned with the workload's Zipf traffic: the planner choose
 its hot head), hybrid-hot (that plan with each server table's head that a rank touches with
 probability >= 0.5 replicated where the planner kept none; parallel/rows/hot.py), hybrid-contiguous
 (hybrid with every table's rows in contiguous ranges, the layout before the planner chose hashed
-rows: what the row map gains), hybrid-ahead (hybrid with the loop's batches read through
+rows: what the row map gains), hybrid-shares (hybrid with each rank's own share of the global
+batch, --shares: on hosts of different speeds, suite.py's --speeds), hybrid-ahead (hybrid with
+the loop's batches read through
 `tilework.prefetch`: the next batch's ids routed during this step), allgather (every sparse table
 synchronised as DDP synchronises it, its touched rows all-gathered: parallel/rows/gather.py), and
 TorchRec (torchrec,
@@ -31,10 +33,10 @@ import torch.distributed as dist
 from .torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
 
 SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-ahead", "hybrid-zipf",
-           "hybrid-hot", "hybrid-contiguous", "allgather") + TORCHREC_SYSTEMS
+           "hybrid-hot", "hybrid-contiguous", "allgather", "hybrid-shares") + TORCHREC_SYSTEMS
 
 
-def _setup(workload, system: str, world_size: int):
+def _setup(workload, system: str, world_size: int, shares=None):
     """(model, optimizer, bytes counter or None, extra result fields)."""
     if system in TORCHREC_SYSTEMS:
         from . import torchrec_peer
@@ -64,13 +66,20 @@ def _setup(workload, system: str, world_size: int):
     if system == "hybrid-contiguous":
         tilework.parallelize(model, opt, mode="hybrid", row_map="contiguous", log=False)
         return model, opt, None, {}
+    if system == "hybrid-shares":
+        tilework.parallelize(model, opt, mode="hybrid", log=False,
+                             batch_shares=list(shares) if shares else None)
+        return model, opt, None, {"batch_shares": list(shares) if shares else None}
     tilework.parallelize(model, opt, mode=system.removesuffix("-ahead"), log=False)
     return model, opt, None, {}
 
 
-def batches(workload, system: str, model, rank: int, world_size: int, count: int):
-    """The workload's batches, read through tilework.prefetch for hybrid-ahead."""
-    made = (workload.batch(step, rank, world_size) for step in range(count))
+def batches(workload, system: str, model, rank: int, world_size: int, count: int,
+            shares=None):
+    """The workload's batches (this rank's share of each under hybrid-shares), read through
+    tilework.prefetch for hybrid-ahead."""
+    mine = shares if system == "hybrid-shares" else None
+    made = (workload.batch(step, rank, world_size, mine) for step in range(count))
     if system != "hybrid-ahead":
         return made
     import tilework
@@ -118,12 +127,12 @@ def _ddp_bytes(model, world_size: int) -> int:
 
 
 def timed_steps(workload, system: str, model, opt, counter, rank: int, world_size: int,
-                steps: int, warmup: int) -> tuple[list[float], list[int]]:
+                steps: int, warmup: int, shares=None) -> tuple[list[float], list[int]]:
     """`steps` steps after `warmup`, each from a barrier to after the optimizer's step: this
     rank's seconds and the bytes it sent in each (the system's own count)."""
     times, sent = [], []
     for step, inputs in enumerate(batches(workload, system, model, rank, world_size,
-                                          warmup + steps)):
+                                          warmup + steps, shares)):
         dist.barrier()
         start = time.perf_counter()
         model(*inputs).backward()
@@ -144,16 +153,16 @@ def timed_steps(workload, system: str, model, opt, counter, rank: int, world_siz
     return times, sent
 
 
-def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:
+def run(workload_name: str, system: str, steps: int, warmup: int, shares=None) -> dict:
     from .workloads import WORKLOADS
 
     workload = WORKLOADS[workload_name]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    model, opt, counter, extra = _setup(workload, system, world_size)
+    model, opt, counter, extra = _setup(workload, system, world_size, shares)
     times, sent = timed_steps(workload, system, model, opt, counter, rank, world_size, steps,
-                              warmup)
+                              warmup, shares)
     # The step of the slowest rank is the step.
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -162,6 +171,7 @@ def run(workload_name: str, system: str, steps: int, warmup: int) -> dict:
     median = statistics.median(t.tolist())
     result = {"workload": workload_name, "system": system, "world_size": world_size,
               "step_s": median, "throughput": workload.units_per_step / median,
+              "mean_step_s": statistics.fmean(t.tolist()),
               "unit": workload.unit, "bytes_per_step": statistics.median(sent),
               "peak_rss_bytes": peak.item(), "steps": steps, **extra}
     dist.destroy_process_group()
@@ -175,6 +185,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--shares", type=int, nargs="+", help="hybrid-shares: samples per rank")
     a = p.parse_args()
     if a.system in TORCHREC_SYSTEMS:
         from .torchrec_peer import missing, refuse
@@ -185,7 +196,7 @@ def main() -> None:
     from ..cluster.worker_env import WorkerEnv
 
     env = WorkerEnv.from_environ()  # this worker's entry point: the one read
-    result = run(a.workload, a.system, a.steps, a.warmup)
+    result = run(a.workload, a.system, a.steps, a.warmup, a.shares)
     if result and env.rank == 0:
         with open(a.out, "w") as f:
             json.dump(result, f)

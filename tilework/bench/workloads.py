@@ -17,16 +17,23 @@ from ..models import DLRM, SmallResNet, TinyGPT, WordLM
 from ..models.lm import sample_negatives
 
 
+def _mine(t: torch.Tensor, rank: int, world_size: int, shares) -> torch.Tensor:
+    return t.split(list(shares))[rank] if shares else t.chunk(world_size)[rank]
+
+
 @dataclass(frozen=True)
 class BenchWorkload:
     name: str
     kind: str                                   # "sparse", "dense" or "mixed"
     make: Callable[[bool], nn.Module]           # sparse_gradients -> model
-    batch: Callable[[int, int, int], tuple]     # (step, rank, world_size) -> this rank's inputs
+    # (step, rank, world_size, shares=None) -> this rank's inputs: its even slice of the
+    # global batch, or its shares[rank] samples of it
+    batch: Callable[..., tuple]
     unit: str
     units_per_step: int                         # global units (tokens or samples) per step
     # (world size) -> each table's Zipf lookups per rank: (rows, lookups, alpha, shared by all)
     zipf: Callable[[int], dict[str, tuple]] | None = None
+    samples: int = 0                            # the global batch in samples (sequences, ...)
 
     def traffic(self, topology) -> dict:
         """The tables' expected traffic (cost.TableTraffic), for the planner's hybrid search."""
@@ -41,11 +48,11 @@ class BenchWorkload:
 def _lm(vocab: int, global_batch: int = 32, seq: int = 20, sampled: int = 1024) -> BenchWorkload:
     stream = torch.as_tensor(zipf_tokens(vocab, 200_000, 1.0, seed=1))
 
-    def batch(step, rank, world_size):
+    def batch(step, rank, world_size, shares=None):
         g = torch.Generator().manual_seed(step)
         starts = torch.randint(0, len(stream) - seq - 1, (global_batch,), generator=g)
         window = stream[starts[:, None] + torch.arange(seq + 1)]
-        mine = window.chunk(world_size)[rank]
+        mine = _mine(window, rank, world_size, shares)
         return mine[:, :-1], mine[:, 1:], sample_negatives(sampled, vocab, g)
 
     def zipf(n):   # tokens: Zipf 1; negatives: log-uniform (about Zipf 1), shared by every rank
@@ -57,38 +64,39 @@ def _lm(vocab: int, global_batch: int = 32, seq: int = 20, sampled: int = 1024) 
     return BenchWorkload(f"lm{vocab // 1000}k", "sparse",
                          lambda sparse: WordLM(vocab, 64, 128, 1, sparse=sparse,
                                                num_sampled=sampled),
-                         batch, "tokens", global_batch * seq, zipf)
+                         batch, "tokens", global_batch * seq, zipf, global_batch)
 
 
 def _cnn(global_batch: int = 32) -> BenchWorkload:
-    def batch(step, rank, world_size):
+    def batch(step, rank, world_size, shares=None):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(global_batch, 3, 16, 16, generator=g)
         y = torch.randint(0, 10, (global_batch,), generator=g)
-        return x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        return _mine(x, rank, world_size, shares), _mine(y, rank, world_size, shares)
 
     return BenchWorkload("cnn", "dense", lambda sparse: SmallResNet(10, 16, 2), batch, "samples",
-                         global_batch)
+                         global_batch, samples=global_batch)
 
 
 def _gpt(global_batch: int = 16, seq: int = 32) -> BenchWorkload:
-    def batch(step, rank, world_size):
+    def batch(step, rank, world_size, shares=None):
         g = torch.Generator().manual_seed(step)
-        t = torch.randint(0, 1000, (global_batch, seq + 1), generator=g).chunk(world_size)[rank]
+        t = _mine(torch.randint(0, 1000, (global_batch, seq + 1), generator=g), rank, world_size,
+                  shares)
         return t[:, :-1], t[:, 1:]
 
     return BenchWorkload("gpt", "dense", lambda sparse: TinyGPT(1000, 64, 4, 2, seq), batch,
-                         "tokens", global_batch * seq)
+                         "tokens", global_batch * seq, samples=global_batch)
 
 
 def _recommender(global_batch: int = 256, tables=(200_000, 50_000, 1_000)) -> BenchWorkload:
-    def batch(step, rank, world_size):
+    def batch(step, rank, world_size, shares=None):
         g = torch.Generator().manual_seed(step)
         dense = torch.randn(global_batch, 8, generator=g)
         ids = torch.stack([torch.as_tensor(zipf_tokens(n, global_batch, 1.1, seed=step * 7 + i))
                            for i, n in enumerate(tables)], dim=1)
         labels = torch.randint(0, 2, (global_batch,), generator=g).float()
-        return tuple(t.chunk(world_size)[rank] for t in (dense, ids, labels))
+        return tuple(_mine(t, rank, world_size, shares) for t in (dense, ids, labels))
 
     def zipf(n):
         return {f"tables.{i}.weight": (rows, global_batch / n, 1.1, 0)
@@ -96,7 +104,7 @@ def _recommender(global_batch: int = 256, tables=(200_000, 50_000, 1_000)) -> Be
 
     return BenchWorkload("recommender", "mixed",
                          lambda sparse: DLRM(list(tables), 8, 16, sparse=sparse), batch, "samples",
-                         global_batch, zipf)
+                         global_batch, zipf, global_batch)
 
 
 WORKLOADS = {w.name: w for w in (_lm(100_000), _lm(800_000), _cnn(), _gpt(), _recommender())}
