@@ -104,8 +104,11 @@ def _over_dp(engine, dst: int | None) -> dict:
     _whole_zero_state(engine, dense_state)
     groups = [] if optimizer is None else [
         {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"model": model_state,
-            "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
+    out = {"model": model_state,
+           "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
+    if engine.outer is not None:   # the same on every rank
+        out["outer"] = engine.outer.state_dict()
+    return out
 
 
 def _own(part) -> bool:

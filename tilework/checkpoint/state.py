@@ -93,6 +93,26 @@ def load_state(engine, state: dict) -> None:
             saved = dict(opt_state["rows"][name])
             step = saved.pop("step")
             _load_rows(part, step, saved.get("state", {}) if _own(part) else saved)
+        if engine.outer is not None:
+            _load_outer(engine, state.get("outer"))
+
+
+def _load_outer(engine, saved: dict | None) -> None:
+    """Local SGD's outer state: the saved one, or, from a checkpoint of synchronous training,
+    a fresh outer loop from the loaded parameters (no momentum yet)."""
+    outer = engine.outer
+    if saved is None:
+        with torch.no_grad():
+            for n, p in outer.params:
+                outer.anchors[n].copy_(p)
+        outer.optimizer.state.clear()
+        outer.inner_steps = 0
+        return
+    missing = sorted(set(outer.anchors) - set(saved.get("anchors", {})))
+    if missing:
+        raise CheckpointError(f"checkpoint does not match the model: its local SGD state has "
+                              f"no {missing[0]}")
+    outer.load_state_dict(saved)
 
 
 def _this_ranks_part(engine, state: dict, taken: list) -> dict:

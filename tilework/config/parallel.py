@@ -26,6 +26,8 @@ Recompute = Literal["none", "full", "selective"]
 ScheduleName = Literal["1f1b", "gpipe", "interleaved"]
 PlanChoice = Literal["config", "auto"]
 Auto = Literal["auto"]
+Sync = Literal["every_step", "diloco"]
+OuterOptimizer = Literal["nesterov", "sgd"]
 
 
 @dataclass(kw_only=True)
@@ -141,6 +143,28 @@ class ParallelConfig:
     "auto" (with plan="auto"): the planner may choose them where the cluster's hosts differ,
     so the loop must read this rank's count from tilework.batch_shares(model)."""
 
+    sync: Sync = "every_step"
+    """How the dense (all-reduced) parameters are synchronised: "every_step", DDP's gradient
+    average; "diloco", local SGD as DiLoCo does it (docs/slow-links.md): each rank takes
+    `sync_every` steps of the user's optimizer on its own batches, then the ranks average their
+    pseudo-gradients (the parameters at the last sync minus their own) and the outer optimizer
+    steps from the last sync's parameters; every rank then starts from the result. Server
+    tables stay synchronous. For slow links: a sync every H steps sends 1/H of the bytes."""
+
+    sync_every: int = 1
+    """Inner steps between syncs under sync="diloco" (DiLoCo's H)."""
+
+    outer_optimizer: OuterOptimizer = "nesterov"
+    """The outer optimizer under sync="diloco": SGD with Nesterov momentum (DiLoCo's), or plain
+    SGD with momentum."""
+
+    outer_lr: float = 0.7
+    """The outer optimizer's learning rate (DiLoCo: 0.7; 1 with momentum 0 and sync_every=1
+    is synchronous training with SGD inside)."""
+
+    outer_momentum: float = 0.9
+    """The outer optimizer's momentum (DiLoCo: 0.9)."""
+
     server_weights: list[float] | None = None
     """How many rows of each server table every rank serves, relative to the others, in rank
     order (e.g. each rank's memory: `tilework train` sets it from the cluster file's
@@ -197,6 +221,29 @@ class ParallelConfig:
         self._check_recompute()
         self._check_mesh()
         self._check_shares()
+        self._check_sync()
+
+    def _check_sync(self) -> None:
+        check(self.sync in ("every_step", "diloco"), "sync",
+              f"'every_step' or 'diloco', got {self.sync!r}")
+        check(isinstance(self.sync_every, int) and not isinstance(self.sync_every, bool)
+              and self.sync_every >= 1, "sync_every",
+              f"a whole number of steps >= 1, got {self.sync_every!r}")
+        check(self.outer_optimizer in ("nesterov", "sgd"), "outer_optimizer",
+              f"'nesterov' or 'sgd', got {self.outer_optimizer!r}")
+        check(isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
+              and 0 < self.outer_lr < float("inf"), "outer_lr",
+              f"a positive learning rate, got {self.outer_lr!r}")
+        check(isinstance(self.outer_momentum, (int, float))
+              and not isinstance(self.outer_momentum, bool) and 0 <= self.outer_momentum < 1,
+              "outer_momentum", f"a momentum from 0 to below 1, got {self.outer_momentum!r}")
+        if self.sync == "every_step":
+            return
+        for field, value in (("zero", self.zero),
+                             ("tp, pp or cp", self.model_parallel or bool(self.auto_axes)),
+                             ("batch_shares", self.batch_shares is not None)):
+            check(not value, "sync", f"'every_step' with {field} (local SGD with it is not "
+                                     "built yet)")
 
     def _check_shares(self) -> None:
         weights = self.server_weights

@@ -29,7 +29,7 @@ from ..estimate.cost import (
     sparse_allgather,
 )
 from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
-from ..plans.plan import ParamPlan, Plan, bucket_bytes
+from ..plans.plan import Cost, OuterSync, ParamPlan, Plan, bucket_bytes
 from .shares import server_map, server_partitions
 
 
@@ -69,9 +69,25 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      if config.zero == 3 else None,
                      offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope,
                      server_weights=config.server_weights)
+    if config.sync == "diloco":
+        made = with_outer_sync(made, OuterSync(config.sync_every, config.outer_optimizer,
+                                               config.outer_lr, config.outer_momentum))
     if config.batch_shares is None:
         return made
     return dataclasses.replace(made, batch_shares=tuple(config.batch_shares))
+
+
+def with_outer_sync(plan: Plan, outer: OuterSync) -> Plan:
+    """`plan` with its all-reduced parameters averaged every `outer.every` steps: each entry's
+    predicted bytes and seconds per step are its outer all-reduce's over the steps it spans
+    (the outer sync sends what one synchronous step sends, once per `every` steps)."""
+    params = tuple(dataclasses.replace(
+        p, predicted=None if p.predicted is None else Cost(
+            p.predicted.bytes_sent / outer.every, p.predicted.seconds / outer.every),
+        reason=f"{p.reason}; averaged every {outer.every} steps (local SGD)" if p.reason
+        else f"averaged every {outer.every} steps (local SGD)")
+        if p.method == "allreduce" else p for p in plan.params)
+    return dataclasses.replace(plan, params=params, outer=outer)
 
 
 def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",

@@ -193,6 +193,21 @@ class ParallelPlan:
 
 
 @dataclass(frozen=True)
+class OuterSync:
+    """Local SGD (DiLoCo): the dense parameters are averaged every `every` steps, as an outer
+    step of `optimizer` ("nesterov" | "sgd") with `lr` and `momentum` on the averaged
+    pseudo-gradient (parallel/data/outer.py)."""
+
+    every: int
+    optimizer: str = "nesterov"
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
 class Plan:
     params: tuple[ParamPlan, ...]
     world_size: int
@@ -212,8 +227,12 @@ class Plan:
     # Samples of each global batch per data-parallel rank (None: even); gradients weighted by
     # them (planner/shares.py, runtime/shares.py).
     batch_shares: tuple[int, ...] | None = None
+    # Local SGD: the dense parameters synchronised every few steps (None: every step).
+    outer: OuterSync | None = None
 
     def __post_init__(self):
+        if isinstance(self.outer, dict):   # from JSON
+            object.__setattr__(self, "outer", OuterSync(**self.outer))
         if self.mesh is None:
             object.__setattr__(self, "mesh", Mesh((("world", self.world_size),)))
         if self.batch_shares is not None:
@@ -259,6 +278,7 @@ class Plan:
         out["parallel"] = None if self.parallel is None else self.parallel.as_dict()
         out["recompute"] = [list(pair) for pair in self.recompute]
         out["batch_shares"] = None if self.batch_shares is None else list(self.batch_shares)
+        out["outer"] = None if self.outer is None else self.outer.as_dict()
         out["params"] = [_entry_dict(p) for p in self.params]
         return out
 
@@ -378,7 +398,11 @@ def config_of(plan: Plan) -> ParallelConfig:
         layout=dict(par.layout) or None, sequence_parallel=par.sequence_parallel,
         schedule=par.schedule or "1f1b", microbatches=par.microbatches or None,
         stages_per_rank=par.stages_per_rank if par.schedule == "interleaved" else 2,
-        batch_shares=list(plan.batch_shares) if plan.batch_shares else None)
+        batch_shares=list(plan.batch_shares) if plan.batch_shares else None,
+        **({} if plan.outer is None else {
+            "sync": "diloco", "sync_every": plan.outer.every,
+            "outer_optimizer": plan.outer.optimizer, "outer_lr": plan.outer.lr,
+            "outer_momentum": plan.outer.momentum}))
 
 
 # -- the row map: pure functions shared by the runtime and the cost model ---------------------

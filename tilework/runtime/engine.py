@@ -11,6 +11,8 @@ After `Engine(...)` the user's model and optimizer work as under DistributedData
   pulls them back.
 - dense parameters at a ZeRO stage (parallel/data/zero.py) have their shards stand in for them in
   the optimizer; stage 2 and 3 gradients are reduce-scattered onto the shards, 3's values gathered.
+- under local SGD (sync="diloco", parallel/data/outer.py) the dense gradients stay local and
+  every H-th `optimizer.step()` ends with the outer step on the averaged pseudo-gradient.
 `no_sync()` and DDP's `require_backward_grad_sync` keep a backward local. No training-loop
 change is needed; clipping that must include the tables is `tilework.clip_grad_norm_`.
 """
@@ -33,6 +35,7 @@ from ..optim.rowwise import row_optimizer
 from ..parallel.data.checks import InputChecks
 from ..parallel.data.dense import DenseSync
 from ..parallel.data.offload import Offload
+from ..parallel.data.outer import LocalSGD
 from ..parallel.data.zero import ZeroSync
 from ..parallel.rows.exchange import pull_tables
 from ..parallel.rows.gather import GatheredTable, sync_tables
@@ -100,6 +103,11 @@ class Engine:
         elif any(pp.method == "ps" for pp in plan.params):
             raise PlanError("the parameter server applies the optimizer's update: pass the "
                             "optimizer (parallelize(model, opt)), or use mode='allreduce'")
+        if plan.outer is not None and optimizer is None:
+            raise PlanError("sync='diloco' takes its outer step after optimizer.step(): pass "
+                            "the optimizer (parallelize(model, opt))")
+        if plan.outer is not None and any(pp.zero for pp in plan.params):
+            raise PlanError("sync='diloco' with ZeRO is not built yet: use zero=0")
 
     def _start_from_rank_0(self) -> None:
         """Every replica starts from rank 0's parameters and buffers, as under DDP."""
@@ -159,6 +167,9 @@ class Engine:
         """All-reduce buckets for the dense gradients, and the input checks they carry."""
         groups, topo = self.groups, self.groups.topology
         successor_remote = topo.host_of((groups.rank + 1) % topo.world_size) != groups.host
+        # Under local SGD nothing else meets every step: agreeing on the inputs would be a round
+        # trip per step, what it exists to avoid (a diverged rank is caught at the outer step).
+        check_inputs = check_inputs and self.plan.outer is None
         self.checks = InputChecks(groups, self.stats, successor_remote) if check_inputs else None
         entry, stage = self.plan.by_name(), {p.name: p.zero for p in self.plan.params if p.zero}
         self.zero = ZeroSync([(n, p, stage[n], entry[n].unit) for n, p in dense if n in stage],
@@ -170,6 +181,11 @@ class Engine:
         # Stage 1 keeps DDP's all-reduced gradients; 2 and 3 reduce-scatter their own.
         dense = [(n, p) for n, p in dense if stage.get(n, 0) <= 1]
         self.dense_params = dense
+        self.outer = None
+        if self.plan.outer is not None:   # averaged every few steps, not every backward
+            self.outer = LocalSGD(dense, groups.world, groups.world_size, self.stats,
+                                  self.plan.outer, self.plan.bucket_bytes)
+            dense = []
         head_dtypes = {t.head.weight.dtype for t in self.tables.values() if t.head is not None}
         self.push_route = push_route(list(self.tables.values()), groups)
         self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
@@ -359,6 +375,8 @@ class Engine:
             self.zero.after_step()
             for served in self.served.values():
                 served.pull()
+            if self.outer is not None:
+                self.outer.after_step()
         self.stats.end_step()
 
     def _after_load(self, module, incompatible) -> None:

@@ -1,0 +1,169 @@
+"""Local SGD / DiLoCo (ParallelConfig(sync="diloco"), parallel/data/outer.py): the dense
+parameters averaged every H steps as an outer optimizer's step.
+
+Checked against: one process (H = 1, SGD inside, outer SGD of lr 1 without momentum is
+synchronous training); PyTorch's own local SGD (torch.distributed's PeriodicModelAverager:
+parameters averaged every H steps, which is the outer SGD of lr 1 without momentum); and
+DiLoCo written out by hand in one process with W model copies (Nesterov outer momentum). The
+bytes the outer sync sends are the plan's, exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tilework
+from tests.equivalence import LR, _train, job, reference, torch_optimizer
+from tilework import ParallelConfig
+from tilework.cluster.topology import Topology
+from tilework.comm.wire import ring_allreduce_bytes
+from tilework.data import ShardedBatches
+from tilework.errors import ConfigError, PlanError
+from tilework.parallel.data.outer import outer_sync_bytes
+from tilework.planner import plan
+from tilework.testing import spawn
+from tilework.train.workloads import build
+
+BATCH = 8
+
+
+def local_sgd(rank, world_size, workload, mode, steps, outer, optimizer="sgd"):
+    j = job(workload)
+    work = build(j)
+    opt = torch_optimizer(optimizer, work.model.parameters(), LR[optimizer])
+    tilework.parallelize(work.model, opt, mode=mode, log=False, sync="diloco", **outer)
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    losses = _train(work, opt, sampler, steps)
+    stats = tilework.stats(work.model)
+    state = tilework.state_dict(work.model, opt)
+    return (state if rank == 0 else None), losses, stats
+
+
+def torch_local_sgd(rank, world_size, workload, steps, every):
+    """PyTorch's own: plain local training, parameters averaged by PeriodicModelAverager."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    work = build(job(workload))
+    opt = torch.optim.SGD(work.model.parameters(), lr=LR["sgd"])
+    # It averages at its calls warmup, warmup + period, ...: after steps H, 2H, ... here.
+    averager = PeriodicModelAverager(period=every, warmup_steps=every - 1)
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    for step in range(steps):
+        work.loss(work.model, work.train_set.collate(sampler.indices(step)), step).backward()
+        opt.step()
+        # Before zero_grad, as its documentation does: it averages parameters with a gradient.
+        averager.average_parameters(list(work.model.parameters()))
+        opt.zero_grad()
+    dist.barrier()
+    return {k: v.clone() for k, v in work.model.state_dict().items()} if rank == 0 else None
+
+
+def diloco_by_hand(workload, world, steps, every, lr, momentum):
+    """W copies in one process, each on its rank's slices; every H steps the outer SGD with
+    Nesterov momentum on the mean of (anchor - copy); every copy restarts from the anchor."""
+    works = [build(job(workload)) for _ in range(world)]
+    anchor = copy.deepcopy(works[0].model)
+    outer = torch.optim.SGD(anchor.parameters(), lr=lr, momentum=momentum, nesterov=True)
+    inner = [torch.optim.SGD(w.model.parameters(), lr=LR["sgd"]) for w in works]
+    samplers = [ShardedBatches(len(works[0].train_set), BATCH, r, world) for r in range(world)]
+    for step in range(steps):
+        for w, opt, sampler in zip(works, inner, samplers):
+            w.loss(w.model, w.train_set.collate(sampler.indices(step)), step).backward()
+            opt.step()
+            opt.zero_grad()
+        if (step + 1) % every == 0:
+            for a, *copies in zip(anchor.parameters(), *(w.model.parameters() for w in works)):
+                a.grad = torch.stack([a.detach() - c.detach() for c in copies]).mean(0)
+            outer.step()
+            outer.zero_grad()
+            for w in works:
+                w.model.load_state_dict(anchor.state_dict())
+    return works[0].model.state_dict()
+
+
+def worst(state, ref) -> float:
+    return max((state[k] - v).abs().max().item() / (v.abs().max().item() + 1e-12)
+               for k, v in ref.items())
+
+
+SYNCHRONOUS = {"sync_every": 1, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}
+
+
+@pytest.mark.parametrize("workload, mode", [("cnn", "allreduce"), ("lm", "hybrid")])
+def test_one_step_local_sgd_with_a_plain_outer_step_is_synchronous_training(workload, mode):
+    """H = 1: each outer step averages one SGD step's parameters, which is the synchronous
+    step; the LM's tables stay on the servers, synchronous as always."""
+    ref, ref_losses = reference(workload, "sgd", mode)
+    results = spawn(local_sgd, 2, args=(workload, mode, len(ref_losses), SYNCHRONOUS),
+                    timeout=180)
+    assert worst(results[0][0]["model"], ref) <= 1e-5
+    losses = [sum(r[1][s] for r in results) / 2 for s in range(len(ref_losses))]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_local_sgd_equals_pytorchs_periodic_model_averaging():
+    steps, every = 8, 4
+    ours = spawn(local_sgd, 2, args=("cnn", "allreduce", steps, {
+        "sync_every": every, "outer_optimizer": "sgd", "outer_lr": 1.0,
+        "outer_momentum": 0.0}), timeout=180)[0][0]["model"]
+    theirs = spawn(torch_local_sgd, 2, args=("cnn", steps, every), timeout=180)[0]
+    assert worst(ours, theirs) <= 1e-5   # the equivalence suite's SGD tolerance: the outer
+    # step computes anchor - mean(anchor - theta_r), torch the mean of theta_r: rounding apart
+
+
+def test_diloco_with_nesterov_equals_it_written_out_by_hand():
+    steps, every, lr, momentum = 6, 2, 0.7, 0.9
+    results = spawn(local_sgd, 2, args=("cnn", "allreduce", steps, {
+        "sync_every": every, "outer_lr": lr, "outer_momentum": momentum}), timeout=180)
+    by_hand = diloco_by_hand("cnn", 2, steps, every, lr, momentum)
+    assert worst(results[0][0]["model"], by_hand) <= 1e-5
+    # Between syncs the ranks' models differ: their losses do too, which a synchronous run's
+    # would not.
+    assert results[0][1][1] != results[1][1][1]
+
+
+def test_the_outer_sync_sends_the_plans_bytes_once_every_h_steps():
+    steps, every = 8, 4
+    results = spawn(local_sgd, 2, args=("cnn", "allreduce", steps, {"sync_every": every}),
+                    timeout=180)
+    stats = results[0][2]
+    model = build(job("cnn")).model
+    made = plan(model, ParallelConfig(mode="allreduce", sync="diloco", sync_every=every),
+                topology=Topology.from_sizes([2]))
+    dense = [p for p in made.params if p.method == "allreduce"]
+    per_sync = outer_sync_bytes([p.nbytes for p in dense], made.bucket_bytes, 2)
+    assert stats["total"]["outer"]["sent"] == per_sync * (steps // every)
+    assert stats["total"]["outer"]["calls"] == steps // every   # one bucket: under 25 MB
+    assert "allreduce" not in stats["total"]   # no gradient all-reduce at all
+    # The plan prices each entry at its share of the sync: its ring all-reduce over H steps.
+    assert sum(p.predicted.bytes_sent for p in dense) * every == pytest.approx(
+        sum(ring_allreduce_bytes(p.nbytes, 2) for p in dense))
+    assert made.outer.every == every and "averaged every 4 steps" in dense[0].reason
+
+
+def test_what_local_sgd_refuses_in_one_line():
+    with pytest.raises(ConfigError, match="sync: expected 'every_step' with zero"):
+        ParallelConfig(sync="diloco", zero=2)
+    with pytest.raises(ConfigError, match="sync_every: expected a whole number"):
+        ParallelConfig(sync="diloco", sync_every=0)
+    with pytest.raises(ConfigError, match="outer_momentum"):
+        ParallelConfig(sync="diloco", outer_momentum=1.0)
+    with pytest.raises(ConfigError, match="sync: expected 'every_step' or 'diloco'"):
+        ParallelConfig(sync="sometimes")
+
+
+def _no_optimizer(rank, world_size):
+    work = build(job("cnn"))
+    try:
+        tilework.parallelize(work.model, None, mode="allreduce", sync="diloco", log=False)
+    except PlanError as e:
+        return str(e)
+
+
+def test_local_sgd_needs_the_optimizer():
+    assert "sync='diloco' takes its outer step after optimizer.step()" in \
+        spawn(_no_optimizer, 1, timeout=60)[0]
