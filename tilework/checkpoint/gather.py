@@ -106,9 +106,26 @@ def _over_dp(engine, dst: int | None) -> dict:
         {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     out = {"model": model_state,
            "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
-    if engine.outer is not None:   # the same on every rank
-        out["outer"] = engine.outer.state_dict()
+    if engine.outer is not None:
+        out["outer"] = _outer_state(engine, dense_state, dst)
     return out
+
+
+def _outer_state(engine, dense_state: dict, dst: int | None) -> dict | None:
+    """Local SGD's state: the outer loop's (the same on every rank) and, since each rank's
+    inner optimizer state is its own (Adam's moments of its own steps), every rank's dense
+    optimizer state in rank order, gathered to `dst` (None elsewhere)."""
+    group, n = engine.groups.world, engine.groups.world_size
+    mine = {name: dict(s) for name, s in dense_state.items()}
+    if n == 1:
+        inner = [mine]
+    elif dst is None:
+        inner = [None] * n
+        dist.all_gather_object(inner, mine, group=group)
+    else:
+        inner = [None] * n if engine.groups.rank == dst else None
+        dist.gather_object(mine, inner, dst=dist.get_global_rank(group, dst), group=group)
+    return {**engine.outer.state_dict(), "inner": inner}
 
 
 def _own(part) -> bool:

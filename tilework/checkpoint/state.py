@@ -113,6 +113,14 @@ def _load_outer(engine, saved: dict | None) -> None:
         raise CheckpointError(f"checkpoint does not match the model: its local SGD state has "
                               f"no {missing[0]}")
     outer.load_state_dict(saved)
+    inner = saved.get("inner")
+    # Each rank its own inner optimizer state, where the world is the one that saved it (at
+    # another world size every rank keeps rank 0's, loaded above).
+    if inner and len(inner) == engine.groups.world_size and engine.optimizer is not None:
+        by_name = dict(engine.model.named_parameters())
+        for name, s in inner[engine.groups.rank].items():
+            engine.optimizer.state[by_name[name]] = {
+                k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
 
 
 def _this_ranks_part(engine, state: dict, taken: list) -> dict:

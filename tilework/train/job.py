@@ -160,6 +160,12 @@ class Job:
 
     def __post_init__(self):
         p = self.parallel
+        every, ckpt = p.sync_every, self.train.checkpoint_every
+        # Between syncs every rank's parameters are its own: a checkpoint there would hold rank
+        # 0's alone, and the others' work since the sync would be lost on resume.
+        check(p.sync != "diloco" or ckpt % every == 0, "train.checkpoint_every",
+              f"a multiple of parallel.sync_every ({every}) under sync = \"diloco\": "
+              f"checkpoints at the syncs, where every rank holds the same parameters; got {ckpt}")
         if not p.model_parallel:
             return
         axis = next(a for a in ("tp", "pp", "cp") if getattr(p, a) > 1)

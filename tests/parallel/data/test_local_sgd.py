@@ -167,3 +167,46 @@ def _no_optimizer(rank, world_size):
 def test_local_sgd_needs_the_optimizer():
     assert "sync='diloco' takes its outer step after optimizer.step()" in \
         spawn(_no_optimizer, 1, timeout=60)[0]
+
+
+def resumed(rank, world_size, path, stop, steps, outer, saved_at=4):
+    """Adam inside, DiLoCo outside: train to `stop` and save (tilework.save), or, when `stop`
+    is None, load what was saved at step `saved_at` and train to `steps`. Returns rank 0's
+    final state."""
+    work = build(job("cnn"))
+    opt = torch_optimizer("adam", work.model.parameters(), LR["adam"])
+    tilework.parallelize(work.model, opt, mode="allreduce", log=False, sync="diloco", **outer)
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    start = 0
+    if stop is None:
+        tilework.load(path, work.model, opt)
+        start = saved_at
+    for step in range(start, stop if stop is not None else steps):
+        work.loss(work.model, work.train_set.collate(sampler.indices(step)), step).backward()
+        opt.step()
+        opt.zero_grad()
+    if stop is not None:
+        tilework.save(path, work.model, opt)
+    state = tilework.state_dict(work.model, opt)
+    return state if rank == 0 else None
+
+
+def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path):
+    """Each rank's Adam moments are its own between syncs; the checkpoint keeps every rank's,
+    and the outer loop's anchor and momentum: resuming gives bit for bit the uninterrupted
+    run's parameters, its outer momentum and every rank's inner state."""
+    outer = {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
+    whole = spawn(resumed, 2, args=(str(tmp_path / "unused.pt"), 8, 8, outer), timeout=180)[0]
+    spawn(resumed, 2, args=(str(tmp_path / "at4.pt"), 4, 8, outer), timeout=180)
+    again = spawn(resumed, 2, args=(str(tmp_path / "at4.pt"), None, 8, outer), timeout=180)[0]
+    for k, v in whole["model"].items():
+        assert torch.equal(v, again["model"][k]), k
+    for name, m in whole["outer"]["momentum"].items():
+        assert torch.equal(m, again["outer"]["momentum"][name]), name
+    for mine, theirs in zip(whole["outer"]["inner"], again["outer"]["inner"]):
+        for name, s in mine.items():
+            assert torch.equal(s["exp_avg"], theirs[name]["exp_avg"]), name
+    # Between syncs the ranks' inner states differ: one copy would not have resumed them.
+    first = next(iter(whole["outer"]["inner"][0]))
+    assert not torch.equal(whole["outer"]["inner"][0][first]["exp_avg"],
+                           whole["outer"]["inner"][1][first]["exp_avg"])
