@@ -1,0 +1,268 @@
+"""Local SGD / DiLoCo on slow links, in wall-clock time to a loss, beside DDP and DDP with
+PyTorch's PowerSGD hook, on emulated hosts.
+
+    sudo .venv/bin/python bench/slow_links.py [--hosts 4] [--mbit 100] [--rtt-ms 50]
+        [--workloads gpt lm] [--steps 120] [--every 20 40] [--eval-every 40]
+        [--out docs/slow-links.json] [--png docs/slow-links.png]
+
+Each host is a network namespace with one rank, its link shaped by netem (rate and a one-way
+delay of half the round trip; tilework/bench/netns.py). Every system trains the same model from
+the same seed on the same global batches (AdamW inside), the same number of steps:
+- ddp: DistributedDataParallel, every gradient all-reduced every step;
+- ddp-powersgd: DDP with torch's PowerSGD communication hook (rank 2, error feedback, warm
+  start, from step 2);
+- diloco-H: tilework.parallelize(sync="diloco", sync_every=H), the outer step Nesterov
+  (lr 0.7, momentum 0.9), every parameter in the outer sync (mode="allreduce").
+Wall clock excludes evaluation: every `--eval-every` steps (a multiple of every H) the ranks
+stop their clocks, the slowest rank's time is the run's so far, rank 0 evaluates the held-out
+loss, and the clocks start again. Bytes: each rank's veth transmit counter (what really left
+the host, TCP included), summed over ranks.
+
+Prints a table per workload (final loss, its gap to DDP's, bytes and their ratio to DDP's, the
+wall-clock time to DDP's final loss and the speed-up) and writes the curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+SIZES = {  # small enough for 4 ranks on 2 cores, large enough that the wire matters
+    "gpt": {"vocab": 2000, "dim": 128, "heads": 4, "layers": 2, "seq_len": 32},
+    "lm": {"vocab": 5000, "embed_dim": 64, "hidden": 128, "seq_len": 32},
+}
+BATCH, LR = 32, 3e-3
+
+
+def _job(workload: str, steps: int):
+    from tilework.train.job import DataJob, GPTJob, Job, LMJob, TrainJob
+
+    return Job(workload=workload, gpt=GPTJob(**SIZES["gpt"], eval_sequences=128),
+               lm=LMJob(**SIZES["lm"], sparse=False, eval_sequences=128),
+               data=DataJob(batch_size=BATCH), train=TrainJob(steps=steps, seed=0))
+
+
+def _tx_bytes() -> int:
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
+
+
+def _wrap(system: str, model, opt, every: int):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if system.startswith("ddp"):
+        if system == "ddp-powersgd":
+            # torch's PowerSGD hook on gloo mismatches collectives between buckets (its chained
+            # futures launch all-reduces from callback threads: pytorch/pytorch#58467); in one
+            # bucket it runs. One bucket also means no overlap with backward.
+            dist._DEFAULT_FIRST_BUCKET_BYTES = 2**40
+            model = DDP(model, bucket_cap_mb=2**20)
+        else:
+            model = DDP(model)
+        if system == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                       start_powerSGD_iter=2, use_error_feedback=True,
+                                       warm_start=True)
+            model.register_comm_hook(state, psgd.powerSGD_hook)
+        return model, model.module
+    import tilework
+
+    tilework.parallelize(model, opt, mode="allreduce", sync="diloco", sync_every=every,
+                         outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
+                         log=False)
+    return model, model
+
+
+def worker(a) -> None:
+    from tilework.data import ShardedBatches
+    from tilework.train.workloads import build
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    job = _job(a.workload, a.steps)
+    work = build(job)
+    opt = torch.optim.AdamW(work.model.parameters(), lr=LR)
+    every = int(a.system.split("-H")[1]) if a.system.startswith("diloco") else 1
+    model, plain = _wrap(a.system, work.model, opt, every)
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, n)
+    metric = "eval_loss" if a.workload == "gpt" else "ppl"
+
+    def evaluate() -> float:
+        plain.eval()
+        value = work.evaluate(plain)[metric]
+        plain.train()
+        return float(value if metric == "eval_loss" else torch.tensor(value).log())
+
+    dist.barrier()
+    tx0, wall, curve = _tx_bytes(), 0.0, [(0, 0.0, evaluate() if rank == 0 else None)]
+    start = time.perf_counter()
+    for step in range(a.steps):
+        work.loss(model, work.train_set.collate(sampler.indices(step)), step).backward()
+        opt.step()
+        opt.zero_grad()
+        if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)   # the slowest rank's
+            wall += took.item()
+            curve.append((step + 1, wall, evaluate() if rank == 0 else None))
+            dist.barrier()
+            start = time.perf_counter()
+    sent = torch.tensor([_tx_bytes() - tx0], dtype=torch.float64)
+    dist.all_reduce(sent)
+    dist.barrier()
+    if rank == 0:
+        Path(a.out).write_text(json.dumps({
+            "system": a.system, "workload": a.workload, "curve": curve,
+            "bytes": sent.item(), "tokens_per_step": BATCH * job.gpt.seq_len,
+            "params": sum(p.numel() for p in plain.parameters())}))
+    # Every rank is past the last collective: leave without tearing the group down (seen here:
+    # two of four ranks waiting in destroy_process_group for peers that had exited).
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run_system(cluster, workload: str, system: str, a) -> dict:
+    from tilework.bench.suite import _free_port, launch_ranks
+    from tilework.cluster.worker_env import WorkerEnv
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--workload",
+                workload, "--system", system, "--steps", str(a.steps), "--eval-every",
+                str(a.eval_every), "--out", str(out)]
+        port, n = _free_port(), a.hosts
+        base = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # All on this one machine, as tilework bench's emulated hosts are.
+        envs = [{**base, **WorkerEnv(launched=True, rank=r, world_size=n, local_rank=r,
+                                     local_world_size=n, master_addr="127.0.0.1",
+                                     master_port=port).to_environ(),
+                 **cluster.gloo_env(r, port)} for r in range(n)]
+        launch_ranks([cluster.command(r, argv) for r in range(n)], envs, timeout=a.timeout)
+        return json.loads(out.read_text())
+
+
+def time_to(curve, target: float) -> float | None:
+    """Wall-clock seconds at which the loss first reached `target` (linear between evals)."""
+    for (s0, t0, l0), (s1, t1, l1) in zip(curve, curve[1:]):
+        if l1 <= target:
+            return t0 + (t1 - t0) * ((l0 - target) / (l0 - l1) if l0 != l1 else 1.0)
+    return None
+
+
+def summary(results: list[dict]) -> list[dict]:
+    ddp = next(r for r in results if r["system"] == "ddp")
+    target, ddp_time = ddp["curve"][-1][2], ddp["curve"][-1][1]
+    rows = []
+    for r in results:
+        final = r["curve"][-1][2]
+        reached = time_to(r["curve"], target)
+        rows.append({"system": r["system"], "final_loss": final,
+                     "loss_gap": (final - target) / target, "wall_s": r["curve"][-1][1],
+                     "bytes": r["bytes"], "bytes_vs_ddp": ddp["bytes"] / r["bytes"],
+                     "time_to_ddp_loss": reached,
+                     "speedup": None if reached is None else ddp_time / reached})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--system")
+    ap.add_argument("--workload")
+    ap.add_argument("--workloads", nargs="+", default=["gpt", "lm"])
+    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--mbit", type=float, default=100.0)
+    ap.add_argument("--rtt-ms", type=float, default=50.0,
+                    help="round trip to emulate (netem; 0 where the kernel lacks netem)")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--every", type=int, nargs="+", default=[20, 40])
+    ap.add_argument("--eval-every", type=int, default=40)
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per system's run")
+    ap.add_argument("--out")
+    ap.add_argument("--png")
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    if any(a.eval_every % h for h in a.every):
+        ap.error("--eval-every must be a multiple of every --every (evaluate at the syncs)")
+    from tilework.bench.netns import LinkShape, available, emulated_cluster
+
+    link = LinkShape(rate_mbit=a.mbit, delay_ms=a.rtt_ms / 2)
+    ok, why = available(link)
+    if not ok:
+        sys.exit(f"slow_links: cannot emulate {a.mbit:g} Mbit/s with {a.rtt_ms:g} ms round trip "
+                 f"here: {why} (--rtt-ms 0 shapes the rate alone)")
+    systems = ["ddp", "ddp-powersgd", *[f"diloco-H{h}" for h in a.every]]
+    report: dict = {"hosts": a.hosts, "mbit": a.mbit, "rtt_ms": a.rtt_ms, "steps": a.steps,
+                    "batch": BATCH, "lr": LR, "sizes": SIZES, "workloads": {}}
+    with emulated_cluster(a.hosts, link) as cluster:
+        for w in a.workloads:
+            results = []
+            for s in systems:
+                results.append(run_system(cluster, w, s, a))
+                r = results[-1]
+                print(f"{w:>4} {s:>13}: loss {r['curve'][-1][2]:.4f} after "
+                      f"{r['curve'][-1][1]:7.1f} s, {r['bytes'] / 1e6:9.1f} MB", flush=True)
+            report["workloads"][w] = {"results": results, "summary": summary(results)}
+    print(f"\n{a.hosts} hosts, {a.mbit:g} Mbit/s, {a.rtt_ms:g} ms round trip, {a.steps} steps "
+          f"of {BATCH} sequences, AdamW lr {LR}")
+    for w, got in report["workloads"].items():
+        print(f"\n{w}: | system | final loss | vs DDP | wall s | MB | bytes vs DDP | "
+              "s to DDP's loss | speed-up |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+        for row in got["summary"]:
+            reach = row["time_to_ddp_loss"]
+            print(f"| {row['system']} | {row['final_loss']:.4f} | {row['loss_gap']:+.1%} | "
+                  f"{row['wall_s']:.1f} | {row['bytes'] / 1e6:.1f} | "
+                  f"{row['bytes_vs_ddp']:.0f}x | "
+                  f"{'-' if reach is None else f'{reach:.1f}'} | "
+                  f"{_speedup(row['speedup'])} |")
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1))
+    if a.png:
+        _plot(report, Path(a.png))
+    return 0
+
+
+def _speedup(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}x"
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 3.8), squeeze=False)
+    for ax, w in zip(axes[0], names):
+        for r in report["workloads"][w]["results"]:
+            ts, ls = zip(*[(t, loss) for _, t, loss in r["curve"]])
+            ax.plot(ts, ls, marker="o", markersize=3, label=r["system"])
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlabel("wall-clock seconds (evaluation excluded)")
+        ax.set_ylabel("held-out loss" if w == "gpt" else "held-out log perplexity")
+        ax.set_title(f"{w}: {report['hosts']} hosts, {report['mbit']:g} Mbit/s, "
+                     f"{report['rtt_ms']:g} ms RTT", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
