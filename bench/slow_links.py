@@ -2,12 +2,13 @@
 PyTorch's PowerSGD hook, on emulated hosts.
 
     sudo .venv/bin/python bench/slow_links.py [--hosts 4] [--mbit 100] [--rtt-ms 50]
-        [--workloads gpt lm] [--steps 120] [--every 20 40] [--eval-every 40]
+        [--workloads gpt lm] [--steps 120] [--every 20 40] [--eval-every 40] [--longer 4]
         [--out docs/slow-links.json] [--png docs/slow-links.png]
 
 Each host is a network namespace with one rank, its link shaped by netem (rate and a one-way
 delay of half the round trip; tilework/bench/netns.py). Every system trains the same model from
-the same seed on the same global batches (AdamW inside), the same number of steps:
+the same seed on the same global batches (AdamW inside); DDP runs `--steps`, the others go on to
+`--longer` times as many, to find when they reach DDP's final loss:
 - ddp: DistributedDataParallel, every gradient all-reduced every step;
 - ddp-powersgd: DDP with torch's PowerSGD communication hook (rank 2, error feedback, warm
   start, from step 2);
@@ -141,8 +142,11 @@ def run_system(cluster, workload: str, system: str, a) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
+        # The others may go on past DDP's steps: how long they take to reach its loss is the
+        # measure (their loss at its step count is in their curves too).
+        steps = a.steps * (1 if system == "ddp" else a.longer)
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--workload",
-                workload, "--system", system, "--steps", str(a.steps), "--eval-every",
+                workload, "--system", system, "--steps", str(steps), "--eval-every",
                 str(a.eval_every), "--out", str(out)]
         port, n = _free_port(), a.hosts
         base = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -163,16 +167,19 @@ def time_to(curve, target: float) -> float | None:
     return None
 
 
-def summary(results: list[dict]) -> list[dict]:
+def summary(results: list[dict], steps: int) -> list[dict]:
+    """Per system: the loss at DDP's step count (equal tokens) and its gap to DDP's; wall
+    clock and bytes per step over those steps; when (if ever) it reached DDP's final loss."""
     ddp = next(r for r in results if r["system"] == "ddp")
     target, ddp_time = ddp["curve"][-1][2], ddp["curve"][-1][1]
     rows = []
     for r in results:
-        final = r["curve"][-1][2]
+        at = next(p for p in r["curve"] if p[0] == steps)
+        ran = r["curve"][-1][0]
         reached = time_to(r["curve"], target)
-        rows.append({"system": r["system"], "final_loss": final,
-                     "loss_gap": (final - target) / target, "wall_s": r["curve"][-1][1],
-                     "bytes": r["bytes"], "bytes_vs_ddp": ddp["bytes"] / r["bytes"],
+        rows.append({"system": r["system"], "loss": at[2], "loss_gap": (at[2] - target) / target,
+                     "wall_s": at[1], "steps_run": ran, "bytes_per_step": r["bytes"] / ran,
+                     "bytes_vs_ddp": (ddp["bytes"] / ddp["curve"][-1][0]) / (r["bytes"] / ran),
                      "time_to_ddp_loss": reached,
                      "speedup": None if reached is None else ddp_time / reached})
     return rows
@@ -191,6 +198,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--every", type=int, nargs="+", default=[20, 40])
     ap.add_argument("--eval-every", type=int, default=40)
+    ap.add_argument("--longer", type=int, default=4,
+                    help="the systems other than DDP run this many times its steps (to find "
+                         "when they reach its loss)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per system's run")
     ap.add_argument("--out")
     ap.add_argument("--png")
@@ -218,16 +228,17 @@ def main(argv=None) -> int:
                 r = results[-1]
                 print(f"{w:>4} {s:>13}: loss {r['curve'][-1][2]:.4f} after "
                       f"{r['curve'][-1][1]:7.1f} s, {r['bytes'] / 1e6:9.1f} MB", flush=True)
-            report["workloads"][w] = {"results": results, "summary": summary(results)}
+            report["workloads"][w] = {"results": results, "summary": summary(results, a.steps)}
     print(f"\n{a.hosts} hosts, {a.mbit:g} Mbit/s, {a.rtt_ms:g} ms round trip, {a.steps} steps "
           f"of {BATCH} sequences, AdamW lr {LR}")
     for w, got in report["workloads"].items():
-        print(f"\n{w}: | system | final loss | vs DDP | wall s | MB | bytes vs DDP | "
-              "s to DDP's loss | speed-up |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"\n{w}: | system | loss at {a.steps} steps | vs DDP | wall s | MB/step | "
+              "bytes vs DDP | s to DDP's loss | speed-up |\n"
+              "|---|---:|---:|---:|---:|---:|---:|---:|")
         for row in got["summary"]:
             reach = row["time_to_ddp_loss"]
-            print(f"| {row['system']} | {row['final_loss']:.4f} | {row['loss_gap']:+.1%} | "
-                  f"{row['wall_s']:.1f} | {row['bytes'] / 1e6:.1f} | "
+            print(f"| {row['system']} | {row['loss']:.4f} | {row['loss_gap']:+.1%} | "
+                  f"{row['wall_s']:.1f} | {row['bytes_per_step'] / 1e6:.2f} | "
                   f"{row['bytes_vs_ddp']:.0f}x | "
                   f"{'-' if reach is None else f'{reach:.1f}'} | "
                   f"{_speedup(row['speedup'])} |")
@@ -254,7 +265,6 @@ def _plot(report: dict, path: Path) -> None:
         for r in report["workloads"][w]["results"]:
             ts, ls = zip(*[(t, loss) for _, t, loss in r["curve"]])
             ax.plot(ts, ls, marker="o", markersize=3, label=r["system"])
-        ax.set_xscale("symlog", linthresh=1)
         ax.set_xlabel("wall-clock seconds (evaluation excluded)")
         ax.set_ylabel("held-out loss" if w == "gpt" else "held-out log perplexity")
         ax.set_title(f"{w}: {report['hosts']} hosts, {report['mbit']:g} Mbit/s, "

@@ -369,3 +369,25 @@ def test_a_pipeline_over_hosts_of_different_speeds_gives_the_faster_more_blocks(
 
     ran_on = job_cluster(Topology.uniform(2, 1), cluster)
     assert job_plan(job, ran_on).parallel.stages == ((0, 3), (3, 4))
+
+
+def test_local_sgd_trains_and_resumes_bit_exact_from_a_sync(tmp_path):
+    """`[parallel] sync = "diloco"`: 2 ranks, a sync every 2 steps, Adam inside. A run stopped
+    at step 2 (a sync, and a checkpoint) and resumed to step 4 logs the uninterrupted run's
+    losses bit for bit: the checkpoint holds both ranks' Adam moments and the outer state. A
+    checkpoint_every off the syncs is refused by name."""
+    from tilework.errors import ConfigError
+    from tilework.testing import spawn
+
+    options = {"sync": "diloco", "sync_every": 2}
+    whole = spawn(_train_on_ranks, 2, (gpt_job(tmp_path / "whole", steps=4, **options), False),
+                  timeout=240)
+    spawn(_train_on_ranks, 2, (gpt_job(tmp_path / "cut", steps=2, **options), False),
+          timeout=240)
+    resumed = spawn(_train_on_ranks, 2, (gpt_job(tmp_path / "cut", steps=4, **options), True),
+                    timeout=240)
+    for (_, all_losses, _), (first, losses, _) in zip(whole, resumed):
+        assert first == 2 and losses == all_losses[2:]
+    with pytest.raises(ConfigError, match="train.checkpoint_every: expected a multiple of "
+                                          "parallel.sync_every"):
+        gpt_job(tmp_path / "x", steps=3, **options)
