@@ -47,3 +47,21 @@ def test_bench_refuses_speeds_for_fewer_than_two_hosts(capsys):
     assert main(["bench", "--speeds", "1"]) == 2
     assert "--speeds: expected a positive number of cores for each of at least 2 hosts" in \
         capsys.readouterr().err
+
+
+def test_a_failed_rank_stops_the_others_at_once_and_is_named():
+    import sys
+    import time
+
+    from tilework.bench.suite import launch_ranks
+
+    quick = [sys.executable, "-c", "import sys; print('bad input'); sys.exit(3)"]
+    slow = [sys.executable, "-c", "import time; time.sleep(60)"]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 failed \(exit code 3\):\nbad input"):
+        launch_ranks([slow, quick], [{}, {}], timeout=120)
+    # A rank left running after another finished cleanly is stopped after the grace.
+    done = [sys.executable, "-c", "pass"]
+    with pytest.raises(RuntimeError, match="rank 0 still running 1 s after another rank"):
+        launch_ranks([slow, done], [{}, {}], timeout=120, grace=1)
+    assert time.monotonic() - start < 30

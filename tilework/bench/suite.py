@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,24 +59,58 @@ def _free_port() -> int:
 
 
 def launch_ranks(commands: list[list[str]], envs: list[dict], timeout: float,
-                 quotas: list | None = None) -> None:
+                 quotas: list | None = None, grace: float = 120.0) -> None:
     """Run every rank's command to its end; `quotas`: each rank's CpuQuota (joined before its
-    command runs, so every thread and child of it is held to the quota)."""
+    command runs, so every thread and child of it is held to the quota).
+
+    Watched together, not one after another: a rank that fails stops the others at once and
+    is named, and ranks still running `grace` seconds after another finished cleanly are
+    stopped too (seen: ranks left waiting in a collective for peers that had exited), rather
+    than each waiting out `timeout`."""
     quotas = quotas or [None] * len(commands)
-    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              preexec_fn=q.join if q is not None else None)
-             for c, e, q in zip(commands, envs, quotas)]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()   # reaped, its pipe closed
-    failed = [(i, o) for i, (p, o) in enumerate(zip(procs, outs)) if p.returncode]
-    if failed:
-        rank, out = failed[0]
-        raise RuntimeError(f"benchmark rank {rank} failed:\n{out[-2000:]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(len(commands))]
+        procs = [subprocess.Popen(c, env=e, stdout=f, stderr=subprocess.STDOUT,
+                                  preexec_fn=q.join if q is not None else None)
+                 for c, e, q, f in zip(commands, envs, quotas, logs)]
+        problem = None
+        try:
+            problem = _watch(procs, timeout, grace)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            outs = []
+            for f in logs:
+                f.seek(0)
+                outs.append(f.read())
+                f.close()
+    if problem is not None:
+        rank, why = problem
+        raise RuntimeError(f"benchmark rank {rank} {why}:\n{outs[rank][-2000:]}")
+
+
+def _watch(procs, timeout: float, grace: float) -> tuple[int, str] | None:
+    """(rank, what went wrong) for the first rank that failed or hung, or None when all ended
+    cleanly."""
+    deadline, first_done = time.monotonic() + timeout, None
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is not None:
+            return failed, f"failed (exit code {codes[failed]})"
+        if all(c == 0 for c in codes):
+            return None
+        now = time.monotonic()
+        if first_done is None and 0 in codes:
+            first_done = now
+        running = next(r for r, c in enumerate(codes) if c is None)
+        if now > deadline:
+            return running, f"still running after {timeout:.0f} s"
+        if first_done is not None and now - first_done > grace:
+            return running, f"still running {grace:.0f} s after another rank finished"
+        time.sleep(0.1)
 
 
 def run_one(workload: str, system: str, setting: Setting, steps: int, warmup: int,
