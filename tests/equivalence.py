@@ -75,3 +75,10 @@ def distributed(rank, world_size, workload, optimizer, mode, hosts, local_aggreg
     losses = _train(work, opt, sampler, steps)
     state = tilework.state_dict(work.model, opt)["model"]
     return (state if rank == 0 else None), losses, tilework.stats(work.model)
+
+
+def worst(state, ref) -> float:
+    """The largest difference of any tensor of `state` from `ref`'s, relative to that tensor's
+    largest magnitude in `ref`."""
+    return max((state[k] - v).abs().max().item() / (v.abs().max().item() + 1e-12)
+               for k, v in ref.items())

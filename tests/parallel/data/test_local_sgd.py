@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import tilework
-from tests.equivalence import LR, _train, job, reference, torch_optimizer
+from tests.equivalence import LR, _train, job, reference, torch_optimizer, worst
 from tilework import ParallelConfig
 from tilework.cluster.topology import Topology
 from tilework.comm.wire import ring_allreduce_bytes
@@ -83,11 +83,6 @@ def diloco_by_hand(workload, world, steps, every, lr, momentum):
             for w in works:
                 w.model.load_state_dict(anchor.state_dict())
     return works[0].model.state_dict()
-
-
-def worst(state, ref) -> float:
-    return max((state[k] - v).abs().max().item() / (v.abs().max().item() + 1e-12)
-               for k, v in ref.items())
 
 
 SYNCHRONOUS = {"sync_every": 1, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}

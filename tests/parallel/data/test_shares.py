@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import tilework
-from tests.equivalence import LR, _train, job, reference, torch_optimizer
+from tests.equivalence import LR, _train, job, reference, torch_optimizer, worst
 from tilework.cluster.topology import Topology
 from tilework.comm import build_groups
 from tilework.data import ShardedBatches
@@ -36,11 +36,6 @@ def uneven(rank, world_size, workload, optimizer, mode, hosts, shares, zero=0, w
     losses = _train(work, opt, sampler, 4)
     state = tilework.state_dict(work.model, opt)["model"]
     return (state if rank == 0 else None), losses
-
-
-def worst(state, ref) -> float:
-    return max((state[k] - v).abs().max().item() / (v.abs().max().item() + 1e-12)
-               for k, v in ref.items())
 
 
 # Every path a gradient takes, once: dense buckets and server rows (hybrid), everything on

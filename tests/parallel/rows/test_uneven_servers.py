@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 import tilework
-from tests.equivalence import LR, _train, job, reference, torch_optimizer
+from tests.equivalence import LR, _train, job, reference, torch_optimizer, worst
 from tilework import ParallelConfig
 from tilework.cluster.topology import Topology
 from tilework.comm import build_groups
@@ -44,11 +44,6 @@ def served(rank, world_size, workload, optimizer, mode, hosts, weights, shares):
             for p in runtime_plan.of("ps")}
     state = tilework.state_dict(work.model, opt)["model"]
     return (state if rank == 0 else None), losses, held, runtime_plan.as_dict()
-
-
-def worst(state, ref) -> float:
-    return max((state[k] - v).abs().max().item() / (v.abs().max().item() + 1e-12)
-               for k, v in ref.items())
 
 
 @pytest.mark.parametrize("workload, optimizer, mode, world, hosts, weights, shares", [
