@@ -102,11 +102,7 @@ def _load_outer(engine, saved: dict | None) -> None:
     a fresh outer loop from the loaded parameters (no momentum yet)."""
     outer = engine.outer
     if saved is None:
-        with torch.no_grad():
-            for n, p in outer.params:
-                outer.anchors[n].copy_(p)
-        outer.optimizer.state.clear()
-        outer.inner_steps = 0
+        outer.restart()
         return
     missing = sorted(set(outer.anchors) - set(saved.get("anchors", {})))
     if missing:

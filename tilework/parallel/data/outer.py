@@ -78,7 +78,7 @@ class LocalSGD:
             offset = 0
             for n, p in bucket:
                 anchor = self.anchors[n]
-                anchor.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                anchor.grad = flat[offset:offset + p.numel()].view_as(p)   # flat is this sync's
                 offset += p.numel()
         bad = next((n for n, a in self.anchors.items() if not torch.isfinite(a.grad).all()),
                    None)
@@ -93,6 +93,15 @@ class LocalSGD:
             self.anchors[n].grad = None
 
     # -- checkpoints ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def restart(self) -> None:
+        """A fresh outer loop from the model's parameters now (after a load of a checkpoint
+        that has no outer state): anchored there, no momentum, no inner steps."""
+        for n, p in self.params:
+            self.anchors[n].copy_(p)
+        self.optimizer.state.clear()
+        self.inner_steps = 0
+
     def state_dict(self) -> dict:
         """The outer state: the last sync's parameters by name, the outer optimizer's
         momentum, and the inner steps taken since (the same on every rank)."""
