@@ -116,16 +116,21 @@ def _outer_state(engine, dense_state: dict, dst: int | None) -> dict | None:
     inner optimizer state is its own (Adam's moments of its own steps), every rank's dense
     optimizer state in rank order, gathered to `dst` (None elsewhere)."""
     group, n = engine.groups.world, engine.groups.world_size
-    mine = {name: dict(s) for name, s in dense_state.items()}
+    mine = ({name: dict(s) for name, s in dense_state.items()}, engine.outer.feedback())
     if n == 1:
-        inner = [mine]
+        every = [mine]
     elif dst is None:
-        inner = [None] * n
-        dist.all_gather_object(inner, mine, group=group)
+        every = [None] * n
+        dist.all_gather_object(every, mine, group=group)
     else:
-        inner = [None] * n if engine.groups.rank == dst else None
-        dist.gather_object(mine, inner, dst=dist.get_global_rank(group, dst), group=group)
-    return {**engine.outer.state_dict(), "inner": inner}
+        every = [None] * n if engine.groups.rank == dst else None
+        dist.gather_object(mine, every, dst=dist.get_global_rank(group, dst), group=group)
+    if every is None:
+        return {**engine.outer.state_dict(), "inner": None}
+    # Compressed, each rank's error-feedback buffers too: what its encodings still owe.
+    feedback = [f for _, f in every] if mine[1] is not None else None
+    return {**engine.outer.state_dict(), "inner": [s for s, _ in every],
+            **({} if feedback is None else {"feedback": feedback})}
 
 
 def _own(part) -> bool:

@@ -112,7 +112,15 @@ def _load_outer(engine, saved: dict | None) -> None:
     inner = saved.get("inner")
     # Each rank its own inner optimizer state, where the world is the one that saved it (at
     # another world size every rank keeps rank 0's, loaded above).
-    if inner and len(inner) == engine.groups.world_size and engine.optimizer is not None:
+    feedback = saved.get("feedback")
+    same_world = bool(inner) and len(inner) == engine.groups.world_size
+    # Error feedback is owed by the rank that encoded: kept at the same world, else dropped (a
+    # bounded loss: at most one sync's rounding).
+    if not outer.load_feedback(feedback[engine.groups.rank] if feedback and same_world
+                               else None):
+        raise CheckpointError("checkpoint does not match this job: its local SGD error-"
+                              "feedback buffers are another outer_compress's or bucket_mb's")
+    if same_world and engine.optimizer is not None:
         by_name = dict(engine.model.named_parameters())
         for name, s in inner[engine.groups.rank].items():
             engine.optimizer.state[by_name[name]] = {

@@ -28,6 +28,8 @@ PlanChoice = Literal["config", "auto"]
 Auto = Literal["auto"]
 Sync = Literal["every_step", "diloco"]
 OuterOptimizer = Literal["nesterov", "sgd"]
+OuterWorker = Literal["rank", "host"]
+OuterCompress = Literal["none", "bf16", "int8", "int4"]
 
 
 @dataclass(kw_only=True)
@@ -165,6 +167,16 @@ class ParallelConfig:
     outer_momentum: float = 0.9
     """The outer optimizer's momentum (DiLoCo: 0.9)."""
 
+    outer_worker: OuterWorker = "rank"
+    """What one local-SGD replica is under sync="diloco": each "rank", or each "host", whose
+    ranks average their gradients every step over the host's own link (as DDP) so that only
+    the outer sync crosses hosts (the usual deployment: fast inside a machine, slow between)."""
+
+    outer_compress: OuterCompress = "none"
+    """The pseudo-gradients' width on the wire under sync="diloco": "none" (as they are),
+    "bf16", "int8" or "int4" (one float32 scale per 64 values), with error feedback: what an
+    encoding loses is added to the next sync's (docs/slow-links.md)."""
+
     server_weights: list[float] | None = None
     """How many rows of each server table every rank serves, relative to the others, in rank
     order (e.g. each rank's memory: `tilework train` sets it from the cluster file's
@@ -237,6 +249,10 @@ class ParallelConfig:
         check(isinstance(self.outer_momentum, (int, float))
               and not isinstance(self.outer_momentum, bool) and 0 <= self.outer_momentum < 1,
               "outer_momentum", f"a momentum from 0 to below 1, got {self.outer_momentum!r}")
+        check(self.outer_worker in ("rank", "host"), "outer_worker",
+              f"'rank' or 'host', got {self.outer_worker!r}")
+        check(self.outer_compress in ("none", "bf16", "int8", "int4"), "outer_compress",
+              f"'none', 'bf16', 'int8' or 'int4', got {self.outer_compress!r}")
         if self.sync == "every_step":
             return
         for field, value in (("zero", self.zero),

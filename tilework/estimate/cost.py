@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..cluster.topology import Link, Links, Topology
+from ..comm.codec import encoded_bytes, multiple_of
 from ..comm.wire import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -26,6 +27,7 @@ from ..comm.wire import (
     ID_BYTES,
     REDUCE_SCATTER,
     all_gather_bytes,
+    all_to_all_bytes,
     bucket_rides_push,
     id_block_capacity,
     ring_allreduce_bytes,
@@ -60,6 +62,68 @@ def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
     last = len(sizes) - 1
     return sum((n - 1) * s if k == last and push and bucket_rides_push(s, n)
                else ring_allreduce_bytes(s, n) for k, s in enumerate(sizes))
+
+
+# -- local SGD: exact replay of parallel/data/outer.py --------------------------------------------
+
+@dataclass(frozen=True)
+class OuterWire:
+    """What one rank sends in one outer sync: across the workers (bytes, messages) and inside
+    its worker (the all-gather of the averaged slices)."""
+
+    across: int
+    across_messages: int
+    within: int
+    within_messages: int
+
+    def __add__(self, other: "OuterWire") -> "OuterWire":
+        return OuterWire(self.across + other.across,
+                         self.across_messages + other.across_messages,
+                         self.within + other.within, self.within_messages + other.within_messages)
+
+    @property
+    def sent(self) -> int:
+        return self.across + self.within
+
+
+def outer_bucket_wire(numel: int, workers: int, per_worker: int = 1, codec: str = "none",
+                      item: int = 4) -> OuterWire:
+    """One bucket of `numel` values of `item` bytes among `workers` workers of `per_worker`
+    ranks: padded to equal slices (and, compressed, equal blocked parts); a slice all-reduced
+    across, or its parts' encodings exchanged (all-to-all) and their averages' gathered; the
+    averaged slices (float32 when compressed) gathered inside the worker."""
+    unit = per_worker * (1 if codec == "none" else workers * multiple_of(codec))
+    carried = -(-numel // unit) * unit // per_worker
+    if codec == "none":
+        across = ring_allreduce_bytes(carried * item, workers)
+        messages, item_back = ALL_REDUCE.messages(workers), item
+    else:
+        encoded = encoded_bytes(carried // workers, codec)
+        across = all_to_all_bytes(workers * encoded, workers) + all_gather_bytes(encoded, workers)
+        messages = ALL_TO_ALL.messages(workers) + ALL_GATHER.messages(workers)
+        item_back = 4
+    return OuterWire(across, messages if workers > 1 else 0,
+                     all_gather_bytes(carried * item_back, per_worker),
+                     ALL_GATHER.messages(per_worker) if per_worker > 1 else 0)
+
+
+def outer_sync_wire(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
+                    per_worker: int = 1, codec: str = "none", item: int = 4) -> OuterWire:
+    """Exact: what `LocalSGD.sync` counts for parameters of these sizes (registration order),
+    bucketed as it buckets them."""
+    order = list(reversed(nbytes_in_order))
+    total = OuterWire(0, 0, 0, 0)
+    for bucket in assign_buckets(order, bucket_bytes):
+        total += outer_bucket_wire(sum(order[i] for i in bucket) // item, workers, per_worker,
+                                   codec, item)
+    return total
+
+
+def outer_sync_bytes(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
+                     per_worker: int = 1, codec: str = "none", item: int = 4) -> int:
+    """Bytes one rank sends in one outer sync (`outer_sync_wire`'s, across and within)."""
+    return outer_sync_wire(nbytes_in_order, bucket_bytes, workers, per_worker, codec,
+                           item).sent
 
 
 def push_over_world(topology: Topology, local_aggregation: bool) -> bool:

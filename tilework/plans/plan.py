@@ -196,12 +196,15 @@ class ParallelPlan:
 class OuterSync:
     """Local SGD (DiLoCo): the dense parameters are averaged every `every` steps, as an outer
     step of `optimizer` ("nesterov" | "sgd") with `lr` and `momentum` on the averaged
-    pseudo-gradient (parallel/data/outer.py)."""
+    pseudo-gradient (parallel/data/outer.py). A `worker` (one replica) is a rank or a host
+    (its ranks synchronous); the pseudo-gradients cross in `compress` (comm/codec.py)."""
 
     every: int
     optimizer: str = "nesterov"
     lr: float = 0.7
     momentum: float = 0.9
+    worker: str = "rank"
+    compress: str = "none"
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -402,7 +405,8 @@ def config_of(plan: Plan) -> ParallelConfig:
         **({} if plan.outer is None else {
             "sync": "diloco", "sync_every": plan.outer.every,
             "outer_optimizer": plan.outer.optimizer, "outer_lr": plan.outer.lr,
-            "outer_momentum": plan.outer.momentum}))
+            "outer_momentum": plan.outer.momentum, "outer_worker": plan.outer.worker,
+            "outer_compress": plan.outer.compress}))
 
 
 # -- the row map: pure functions shared by the runtime and the cost model ---------------------

@@ -35,7 +35,7 @@ from ..optim.rowwise import row_optimizer
 from ..parallel.data.checks import InputChecks
 from ..parallel.data.dense import DenseSync
 from ..parallel.data.offload import Offload
-from ..parallel.data.outer import LocalSGD
+from ..parallel.data.outer import LocalSGD, workers_of
 from ..parallel.data.zero import ZeroSync
 from ..parallel.rows.exchange import pull_tables
 from ..parallel.rows.gather import GatheredTable, sync_tables
@@ -182,16 +182,25 @@ class Engine:
         dense = [(n, p) for n, p in dense if stage.get(n, 0) <= 1]
         self.dense_params = dense
         self.outer = None
-        if self.plan.outer is not None:   # averaged every few steps, not every backward
-            self.outer = LocalSGD(dense, groups.world, groups.world_size, self.stats,
-                                  self.plan.outer, self.plan.bucket_bytes)
-            dense = []
         head_dtypes = {t.head.weight.dtype for t in self.tables.values() if t.head is not None}
         self.push_route = push_route(list(self.tables.values()), groups)
-        self.dense = DenseSync(dense, groups.world, groups.world_size, self.stats,
+        rider_dtype = head_dtypes.pop() if len(head_dtypes) == 1 else None
+        push_dtype = self.push_route.dtype
+        group, size = groups.world, groups.world_size
+        if self.plan.outer is not None:   # averaged every few steps, not every backward
+            workers = workers_of(groups, self.plan.outer.worker)
+            self.outer = LocalSGD(dense, workers, self.stats, self.plan.outer,
+                                  self.plan.bucket_bytes)
+            # A host's ranks stay one replica: their gradients are averaged every step over the
+            # host's group, where nothing of the world's (heads' sums, the push) can ride.
+            group, size = workers.within, workers.size
+            rider_dtype = push_dtype = None
+            successor_remote = False
+            if size == 1:
+                dense = []
+        self.dense = DenseSync(dense, group, size, self.stats,
                                self.plan.bucket_bytes, successor_remote, self.checks, self._touched,
-                               rider_dtype=head_dtypes.pop() if len(head_dtypes) == 1 else None,
-                               push_dtype=self.push_route.dtype)
+                               rider_dtype=rider_dtype, push_dtype=push_dtype)
         self.changes.record("dense parameters: post-accumulate-grad hooks (all-reduce buckets)",
                             lambda: [handle.remove() for handle in self.dense.handles])
         self.early = EarlyPush(self.tables, self.push_route, self.checks, self._touched)

@@ -23,7 +23,7 @@ from tilework.cluster.topology import Topology
 from tilework.comm.wire import ring_allreduce_bytes
 from tilework.data import ShardedBatches
 from tilework.errors import ConfigError, PlanError
-from tilework.parallel.data.outer import outer_sync_bytes
+from tilework.estimate.cost import outer_sync_bytes
 from tilework.planner import plan
 from tilework.testing import spawn
 from tilework.train.workloads import build
