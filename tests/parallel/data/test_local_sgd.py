@@ -149,6 +149,13 @@ def test_what_local_sgd_refuses_in_one_line():
         ParallelConfig(sync="diloco", outer_momentum=1.0)
     with pytest.raises(ConfigError, match="sync: expected 'every_step' or 'diloco'"):
         ParallelConfig(sync="sometimes")
+    with pytest.raises(ConfigError, match="outer_worker: expected 'rank' or 'host'"):
+        ParallelConfig(sync="diloco", outer_worker="machine")
+    with pytest.raises(ConfigError, match="outer_compress: expected 'none', 'bf16'"):
+        ParallelConfig(sync="diloco", outer_compress="fp8")
+    with pytest.raises(PlanError, match="outer_worker: 'host' .* these have \\[2, 1\\] ranks"):
+        plan(build(job("cnn")).model, ParallelConfig(sync="diloco", outer_worker="host"),
+             topology=Topology.from_sizes([2, 1]))
 
 
 def _no_optimizer(rank, world_size):
@@ -186,11 +193,14 @@ def resumed(rank, world_size, path, stop, steps, outer, saved_at=4):
     return state if rank == 0 else None
 
 
-def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path):
+@pytest.mark.parametrize("compress", ["none", "int4"])
+def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path, compress):
     """Each rank's Adam moments are its own between syncs; the checkpoint keeps every rank's,
-    and the outer loop's anchor and momentum: resuming gives bit for bit the uninterrupted
-    run's parameters, its outer momentum and every rank's inner state."""
-    outer = {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
+    and the outer loop's anchor and momentum (and, compressed, every rank's error feedback):
+    resuming gives bit for bit the uninterrupted run's parameters, its outer momentum and every
+    rank's inner state."""
+    outer = {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9,
+             "outer_compress": compress}
     whole = spawn(resumed, 2, args=(str(tmp_path / "unused.pt"), 8, 8, outer), timeout=180)[0]
     spawn(resumed, 2, args=(str(tmp_path / "at4.pt"), 4, 8, outer), timeout=180)
     again = spawn(resumed, 2, args=(str(tmp_path / "at4.pt"), None, 8, outer), timeout=180)[0]
@@ -205,3 +215,10 @@ def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_pat
     first = next(iter(whole["outer"]["inner"][0]))
     assert not torch.equal(whole["outer"]["inner"][0][first]["exp_avg"],
                            whole["outer"]["inner"][1][first]["exp_avg"])
+    if compress != "none":   # what the encodings still owe, each rank its own
+        owed = whole["outer"]["feedback"]
+        assert len(owed) == 2 and not torch.equal(owed[0][0][0], owed[1][0][0])
+        assert owed[0][0][0].abs().max() > 0
+        for mine, theirs in zip(owed, again["outer"]["feedback"]):
+            assert all(torch.equal(a, b) for pair, other in zip(mine, theirs)
+                       for a, b in zip(pair, other))

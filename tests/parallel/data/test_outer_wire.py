@@ -16,13 +16,16 @@ import torch
 import torch.distributed as dist
 
 import tilework
+from tilework import ParallelConfig
 from tests.equivalence import LR, _train, job, worst
 from tilework.cluster.topology import Topology
 from tilework.comm.codec import decode, encode, multiple_of
 from tilework.comm.groups import build_groups
 from tilework.comm.wire import ring_allreduce_bytes
 from tilework.data import ShardedBatches
-from tilework.estimate.cost import outer_sync_wire
+from tilework.estimate.cost import outer_bucket_wire, outer_sync_wire
+from tilework.planner import plan
+from tilework.plans.plan import config_of
 from tilework.testing import spawn
 from tilework.train.workloads import build
 
@@ -149,3 +152,18 @@ def test_local_sgd_over_hosts_and_compressed_is_diloco_by_hand_and_sends_the_pla
     if codec == "int4":   # 8 values a 4-byte scale, 2 a byte: about 1/7 of float32
         plain = outer_sync_wire(nbytes, 25 * 2**20, workers, per_worker, "none")
         assert wire.across < plain.across / 6.5
+
+
+def test_the_plan_prices_a_host_worker_as_the_host_all_reduce_every_step_and_its_sync_share():
+    model = build(job("cnn")).model
+    topology = Topology.uniform(2, 2)
+    made = plan(model, ParallelConfig(mode="allreduce", sync="diloco", sync_every=10,
+                                      outer_worker="host", outer_compress="int8"),
+                topology=topology)
+    for p in made.of("allreduce"):
+        wire = outer_bucket_wire(p.numel, 2, 2, "int8")
+        assert p.predicted.bytes_sent == pytest.approx(
+            wire.sent / 10 + ring_allreduce_bytes(p.nbytes, 2))
+        assert "averaged every 10 steps in int8 (local SGD over hosts)" in p.reason
+    assert made.outer.worker == "host" and made.outer.compress == "int8"
+    assert config_of(made).outer_compress == "int8"   # what a plan.json gives back
