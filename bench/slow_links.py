@@ -2,7 +2,8 @@
 PyTorch's PowerSGD hook, on emulated hosts.
 
     sudo .venv/bin/python bench/slow_links.py [--hosts 4] [--mbit 100] [--rtt-ms 50]
-        [--workloads gpt lm] [--steps 120] [--every 20 40] [--eval-every 40] [--longer 4]
+        [--workloads gpt lm] [--steps 120] [--every 20 40] [--compress none int4]
+        [--eval-every 40] [--longer 4]
         [--out docs/slow-links.json] [--png docs/slow-links.png]
 
 Each host is a network namespace with one rank, its link shaped by netem (rate and a one-way
@@ -12,8 +13,9 @@ the same seed on the same global batches (AdamW inside); DDP runs `--steps`, the
 - ddp: DistributedDataParallel, every gradient all-reduced every step;
 - ddp-powersgd: DDP with torch's PowerSGD communication hook (rank 2, error feedback, warm
   start, from step 2);
-- diloco-H: tilework.parallelize(sync="diloco", sync_every=H), the outer step Nesterov
-  (lr 0.7, momentum 0.9), every parameter in the outer sync (mode="allreduce").
+- diloco-H[-codec]: tilework.parallelize(sync="diloco", sync_every=H), the outer step
+  Nesterov (lr 0.7, momentum 0.9), every parameter in the outer sync (mode="allreduce"), the
+  pseudo-gradients in `--compress`'s encodings (outer_compress, with error feedback).
 Wall clock excludes evaluation: every `--eval-every` steps (a multiple of every H) the ranks
 stop their clocks, the slowest rank's time is the run's so far, rank 0 evaluates the held-out
 loss, and the clocks start again. Bytes: each rank's veth transmit counter (what really left
@@ -59,7 +61,13 @@ def _tx_bytes() -> int:
     return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
 
 
-def _wrap(system: str, model, opt, every: int):
+def _diloco(system: str) -> tuple[int, str]:
+    """(H, outer_compress) of a system named diloco-H<H>[-<codec>]."""
+    parts = system.split("-")
+    return int(parts[1][1:]), parts[2] if len(parts) > 2 else "none"
+
+
+def _wrap(system: str, model, opt):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if system.startswith("ddp"):
@@ -81,9 +89,10 @@ def _wrap(system: str, model, opt, every: int):
         return model, model.module
     import tilework
 
+    every, compress = _diloco(system)
     tilework.parallelize(model, opt, mode="allreduce", sync="diloco", sync_every=every,
                          outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
-                         log=False)
+                         outer_compress=compress, log=False)
     return model, model
 
 
@@ -97,8 +106,7 @@ def worker(a) -> None:
     job = _job(a.workload, a.steps)
     work = build(job)
     opt = torch.optim.AdamW(work.model.parameters(), lr=LR)
-    every = int(a.system.split("-H")[1]) if a.system.startswith("diloco") else 1
-    model, plain = _wrap(a.system, work.model, opt, every)
+    model, plain = _wrap(a.system, work.model, opt)
     sampler = ShardedBatches(len(work.train_set), BATCH, rank, n)
     metric = "eval_loss" if a.workload == "gpt" else "ppl"
 
@@ -197,6 +205,9 @@ def main(argv=None) -> int:
                     help="round trip to emulate (netem; 0 where the kernel lacks netem)")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--every", type=int, nargs="+", default=[20, 40])
+    ap.add_argument("--compress", nargs="+", default=["none"],
+                    choices=["none", "bf16", "int8", "int4"],
+                    help="the outer sync's encodings to run at every H (outer_compress)")
     ap.add_argument("--eval-every", type=int, default=40)
     ap.add_argument("--longer", type=int, default=4,
                     help="the systems other than DDP run this many times its steps (to find "
@@ -217,7 +228,8 @@ def main(argv=None) -> int:
     if not ok:
         sys.exit(f"slow_links: cannot emulate {a.mbit:g} Mbit/s with {a.rtt_ms:g} ms round trip "
                  f"here: {why} (--rtt-ms 0 shapes the rate alone)")
-    systems = ["ddp", "ddp-powersgd", *[f"diloco-H{h}" for h in a.every]]
+    systems = ["ddp", "ddp-powersgd", *[f"diloco-H{h}" + ("" if c == "none" else f"-{c}")
+                                        for h in a.every for c in a.compress]]
     report: dict = {"hosts": a.hosts, "mbit": a.mbit, "rtt_ms": a.rtt_ms, "steps": a.steps,
                     "batch": BATCH, "lr": LR, "sizes": SIZES, "workloads": {}}
     with emulated_cluster(a.hosts, link) as cluster:
@@ -226,7 +238,7 @@ def main(argv=None) -> int:
             for s in systems:
                 results.append(run_system(cluster, w, s, a))
                 r = results[-1]
-                print(f"{w:>4} {s:>13}: loss {r['curve'][-1][2]:.4f} after "
+                print(f"{w:>4} {s:>18}: loss {r['curve'][-1][2]:.4f} after "
                       f"{r['curve'][-1][1]:7.1f} s, {r['bytes'] / 1e6:9.1f} MB", flush=True)
             report["workloads"][w] = {"results": results, "summary": summary(results, a.steps)}
     print(f"\n{a.hosts} hosts, {a.mbit:g} Mbit/s, {a.rtt_ms:g} ms round trip, {a.steps} steps "
