@@ -114,9 +114,10 @@ def _over_dp(engine, dst: int | None) -> dict:
 def _outer_state(engine, dense_state: dict, dst: int | None) -> dict | None:
     """Local SGD's state: the outer loop's (the same on every rank) and, since each rank's
     inner optimizer state is its own (Adam's moments of its own steps), every rank's dense
-    optimizer state in rank order, gathered to `dst` (None elsewhere)."""
+    optimizer state in rank order, gathered to `dst` (None elsewhere), with what else only
+    that rank holds (`LocalSGD.own_state`)."""
     group, n = engine.groups.world, engine.groups.world_size
-    mine = ({name: dict(s) for name, s in dense_state.items()}, engine.outer.feedback())
+    mine = ({name: dict(s) for name, s in dense_state.items()}, engine.outer.own_state())
     if n == 1:
         every = [mine]
     elif dst is None:
@@ -127,10 +128,9 @@ def _outer_state(engine, dense_state: dict, dst: int | None) -> dict | None:
         dist.gather_object(mine, every, dst=dist.get_global_rank(group, dst), group=group)
     if every is None:
         return {**engine.outer.state_dict(), "inner": None}
-    # Compressed, each rank's error-feedback buffers too: what its encodings still owe.
-    feedback = [f for _, f in every] if mine[1] is not None else None
+    # Each rank's own error feedback and, where ranks differ at a sync, its parameters.
     return {**engine.outer.state_dict(), "inner": [s for s, _ in every],
-            **({} if feedback is None else {"feedback": feedback})}
+            **({"own": [o for _, o in every]} if mine[1] else {})}
 
 
 def _own(part) -> bool:

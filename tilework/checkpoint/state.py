@@ -112,14 +112,13 @@ def _load_outer(engine, saved: dict | None) -> None:
     inner = saved.get("inner")
     # Each rank its own inner optimizer state, where the world is the one that saved it (at
     # another world size every rank keeps rank 0's, loaded above).
-    feedback = saved.get("feedback")
+    own = saved.get("own")
     same_world = bool(inner) and len(inner) == engine.groups.world_size
-    # Error feedback is owed by the rank that encoded: kept at the same world, else dropped (a
-    # bounded loss: at most one sync's rounding).
-    if not outer.load_feedback(feedback[engine.groups.rank] if feedback and same_world
-                               else None):
-        raise CheckpointError("checkpoint does not match this job: its local SGD error-"
-                              "feedback buffers are another outer_compress's or bucket_mb's")
+    # Error feedback is owed by the rank that encoded, and a rank's own parameters are its own:
+    # kept at the same world, else dropped (at most one sync's rounding; rank 0's parameters).
+    if not outer.load_own_state(own[engine.groups.rank] if own and same_world else None):
+        raise CheckpointError("checkpoint does not match this job: its local SGD state per "
+                              "rank is another outer_compress's, bucket_mb's or model's")
     if same_world and engine.optimizer is not None:
         by_name = dict(engine.model.named_parameters())
         for name, s in inner[engine.groups.rank].items():

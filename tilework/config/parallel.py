@@ -177,6 +177,19 @@ class ParallelConfig:
     "bf16", "int8" or "int4" (one float32 scale per 64 values), with error feedback: what an
     encoding loses is added to the next sync's (docs/slow-links.md)."""
 
+    outer_fragments: int = 1
+    """Streaming DiLoCo under sync="diloco": the dense parameters cut into this many fragments
+    of about equal bytes (registration order), fragment f's outer step at inner step
+    (f+1) * sync_every / outer_fragments of every period, so each sync sends 1/F of the model."""
+
+    outer_delay: int = 0
+    """Inner steps each fragment's exchange runs beside before its outer step lands (Streaming
+    DiLoCo's tau; 0: the step waits for it). Below sync_every / outer_fragments."""
+
+    outer_mix: float = 0.5
+    """With outer_delay: the parameters after a landing are outer_mix * this rank's own plus
+    (1 - outer_mix) * the outer step's (Streaming DiLoCo's alpha)."""
+
     server_weights: list[float] | None = None
     """How many rows of each server table every rank serves, relative to the others, in rank
     order (e.g. each rank's memory: `tilework train` sets it from the cluster file's
@@ -253,6 +266,20 @@ class ParallelConfig:
               f"'rank' or 'host', got {self.outer_worker!r}")
         check(self.outer_compress in ("none", "bf16", "int8", "int4"), "outer_compress",
               f"'none', 'bf16', 'int8' or 'int4', got {self.outer_compress!r}")
+        whole = (int,)
+        check(isinstance(self.outer_fragments, whole) and not isinstance(self.outer_fragments,
+                                                                         bool)
+              and 1 <= self.outer_fragments <= self.sync_every, "outer_fragments",
+              f"a whole number from 1 to sync_every ({self.sync_every}), got "
+              f"{self.outer_fragments!r}")
+        period = self.sync_every // self.outer_fragments
+        check(isinstance(self.outer_delay, whole) and not isinstance(self.outer_delay, bool)
+              and 0 <= self.outer_delay < period, "outer_delay",
+              f"a whole number of steps below sync_every / outer_fragments ({period}), got "
+              f"{self.outer_delay!r}")
+        check(isinstance(self.outer_mix, (int, float)) and not isinstance(self.outer_mix, bool)
+              and 0 <= self.outer_mix < 1, "outer_mix",
+              f"a weight from 0 to below 1, got {self.outer_mix!r}")
         if self.sync == "every_step":
             return
         for field, value in (("zero", self.zero),

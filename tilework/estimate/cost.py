@@ -32,7 +32,7 @@ from ..comm.wire import (
     id_block_capacity,
     ring_allreduce_bytes,
 )
-from ..plans.plan import Cost, ParamPlan, assign_buckets, dtype_bytes
+from ..plans.plan import Cost, ParamPlan, assign_buckets, dtype_bytes, fragments_of
 from ..plans.rows import TableLayout, routes
 
 
@@ -108,22 +108,26 @@ def outer_bucket_wire(numel: int, workers: int, per_worker: int = 1, codec: str 
 
 
 def outer_sync_wire(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
-                    per_worker: int = 1, codec: str = "none", item: int = 4) -> OuterWire:
-    """Exact: what `LocalSGD.sync` counts for parameters of these sizes (registration order),
-    bucketed as it buckets them."""
-    order = list(reversed(nbytes_in_order))
+                    per_worker: int = 1, codec: str = "none", item: int = 4,
+                    fragments: int = 1) -> OuterWire:
+    """Exact: what `LocalSGD` counts in one period of H steps (every fragment synced once) for
+    parameters of these sizes (registration order), cut and bucketed as it cuts them."""
     total = OuterWire(0, 0, 0, 0)
-    for bucket in assign_buckets(order, bucket_bytes):
-        total += outer_bucket_wire(sum(order[i] for i in bucket) // item, workers, per_worker,
-                                   codec, item)
+    for members in fragments_of(nbytes_in_order, fragments):
+        order = list(reversed([nbytes_in_order[i] for i in members]))
+        for bucket in assign_buckets(order, bucket_bytes):
+            total += outer_bucket_wire(sum(order[i] for i in bucket) // item, workers,
+                                       per_worker, codec, item)
     return total
 
 
 def outer_sync_bytes(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
-                     per_worker: int = 1, codec: str = "none", item: int = 4) -> int:
-    """Bytes one rank sends in one outer sync (`outer_sync_wire`'s, across and within)."""
+                     per_worker: int = 1, codec: str = "none", item: int = 4,
+                     fragments: int = 1) -> int:
+    """Bytes one rank sends in one period's outer syncs (`outer_sync_wire`'s, across and
+    within)."""
     return outer_sync_wire(nbytes_in_order, bucket_bytes, workers, per_worker, codec,
-                           item).sent
+                           item, fragments).sent
 
 
 def push_over_world(topology: Topology, local_aggregation: bool) -> bool:

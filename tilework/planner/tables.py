@@ -76,7 +76,9 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
     if config.sync == "diloco":
         made = with_outer_sync(made, OuterSync(config.sync_every, config.outer_optimizer,
                                                config.outer_lr, config.outer_momentum,
-                                               config.outer_worker, config.outer_compress),
+                                               config.outer_worker, config.outer_compress,
+                                               config.outer_fragments, config.outer_delay,
+                                               config.outer_mix),
                                topology, links)
     if config.batch_shares is None:
         return made
@@ -100,8 +102,14 @@ def with_outer_sync(plan: Plan, outer: OuterSync, topology: Topology | None = No
     per_worker = topology.world_size // workers
     across = links.inter if hosts and workers > 1 else link_for(topology, links)
     width = {"none": "", "bf16": " in bf16", "int8": " in int8", "int4": " in int4"}
+    dense = sum(p.method == "allreduce" for p in plan.params)
+    if outer.fragments > dense:
+        raise PlanError(f"outer_fragments: {outer.fragments} fragments of {dense} all-reduced "
+                        f"parameters (a fragment holds at least one)")
+    streamed = f", in {outer.fragments} fragments" if outer.fragments > 1 else ""
+    overlapped = f", each beside {outer.delay} inner steps" if outer.delay else ""
     said = (f"averaged every {outer.every} steps{width[outer.compress]} (local SGD"
-            f"{' over hosts' if hosts else ''})")
+            f"{' over hosts' if hosts else ''}{streamed}{overlapped})")
 
     def cost(p: ParamPlan) -> Cost:
         wire = outer_bucket_wire(p.numel, workers, per_worker, outer.compress,

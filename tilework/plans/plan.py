@@ -205,6 +205,9 @@ class OuterSync:
     momentum: float = 0.9
     worker: str = "rank"
     compress: str = "none"
+    fragments: int = 1
+    delay: int = 0
+    mix: float = 0.5
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -406,7 +409,8 @@ def config_of(plan: Plan) -> ParallelConfig:
             "sync": "diloco", "sync_every": plan.outer.every,
             "outer_optimizer": plan.outer.optimizer, "outer_lr": plan.outer.lr,
             "outer_momentum": plan.outer.momentum, "outer_worker": plan.outer.worker,
-            "outer_compress": plan.outer.compress}))
+            "outer_compress": plan.outer.compress, "outer_fragments": plan.outer.fragments,
+            "outer_delay": plan.outer.delay, "outer_mix": plan.outer.mix}))
 
 
 # -- the row map: pure functions shared by the runtime and the cost model ---------------------
@@ -458,3 +462,19 @@ def assign_buckets(nbytes_in_order: list[int], bucket_bytes: int) -> list[list[i
     if current:
         buckets.append(current)
     return buckets
+
+
+def fragments_of(nbytes_in_order: list[int], count: int) -> list[list[int]]:
+    """Cut parameters (indices, registration order) into `count` runs of about equal bytes,
+    each non-empty (local SGD's streaming fragments): a run ends once the bytes so far reach
+    its share of the total, or when the rest are needed one each."""
+    total, runs, current, size = sum(nbytes_in_order), [], [], 0
+    for i, n in enumerate(nbytes_in_order):
+        current.append(i)
+        size += n
+        left, wanted = len(nbytes_in_order) - i - 1, count - len(runs) - 1
+        if wanted and (size * count >= total * (len(runs) + 1) or left == wanted):
+            runs.append(current)
+            current = []
+    runs.append(current)
+    return runs

@@ -198,6 +198,7 @@ class Engine:
             successor_remote = False
             if size == 1:
                 dense = []
+                self._densify_sparse_gradients()
         self.dense = DenseSync(dense, group, size, self.stats,
                                self.plan.bucket_bytes, successor_remote, self.checks, self._touched,
                                rider_dtype=rider_dtype, push_dtype=push_dtype)
@@ -256,6 +257,20 @@ class Engine:
             yield
         finally:
             self.model.require_backward_grad_sync = before
+
+    def _densify_sparse_gradients(self) -> None:
+        """Under local SGD with nothing bucketed, a sparse embedding's gradient is made dense
+        after backward, as the buckets make it under every-step sync: the user's optimizer
+        sees what it sees there (a dense Adam on an all-reduced table works in both)."""
+        def densify(p):
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+
+        for name, p in self.outer.params:
+            if getattr(self.embeddings.get(name), "sparse", False):
+                self.changes.hook(f"{name}: post-accumulate-grad hook (sparse gradient made "
+                                  "dense, as the buckets make it)",
+                                  p.register_post_accumulate_grad_hook(PicklesAsNoop(densify)))
 
     def _touched(self) -> bool:
         """Called by every gradient hook of ours: queue the end-of-backward work once per

@@ -193,14 +193,15 @@ def resumed(rank, world_size, path, stop, steps, outer, saved_at=4):
     return state if rank == 0 else None
 
 
-@pytest.mark.parametrize("compress", ["none", "int4"])
-def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path, compress):
+@pytest.mark.parametrize("extra", [{}, {"outer_compress": "int4"}, {
+    "sync_every": 4, "outer_fragments": 2, "outer_delay": 1}], ids=["plain", "int4", "streamed"])
+def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path, extra):
     """Each rank's Adam moments are its own between syncs; the checkpoint keeps every rank's,
-    and the outer loop's anchor and momentum (and, compressed, every rank's error feedback):
-    resuming gives bit for bit the uninterrupted run's parameters, its outer momentum and every
-    rank's inner state."""
-    outer = {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9,
-             "outer_compress": compress}
+    and the outer loop's anchor and momentum (and, compressed, every rank's error feedback;
+    streamed, every rank's parameters, which differ at a period's end): resuming gives bit for
+    bit the uninterrupted run's parameters, its outer momentum and every rank's inner state."""
+    outer = {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9, **extra}
+    compress = outer.get("outer_compress", "none")
     whole = spawn(resumed, 2, args=(str(tmp_path / "unused.pt"), 8, 8, outer), timeout=180)[0]
     spawn(resumed, 2, args=(str(tmp_path / "at4.pt"), 4, 8, outer), timeout=180)
     again = spawn(resumed, 2, args=(str(tmp_path / "at4.pt"), None, 8, outer), timeout=180)[0]
@@ -216,9 +217,29 @@ def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_pat
     assert not torch.equal(whole["outer"]["inner"][0][first]["exp_avg"],
                            whole["outer"]["inner"][1][first]["exp_avg"])
     if compress != "none":   # what the encodings still owe, each rank its own
-        owed = whole["outer"]["feedback"]
+        owed = [own["feedback"] for own in whole["outer"]["own"]]
         assert len(owed) == 2 and not torch.equal(owed[0][0][0], owed[1][0][0])
         assert owed[0][0][0].abs().max() > 0
-        for mine, theirs in zip(owed, again["outer"]["feedback"]):
+        for mine, theirs in zip(owed, [own["feedback"] for own in again["outer"]["own"]]):
             assert all(torch.equal(a, b) for pair, other in zip(mine, theirs)
                        for a, b in zip(pair, other))
+    if "outer_fragments" in outer:   # rank 1's own parameters differ from rank 0's
+        mine, theirs = whole["outer"]["own"]
+        assert any(not torch.equal(v, theirs["params"][k]) for k, v in mine["params"].items())
+
+
+def _dense_adam_on_a_sparse_table(rank, world_size):
+    work = build(job("lm"))   # its embedding gives sparse gradients
+    opt = torch.optim.Adam(work.model.parameters(), lr=LR["adam"])
+    tilework.parallelize(work.model, opt, mode="allreduce", log=False, sync="diloco",
+                         sync_every=2)
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    return _train(work, opt, sampler, 4)
+
+
+def test_a_sparse_tables_gradient_is_made_dense_as_the_buckets_make_it():
+    """Under every-step sync the buckets hand the optimizer a dense gradient for an
+    all-reduced table, so a dense Adam works; with nothing bucketed local SGD does the same
+    (it used to hand Adam the sparse one, which it refuses)."""
+    losses = spawn(_dense_adam_on_a_sparse_table, 2, timeout=120)
+    assert all(torch.isfinite(torch.tensor(r)).all() for r in losses)

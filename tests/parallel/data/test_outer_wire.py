@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import tilework
-from tilework import ParallelConfig
 from tests.equivalence import LR, _train, job, worst
+from tilework import ParallelConfig
 from tilework.cluster.topology import Topology
 from tilework.comm.codec import decode, encode, multiple_of
 from tilework.comm.groups import build_groups
@@ -25,7 +25,7 @@ from tilework.comm.wire import ring_allreduce_bytes
 from tilework.data import ShardedBatches
 from tilework.estimate.cost import outer_bucket_wire, outer_sync_wire
 from tilework.planner import plan
-from tilework.plans.plan import config_of
+from tilework.plans.plan import config_of, fragments_of
 from tilework.testing import spawn
 from tilework.train.workloads import build
 
@@ -167,3 +167,68 @@ def test_the_plan_prices_a_host_worker_as_the_host_all_reduce_every_step_and_its
         assert "averaged every 10 steps in int8 (local SGD over hosts)" in p.reason
     assert made.outer.worker == "host" and made.outer.compress == "int8"
     assert config_of(made).outer_compress == "int8"   # what a plan.json gives back
+
+
+def streamed(rank, world_size, every, fragments, delay):
+    work = build(job("cnn"))
+    opt = torch.optim.SGD(work.model.parameters(), lr=LR["sgd"])
+    tilework.parallelize(work.model, opt, mode="allreduce", log=False, sync="diloco",
+                         sync_every=every, outer_lr=OUTER_LR, outer_momentum=MOMENTUM,
+                         outer_fragments=fragments, outer_delay=delay)
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    _train(work, opt, sampler, 2 * every)
+    state = {k: v.detach().clone() for k, v in work.model.state_dict().items()}
+    return state, tilework.stats(work.model)
+
+
+def streaming_by_hand(world, every, fragments, delay, mix=0.5):
+    """Streaming DiLoCo written out: fragment f's pseudo-gradient taken `delay` steps before
+    step (f+1) H / F of each period, its Nesterov outer step landing there, every copy's
+    fragment then mix * its own + (1 - mix) * the outer result (the result alone, undelayed)."""
+    works = [build(job("cnn")) for _ in range(world)]
+    anchor = copy.deepcopy(works[0].model)
+    outer = torch.optim.SGD(anchor.parameters(), lr=OUTER_LR, momentum=MOMENTUM, nesterov=True)
+    inner = [torch.optim.SGD(w.model.parameters(), lr=LR["sgd"]) for w in works]
+    samplers = [ShardedBatches(len(works[0].train_set), BATCH, r, world) for r in range(world)]
+    names = [n for n, _ in anchor.named_parameters()]
+    cuts = fragments_of([p.numel() * 4 for p in anchor.parameters()], fragments)
+    pending = {}
+    for step in range(2 * every):
+        for w, opt, sampler in zip(works, inner, samplers):
+            w.loss(w.model, w.train_set.collate(sampler.indices(step)), step).backward()
+            opt.step()
+            opt.zero_grad()
+        into = step % every + 1
+        for f, members in enumerate(cuts):
+            lands = (f + 1) * every // fragments
+            if into == lands - delay:
+                pending[f] = {names[i]: torch.stack([
+                    dict(anchor.named_parameters())[names[i]].detach()
+                    - dict(w.model.named_parameters())[names[i]].detach()
+                    for w in works]).mean(0) for i in members}
+            if into == lands:
+                for n, a in anchor.named_parameters():
+                    a.grad = pending[f].get(n)
+                outer.step()
+                outer.zero_grad()
+                for w in works:
+                    own = dict(w.model.named_parameters())
+                    with torch.no_grad():
+                        for n in pending[f]:
+                            a = dict(anchor.named_parameters())[n]
+                            own[n].copy_(mix * own[n] + (1 - mix) * a if delay else a)
+    return works[0].model.state_dict()
+
+
+@pytest.mark.parametrize("fragments, delay", [(2, 0), (2, 1)])
+def test_streaming_fragments_and_an_overlapped_landing_are_streaming_diloco_by_hand(
+        fragments, delay):
+    every = 4
+    results = spawn(streamed, 2, args=(every, fragments, delay), timeout=240)
+    assert worst(results[0][0], streaming_by_hand(2, every, fragments, delay)) <= 1e-5
+    model = build(job("cnn")).model
+    nbytes = [p.numel() * p.element_size() for p in model.parameters()]
+    period = outer_sync_wire(nbytes, 25 * 2**20, 2, fragments=fragments)
+    assert results[0][1]["total"]["outer"]["sent"] == 2 * period.sent
+    # Each sync sends its fragment: about 1/F of the model's.
+    assert results[0][1]["total"]["outer"]["calls"] == 2 * fragments

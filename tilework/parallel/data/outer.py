@@ -38,7 +38,7 @@ from torch import nn
 from ...comm.codec import decode, encode, multiple_of
 from ...comm.counted import Stats, all_gather_async, all_reduce_async, all_to_all_v
 from ...errors import InputError, PlanError
-from ...plans.plan import OuterSync, assign_buckets
+from ...plans.plan import OuterSync, assign_buckets, fragments_of
 
 
 @dataclass(frozen=True)
@@ -92,18 +92,60 @@ class _Bucket:
         self.owner_error = torch.zeros(self.part, device=device) if lossy else None
 
 
+class _Fragment:
+    """Parameters synced together (Streaming DiLoCo's fragment; all of them by default): their
+    buckets, the inner step of each period at which their exchange starts and the one at which
+    the outer step lands (`delay` steps later), and the exchanges in flight."""
+
+    def __init__(self, buckets: list[_Bucket], launch_at: int, apply_at: int):
+        self.buckets, self.launch_at, self.apply_at = buckets, launch_at, apply_at
+        self.running: dict[int, object] = {}
+        self.averaged: dict[int, torch.Tensor] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return [n for b in self.buckets for n, _ in b.params]
+
+    def advance(self) -> None:
+        """One stage of every bucket's exchange: each bucket's is launched before any bucket
+        waits on it."""
+        for i in list(self.running):
+            try:
+                next(self.running[i])
+            except StopIteration as done:
+                self.averaged[i] = done.value
+                del self.running[i]
+
+
 class LocalSGD:
-    """The outer loop over `params` ((name, parameter) in registration order) among `workers`."""
+    """The outer loop over `params` ((name, parameter) in registration order) among `workers`.
+
+    Streaming (`outer.fragments` F > 1): the parameters are cut into F fragments of about equal
+    bytes in registration order, and fragment f's outer step lands at inner step (f+1) H / F of
+    every period of H, so a sync sends 1/F of the model. With `outer.delay` tau > 0 each
+    fragment's exchange starts tau steps before its outer step lands and runs beside those
+    inner steps; the result is then mixed with what the rank learnt meanwhile:
+    theta <- mix * theta + (1 - mix) * outer (Streaming DiLoCo's alpha). Nothing is in flight at
+    the end of a period, where checkpoints are taken.
+    """
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], workers: Workers,
                  stats: Stats, outer: OuterSync, bucket_bytes: int):
         self.workers, self.stats, self.outer = workers, stats, outer
         self.codec = outer.compress
         self.params = [(n, p) for n, p in params if p.requires_grad]
-        order = list(reversed(self.params))
-        self.buckets = [_Bucket([order[i] for i in members], workers, self.codec)
-                        for members in assign_buckets(
-                            [p.numel() * p.element_size() for _, p in order], bucket_bytes)]
+        self.fragments = []
+        cuts = fragments_of([p.numel() * p.element_size() for _, p in self.params],
+                            outer.fragments)
+        for f, members in enumerate(cuts):
+            order = list(reversed([self.params[i] for i in members]))
+            buckets = [_Bucket([order[i] for i in b], workers, self.codec)
+                       for b in assign_buckets([p.numel() * p.element_size() for _, p in order],
+                                               bucket_bytes)]
+            lands = (f + 1) * outer.every // outer.fragments
+            self.fragments.append(_Fragment(buckets, lands - outer.delay, lands))
+        self.buckets = [b for f in self.fragments for b in f.buckets]
+        self.by_name = dict(self.params)
         # The parameters at the last sync: what the outer optimizer steps.
         self.anchors = {n: nn.Parameter(p.detach().clone(), requires_grad=False)
                         for n, p in self.params}
@@ -111,50 +153,62 @@ class LocalSGD:
                                          momentum=outer.momentum,
                                          nesterov=outer.optimizer == "nesterov"
                                          and outer.momentum > 0)
-        self.inner_steps = 0   # since the last sync
+        self.inner_steps = 0   # into the current period of `every`
+        # With fragments or a delay, ranks' parameters differ even at a period's end.
+        self.ranks_differ = outer.fragments > 1 or outer.delay > 0
 
     def after_step(self) -> bool:
-        """Called after every `optimizer.step()`; syncs on every `every`-th. Returns whether
-        it synced."""
+        """Called after every `optimizer.step()`: moves the exchanges in flight a stage,
+        starts those due, lands those due. Returns whether an outer step landed."""
         self.inner_steps += 1
-        if self.inner_steps < self.outer.every:
-            return False
-        self.sync()
-        return True
+        landed = False
+        for fragment in self.fragments:
+            if fragment.running and fragment.apply_at != self.inner_steps:
+                fragment.advance()
+            if fragment.launch_at == self.inner_steps:
+                self._start(fragment)
+            if fragment.apply_at == self.inner_steps:
+                self._land(fragment)
+                landed = True
+        if self.inner_steps == self.outer.every:
+            self.inner_steps = 0
+        return landed
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """Average the pseudo-gradients, step the outer optimizer, start every rank from it."""
-        self.inner_steps = 0
-        # Each bucket's exchange runs in stages (a launch, then its wait); every bucket's stage
-        # is launched before any bucket waits on that stage.
-        running = {i: self._exchange(bucket) for i, bucket in enumerate(self.buckets)}
-        averaged: dict[int, torch.Tensor] = {}
-        while running:
-            for i in list(running):
-                try:
-                    next(running[i])
-                except StopIteration as done:
-                    averaged[i] = done.value
-                    del running[i]
-        for i, bucket in enumerate(self.buckets):
+    def _start(self, fragment: _Fragment) -> None:
+        fragment.running = {i: self._exchange(b) for i, b in enumerate(fragment.buckets)}
+        fragment.averaged = {}
+        fragment.advance()
+
+    @torch.no_grad()
+    def _land(self, fragment: _Fragment) -> None:
+        """Wait for the fragment's average, step the outer optimizer on its anchors, start
+        every rank from the result (mixed with its own, under a delay)."""
+        while fragment.running:
+            fragment.advance()
+        for i, bucket in enumerate(fragment.buckets):
             offset = 0
             for n, p in bucket.params:
-                anchor = self.anchors[n]
                 # A view of this sync's flat average: nothing else holds it.
-                anchor.grad = averaged[i][offset:offset + p.numel()].view_as(p)
+                self.anchors[n].grad = fragment.averaged[i][offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-        bad = next((n for n, a in self.anchors.items() if not torch.isfinite(a.grad).all()),
-                   None)
+        fragment.averaged = {}
+        names = fragment.names
+        bad = next((n for n in names if not torch.isfinite(self.anchors[n].grad).all()), None)
         if bad is not None:
-            for anchor in self.anchors.values():
-                anchor.grad = None
+            for n in names:
+                self.anchors[n].grad = None
             raise InputError(f"the averaged pseudo-gradient of {bad} is not finite at the outer "
                              "step (a worker's inner steps diverged): nothing was applied")
-        self.optimizer.step()
-        for n, p in self.params:
-            p.copy_(self.anchors[n])
-            self.anchors[n].grad = None
+        self.optimizer.step()   # only the fragment's anchors have a gradient
+        mix = self.outer.mix if self.outer.delay else 0.0
+        for n in names:
+            p, anchor = self.by_name[n], self.anchors[n]
+            if mix:
+                p.mul_(mix).add_(anchor, alpha=1 - mix)
+            else:
+                p.copy_(anchor)
+            anchor.grad = None
 
     def _pseudo_gradient(self, bucket: _Bucket) -> torch.Tensor:
         flat = torch.cat([(self.anchors[n] - p).reshape(-1) for n, p in bucket.params])
@@ -206,7 +260,9 @@ class LocalSGD:
             self.anchors[n].copy_(p)
         self.optimizer.state.clear()
         self.inner_steps = 0
-        self.load_feedback(None)
+        for fragment in self.fragments:
+            fragment.running, fragment.averaged = {}, {}
+        self.load_own_state(None)
 
     def state_dict(self) -> dict:
         """The outer state: the last sync's parameters by name, the outer optimizer's
@@ -230,24 +286,36 @@ class LocalSGD:
         self.optimizer.load_state_dict(opt)
         self.inner_steps = int(state["inner_steps"])
 
-    def feedback(self) -> list | None:
-        """This rank's own error-feedback buffers (each rank's differ), None uncompressed."""
-        if self.codec == "none":
-            return None
-        return [(b.error.clone(), b.owner_error.clone()) for b in self.buckets]
+    def own_state(self) -> dict:
+        """What only this rank holds: its error-feedback buffers (compressed), and its
+        parameters where ranks differ at a period's end (fragments, a delay)."""
+        own = {}
+        if self.codec != "none":
+            own["feedback"] = [(b.error.clone(), b.owner_error.clone()) for b in self.buckets]
+        if self.ranks_differ:
+            own["params"] = {n: p.detach().clone() for n, p in self.params}
+        return own
 
-    def load_feedback(self, saved: list | None) -> bool:
-        """`feedback()`'s buffers back, or none owed (None). False (nothing loaded) where they
-        do not fit this sync's buckets."""
-        if self.codec == "none":
-            return True
-        if saved is not None and [tuple(e.shape for e in pair) for pair in saved] != [
-                (b.error.shape, b.owner_error.shape) for b in self.buckets]:
-            return False
-        for i, b in enumerate(self.buckets):
-            b.error, b.owner_error = ((saved[i][0].clone(), saved[i][1].clone()) if saved
-                                      else (torch.zeros_like(b.error),
-                                            torch.zeros_like(b.owner_error)))
+    @torch.no_grad()
+    def load_own_state(self, own: dict | None) -> bool:
+        """`own_state()`'s back, or a fresh start of them (None: nothing owed by error feedback,
+        the parameters as loaded). False (nothing loaded) where they do not fit this sync."""
+        own = own or {}
+        saved = own.get("feedback")
+        if self.codec != "none":
+            if saved is not None and [tuple(e.shape for e in pair) for pair in saved] != [
+                    (b.error.shape, b.owner_error.shape) for b in self.buckets]:
+                return False
+            for i, b in enumerate(self.buckets):
+                b.error, b.owner_error = (
+                    (saved[i][0].clone(), saved[i][1].clone()) if saved
+                    else (torch.zeros_like(b.error), torch.zeros_like(b.owner_error)))
+        params = own.get("params")
+        if self.ranks_differ and params is not None:
+            if set(params) != set(self.by_name):
+                return False
+            for n, p in self.params:
+                p.copy_(params[n])
         return True
 
 
