@@ -3,7 +3,7 @@ PyTorch's PowerSGD hook, on emulated hosts.
 
     sudo .venv/bin/python bench/slow_links.py [--hosts 4] [--mbit 100] [--rtt-ms 50]
         [--workloads gpt lm] [--steps 120] [--every 20 40] [--compress none int4]
-        [--eval-every 40] [--longer 4]
+        [--streams 4:5] [--no-powersgd] [--eval-every 40] [--longer 4]
         [--out docs/slow-links.json] [--png docs/slow-links.png]
 
 Each host is a network namespace with one rank, its link shaped by netem (rate and a one-way
@@ -13,7 +13,8 @@ the same seed on the same global batches (AdamW inside); DDP runs `--steps`, the
 - ddp: DistributedDataParallel, every gradient all-reduced every step;
 - ddp-powersgd: DDP with torch's PowerSGD communication hook (rank 2, error feedback, warm
   start, from step 2);
-- diloco-H[-codec]: tilework.parallelize(sync="diloco", sync_every=H), the outer step
+- diloco-H[-codec][-F<f>d<tau>]: tilework.parallelize(sync="diloco", sync_every=H,
+  outer_fragments=f, outer_delay=tau), the outer step
   Nesterov (lr 0.7, momentum 0.9), every parameter in the outer sync (mode="allreduce"), the
   pseudo-gradients in `--compress`'s encodings (outer_compress, with error feedback).
 Wall clock excludes evaluation: every `--eval-every` steps (a multiple of every H) the ranks
@@ -61,10 +62,19 @@ def _tx_bytes() -> int:
     return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
 
 
-def _diloco(system: str) -> tuple[int, str]:
-    """(H, outer_compress) of a system named diloco-H<H>[-<codec>]."""
-    parts = system.split("-")
-    return int(parts[1][1:]), parts[2] if len(parts) > 2 else "none"
+def _diloco(system: str) -> dict:
+    """parallelize's local-SGD keywords for a system named
+    diloco-H<H>[-<codec>][-F<fragments>d<delay>]."""
+    out = {"sync_every": 0, "outer_compress": "none"}
+    for part in system.split("-")[1:]:
+        if part.startswith("H"):
+            out["sync_every"] = int(part[1:])
+        elif part.startswith("F"):
+            fragments, delay = part[1:].split("d")
+            out |= {"outer_fragments": int(fragments), "outer_delay": int(delay)}
+        else:
+            out["outer_compress"] = part
+    return out
 
 
 def _wrap(system: str, model, opt):
@@ -89,10 +99,9 @@ def _wrap(system: str, model, opt):
         return model, model.module
     import tilework
 
-    every, compress = _diloco(system)
-    tilework.parallelize(model, opt, mode="allreduce", sync="diloco", sync_every=every,
+    tilework.parallelize(model, opt, mode="allreduce", sync="diloco",
                          outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
-                         outer_compress=compress, log=False)
+                         **_diloco(system), log=False)
     return model, model
 
 
@@ -208,6 +217,10 @@ def main(argv=None) -> int:
     ap.add_argument("--compress", nargs="+", default=["none"],
                     choices=["none", "bf16", "int8", "int4"],
                     help="the outer sync's encodings to run at every H (outer_compress)")
+    ap.add_argument("--streams", nargs="*", default=[], metavar="F:TAU",
+                    help="also run each H and encoding streamed: F fragments, each exchange "
+                         "beside TAU inner steps (outer_fragments, outer_delay)")
+    ap.add_argument("--no-powersgd", action="store_true", help="leave out DDP + PowerSGD")
     ap.add_argument("--eval-every", type=int, default=40)
     ap.add_argument("--longer", type=int, default=4,
                     help="the systems other than DDP run this many times its steps (to find "
@@ -228,8 +241,10 @@ def main(argv=None) -> int:
     if not ok:
         sys.exit(f"slow_links: cannot emulate {a.mbit:g} Mbit/s with {a.rtt_ms:g} ms round trip "
                  f"here: {why} (--rtt-ms 0 shapes the rate alone)")
-    systems = ["ddp", "ddp-powersgd", *[f"diloco-H{h}" + ("" if c == "none" else f"-{c}")
-                                        for h in a.every for c in a.compress]]
+    streams = [""] + [f"-F{f}d{t}" for f, t in (x.split(":") for x in a.streams)]
+    systems = ["ddp", *([] if a.no_powersgd else ["ddp-powersgd"]),
+               *[f"diloco-H{h}" + ("" if c == "none" else f"-{c}") + st
+                 for h in a.every for c in a.compress for st in streams]]
     report: dict = {"hosts": a.hosts, "mbit": a.mbit, "rtt_ms": a.rtt_ms, "steps": a.steps,
                     "batch": BATCH, "lr": LR, "sizes": SIZES, "workloads": {}}
     with emulated_cluster(a.hosts, link) as cluster:
@@ -238,7 +253,7 @@ def main(argv=None) -> int:
             for s in systems:
                 results.append(run_system(cluster, w, s, a))
                 r = results[-1]
-                print(f"{w:>4} {s:>18}: loss {r['curve'][-1][2]:.4f} after "
+                print(f"{w:>4} {s:>22}: loss {r['curve'][-1][2]:.4f} after "
                       f"{r['curve'][-1][1]:7.1f} s, {r['bytes'] / 1e6:9.1f} MB", flush=True)
             report["workloads"][w] = {"results": results, "summary": summary(results, a.steps)}
     print(f"\n{a.hosts} hosts, {a.mbit:g} Mbit/s, {a.rtt_ms:g} ms round trip, {a.steps} steps "

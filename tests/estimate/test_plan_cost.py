@@ -80,3 +80,38 @@ def test_a_plan_for_another_world_is_refused():
     plan = tilework.plan(model, tilework.ParallelConfig(), Cluster(hosts=[Host("a", 2)]))
     with pytest.raises(tilework.errors.PlanError, match="2 ranks, the cluster has 8"):
         estimate(plan, CLUSTER)
+
+
+def test_local_sgd_is_priced_as_it_syncs_not_every_step():
+    """estimate(plan) of a local-SGD plan: with H = 1 and nothing compressed it is the
+    synchronous plan's all-reduce; over hosts at H = 20 in int4 it is the host's own
+    all-reduce every step plus a twentieth of the int4 sync on the slow link; the step is the
+    compute plus that."""
+    from tilework.estimate.cost import outer_sync_wire, seconds
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    slow = Cluster(hosts=[Host("a", 2), Host("b", 2)],
+                   links=Links(intra=Link(100.0, 5.0), inter=Link(0.1, 500.0)))
+    inputs = (torch.randn(4, 64),)
+
+    def priced(**sync):
+        made = tilework.plan(model, tilework.ParallelConfig(mode="allreduce", **sync), slow)
+        return estimate(made, slow, model, inputs, flops=1e9, with_memory=False)
+
+    synchronous = priced()
+    once = priced(sync="diloco", sync_every=1, outer_optimizer="sgd", outer_momentum=0.0)
+    assert once.comm_s == pytest.approx(synchronous.comm_s)
+    local = priced(sync="diloco", sync_every=20, outer_worker="host", outer_compress="int4")
+    nbytes = [p.numel() * 4 for p in model.parameters()]
+    wire = outer_sync_wire(nbytes, 25 * 2**20, 2, 2, "int4")
+    inner = seconds(sum(nbytes), Link(100.0, 5.0), 2)   # a 2-rank ring sends the buffer once
+    across = seconds(wire.across, Link(0.1, 500.0), wire.across_messages)
+    within = seconds(wire.within, Link(100.0, 5.0), wire.within_messages)
+    assert local.comm_s == pytest.approx(inner + (across + within) / 20)
+    assert local.comm_s < synchronous.comm_s / 10
+    assert local.step_s == pytest.approx(local.compute_s + local.comm_s)
+    assert sum(e.bytes_sent for e in local.entries) == pytest.approx(
+        sum(p.predicted.bytes_sent for p in tilework.plan(
+            model, tilework.ParallelConfig(mode="allreduce", sync="diloco", sync_every=20,
+                                           outer_worker="host", outer_compress="int4"),
+            slow).of("allreduce")))

@@ -360,3 +360,26 @@ def test_equal_hosts_get_no_share_candidates_and_nor_does_a_loop_that_feeds_even
     assert all(c.config.batch_shares is None for c in choice.candidates)
     with pytest.raises(tilework.UserError, match="batch_shares.*needs plan='auto'"):
         ParallelConfig(batch_shares="auto")
+
+
+def test_sync_auto_goes_local_only_where_the_wire_outweighs_the_extra_steps():
+    """sync="auto": a slow link between hosts makes local SGD's step far shorter than twice
+    less than the synchronous one (it pays the all-reduce once in H steps), so the search
+    takes it over hosts; on fast links the synchronous step wins, as it must (local SGD needs
+    about twice the steps to a loss)."""
+    model, inputs = gpt(layers=2, dim=128, vocab=2000), tokens(batch=8)
+    config = ParallelConfig(plan="auto", sync="auto", outer_worker="host",
+                            outer_compress="int4")
+    fast = auto(model, config, Cluster([Host("a", 2), Host("b", 2)],
+                                       links=Links(inter=Link(100.0, 5.0))), inputs, RATE)
+    assert fast.chosen.config.sync == "every_step", fast.why()
+    slow = auto(model, config, Cluster([Host("a", 2), Host("b", 2)],
+                                       links=Links(inter=Link(0.1, 500.0))), inputs, RATE)
+    chosen = slow.chosen.config
+    assert (chosen.sync, chosen.sync_every, chosen.outer_compress) == ("diloco", 40, "int4")
+    assert "local SGD every 40 steps in int4" in slow.why()
+    synchronous = next(c for c in slow.candidates if c.config.sync == "every_step"
+                       and c.step_s is not None)
+    assert slow.chosen.step_s * 2 < synchronous.step_s
+    with pytest.raises(tilework.errors.ConfigError, match="sync: expected 'auto' with plan"):
+        ParallelConfig(sync="auto")

@@ -26,7 +26,7 @@ Recompute = Literal["none", "full", "selective"]
 ScheduleName = Literal["1f1b", "gpipe", "interleaved"]
 PlanChoice = Literal["config", "auto"]
 Auto = Literal["auto"]
-Sync = Literal["every_step", "diloco"]
+Sync = Literal["every_step", "diloco", "auto"]
 OuterOptimizer = Literal["nesterov", "sgd"]
 OuterWorker = Literal["rank", "host"]
 OuterCompress = Literal["none", "bf16", "int8", "int4"]
@@ -151,7 +151,11 @@ class ParallelConfig:
     `sync_every` steps of the user's optimizer on its own batches, then the ranks average their
     pseudo-gradients (the parameters at the last sync minus their own) and the outer optimizer
     steps from the last sync's parameters; every rank then starts from the result. Server
-    tables stay synchronous. For slow links: a sync every H steps sends 1/H of the bytes."""
+    tables stay synchronous. For slow links: a sync every H steps sends 1/H of the bytes.
+    "auto" (with plan="auto"): the search prices both, local SGD with these outer_* settings
+    (sync_every 1 meaning 40), and takes local SGD only where its predicted step is under
+    half the synchronous one (planner/search.LOCAL_SGD_STEPS: it needs about twice the steps
+    to a loss)."""
 
     sync_every: int = 1
     """Inner steps between syncs under sync="diloco" (DiLoCo's H)."""
@@ -249,8 +253,11 @@ class ParallelConfig:
         self._check_sync()
 
     def _check_sync(self) -> None:
-        check(self.sync in ("every_step", "diloco"), "sync",
-              f"'every_step' or 'diloco', got {self.sync!r}")
+        check(self.sync in ("every_step", "diloco", "auto"), "sync",
+              f"'every_step', 'diloco' or 'auto', got {self.sync!r}")
+        # The wire is weighed against the step's compute, which only the search prices.
+        check(self.sync != "auto" or self.plan == "auto", "sync",
+              "'auto' with plan='auto' (the search weighs the wire against the step's compute)")
         check(isinstance(self.sync_every, int) and not isinstance(self.sync_every, bool)
               and self.sync_every >= 1, "sync_every",
               f"a whole number of steps >= 1, got {self.sync_every!r}")
@@ -280,7 +287,7 @@ class ParallelConfig:
         check(isinstance(self.outer_mix, (int, float)) and not isinstance(self.outer_mix, bool)
               and 0 <= self.outer_mix < 1, "outer_mix",
               f"a weight from 0 to below 1, got {self.outer_mix!r}")
-        if self.sync == "every_step":
+        if self.sync != "diloco":   # "auto" offers local SGD only where it can run
             return
         for field, value in (("zero", self.zero),
                              ("tp, pp or cp", self.model_parallel or bool(self.auto_axes)),

@@ -130,6 +130,49 @@ def outer_sync_bytes(nbytes_in_order: list[int], bucket_bytes: int, workers: int
                            item, fragments).sent
 
 
+def _outer_shape(outer, topology: Topology, links: Links) -> tuple[int, int, Link]:
+    """(workers, ranks per worker, the link the sync crosses) of local SGD on `topology`."""
+    hosts = outer.worker == "host"
+    workers = topology.num_hosts if hosts else topology.world_size
+    across = links.inter if hosts and workers > 1 else link_for(topology, links)
+    return workers, topology.world_size // workers, across
+
+
+def outer_entry(p: ParamPlan, outer, topology: Topology, links: Links) -> Cost:
+    """An all-reduced entry's bytes and seconds per step under local SGD (`outer`, a
+    plans.plan.OuterSync): its share of the sync, alone in its bucket, over the H steps it
+    spans (the sync's crossing on its link, the gather inside a worker on the host's), and,
+    where a worker is a host, its gradient's all-reduce inside the host every step."""
+    workers, per_worker, across = _outer_shape(outer, topology, links)
+    wire = outer_bucket_wire(p.numel, workers, per_worker, outer.compress, dtype_bytes(p.dtype))
+    inner = ring_allreduce_bytes(p.nbytes, per_worker)
+    return Cost(wire.sent / outer.every + inner,
+                (seconds(wire.across, across, wire.across_messages)
+                 + seconds(wire.within, links.intra, wire.within_messages)) / outer.every
+                + seconds(inner, links.intra, ALL_REDUCE.messages(per_worker)))
+
+
+def outer_step_seconds(entries: list[ParamPlan], outer, topology: Topology, links: Links,
+                       bucket_bytes: int) -> float:
+    """Seconds per step the all-reduced `entries` (registration order) wait on the wire under
+    local SGD: a period's syncs, fragment by fragment and bucket by bucket as the runtime
+    sends them, over H steps, plus a host worker's bucketed all-reduce every step. A delayed
+    landing's overlap with the inner steps is not credited."""
+    if not entries:
+        return 0.0
+    workers, per_worker, across = _outer_shape(outer, topology, links)
+    item = dtype_bytes(entries[0].dtype)
+    wire = outer_sync_wire([p.nbytes for p in entries], bucket_bytes, workers, per_worker,
+                           outer.compress, item, outer.fragments)
+    dense = sum(p.nbytes for p in entries)
+    inner = ring_allreduce_bytes(dense, per_worker)
+    return ((seconds(wire.across, across, wire.across_messages)
+             + seconds(wire.within, links.intra, wire.within_messages)) / outer.every
+            + seconds(inner, links.intra,
+                      ALL_REDUCE.messages(per_worker) * max(1, -(-dense // bucket_bytes))
+                      if per_worker > 1 else 0))
+
+
 def push_over_world(topology: Topology, local_aggregation: bool) -> bool:
     """Whether the servers' push is one all-to-all over the world (layout.routes: no local
     aggregation), which the last dense bucket may ride (`dense_sync_bytes`' `push`)."""

@@ -19,7 +19,7 @@ from ..cluster.topology import Cluster
 from ..errors import PlanError
 from ..plans.plan import Plan, config_of
 from .compute import step_flops
-from .cost import dense_served, predict, ring_allreduce
+from .cost import dense_served, outer_entry, outer_step_seconds, predict, ring_allreduce
 from .memory import MemoryEstimate
 from .plan_memory import plan_memory
 from .step import predict as predict_step
@@ -49,8 +49,11 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
     topo, links, traffic = _dp_topology(plan, cluster), cluster.links, traffic or {}
     out = []
     for p in plan.params:
-        c = predict(p, traffic.get(p.name), topo, links, plan.local_aggregation) \
-            or dense_served(p, topo, links)
+        if plan.outer is not None and p.method == "allreduce" and not p.zero:
+            c = outer_entry(p, plan.outer, topo, links)
+        else:
+            c = predict(p, traffic.get(p.name), topo, links, plan.local_aggregation) \
+                or dense_served(p, topo, links)
         out.append(EntryCost(p.name, c.bytes_sent, c.seconds))
     return out
 
@@ -62,7 +65,10 @@ def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> f
     topo, links, part = _dp_topology(plan, cluster), cluster.links, plan.part(0)
     dense = sum(p.nbytes for p in part.of("allreduce") if not p.zero)
     total = 0.0
-    if dense:
+    if plan.outer is not None:   # local SGD: the sync's share and a host's own all-reduce
+        total += outer_step_seconds([p for p in part.of("allreduce") if not p.zero],
+                                    plan.outer, topo, links, part.bucket_bytes)
+    elif dense:
         total += ring_allreduce(dense, topo, links, math.ceil(dense / part.bucket_bytes)).seconds
     held = {p.name for p in part.params}
     return total + sum(c.seconds for p, c in zip(plan.params, entry_costs(plan, cluster, traffic))
@@ -109,8 +115,11 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
     parts = dict(found.parts)
     if found.step_s is None:
         return PlanCost(comm, entries=entries, parts=parts, why=found.why)
-    comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
     step = found.step_s
+    if plan.outer is not None:   # the step model all-reduces every step: local SGD does not
+        step += comm - parts["dp"]
+        parts["dp"] = comm
+    comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
     slowest = pace(plan, cluster)
     if slowest != 1.0 and config.pp == 1:   # under pp the step model times each stage's speed
         # Ranks that differ: the slowest rank's compute (its share at its speed) sets the

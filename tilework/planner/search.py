@@ -93,6 +93,28 @@ def _meshes(world: int, ranks_per_host: int | None, layers: int, axes: tuple[str
                 yield tp, pp, cp
 
 
+# Local SGD needs more steps than synchronous training to reach a loss: measured about twice
+# as many at H = 40 from a cold start (docs/slow-links.md: 1.8x the GPT's, 2.0x the word LM's
+# steps to DDP's final loss). sync="auto" takes it only where its predicted step is shorter by
+# more than that.
+LOCAL_SGD_STEPS = 2.0
+AUTO_SYNC_EVERY = 40   # sync="auto" with sync_every left at 1: DiLoCo's H as measured here
+
+
+def with_sync(found: list[ParallelConfig], base: ParallelConfig) -> list[ParallelConfig]:
+    """sync="auto": every candidate synchronous, and, where local SGD can run (plain data
+    parallelism, no ZeRO, even shares), also with local SGD as `base`'s outer_* say."""
+    if base.sync != "auto":
+        return found
+    every = base.sync_every if base.sync_every > 1 else AUTO_SYNC_EVERY
+    out = []
+    for c in found:
+        out.append(dataclasses.replace(c, sync="every_step", sync_every=1))
+        if not c.zero and c.tp * c.pp * c.cp == 1 and c.batch_shares is None:
+            out.append(dataclasses.replace(c, sync="diloco", sync_every=every))
+    return out
+
+
 def configs(base: ParallelConfig, space: Space, cluster: Cluster,
             layers: int) -> list[ParallelConfig]:
     """Enumerate: every config the space allows on `cluster` (`layers`: the model's blocks, the
@@ -116,6 +138,7 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
                     for schedule, microbatches in _pipelines(base, space, pp):
                         out.append(dataclasses.replace(
                             base, plan="config", auto_axes=None, tp=tp, pp=pp, cp=cp,
+                            sync="every_step" if base.sync == "auto" else base.sync,
                             batch_shares=None if base.batch_shares == "auto"
                             else base.batch_shares,
                             server_weights=base.server_weights if pp * tp * cp == 1 else None,
@@ -281,18 +304,26 @@ def priced_steps(model: nn.Module, cluster: Cluster, example_inputs: tuple, flop
     enumerated = configs(base, space, cluster, _layers(model))
     if base.batch_shares == "auto":   # the loop reads its count: shares may be chosen
         enumerated = with_shares(enumerated, cluster, example_inputs)
+    enumerated = with_sync(enumerated, base)
     return sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
                               message_overhead_s, cache=cache)
                    for c in enumerated), key=_order)
 
 
 def _order(c: Candidate) -> tuple:
-    return (c.step_s is None, c.step_s or 0.0, _complexity(c))
+    return (c.step_s is None, (c.step_s or 0.0) * _steps_to_a_loss(c), _complexity(c))
+
+
+def _steps_to_a_loss(c: Candidate) -> float:
+    """Steps to a given loss relative to synchronous training, which the search weighs each
+    candidate's step by: local SGD's are more (`LOCAL_SGD_STEPS`)."""
+    return LOCAL_SGD_STEPS if c.config.sync == "diloco" else 1.0
 
 
 def _complexity(c: Candidate) -> tuple:
     cfg = c.config
-    return (cfg.tp * cfg.pp * cfg.cp, cfg.batch_shares is not None, cfg.zero,
+    return (cfg.tp * cfg.pp * cfg.cp, cfg.sync != "every_step", cfg.batch_shares is not None,
+            cfg.zero,
             cfg.offload != "none",
             cfg.zero_scope != "world", ("none", "selective", "full").index(cfg.recompute),
             cfg.microbatches or 0)
@@ -358,6 +389,10 @@ def options_of(config: ParallelConfig) -> dict:
         out["recompute"] = config.recompute
     if config.batch_shares is not None:
         out["batch_shares"] = list(config.batch_shares)
+    if config.sync == "diloco":
+        out |= {k: getattr(config, k) for k in (
+            "sync", "sync_every", "outer_optimizer", "outer_lr", "outer_momentum",
+            "outer_worker", "outer_compress", "outer_fragments", "outer_delay", "outer_mix")}
     return out
 
 
@@ -378,6 +413,10 @@ def label(c: Candidate) -> str:
         out += f", {cfg.microbatches} microbatches {cfg.schedule}"
     if cfg.batch_shares is not None:
         out += f", shares {'/'.join(map(str, cfg.batch_shares))}"
+    if cfg.sync == "diloco":
+        out += f", local SGD every {cfg.sync_every} steps" + (
+            f" in {cfg.outer_compress}" if cfg.outer_compress != "none" else "") + (
+            " (weighed at x{:g} steps to a loss)".format(LOCAL_SGD_STEPS))
     return out
 
 

@@ -18,22 +18,19 @@ import dataclasses
 
 from ..cluster.mesh import Mesh
 from ..cluster.topology import Cluster, Links, Topology
-from ..comm.wire import ALL_REDUCE, ring_allreduce_bytes
 from ..config.parallel import Method, Mode, ParallelConfig, RowMap, RowMapChoice, SparseReduce
 from ..errors import ConfigError, PlanError
 from ..estimate.cost import (
     TableTraffic,
-    link_for,
-    outer_bucket_wire,
+    outer_entry,
     predict,
     ps_expected,
     ps_split,
     ring_allreduce,
-    seconds,
     sparse_allgather,
 )
 from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
-from ..plans.plan import Cost, OuterSync, ParamPlan, Plan, bucket_bytes, dtype_bytes
+from ..plans.plan import OuterSync, ParamPlan, Plan, bucket_bytes
 from .shares import server_map, server_partitions
 
 
@@ -87,10 +84,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
 
 def with_outer_sync(plan: Plan, outer: OuterSync, topology: Topology | None = None,
                     links: Links | None = None) -> Plan:
-    """`plan` with its all-reduced parameters averaged every `outer.every` steps: each entry's
-    predicted bytes and seconds per step are its share of the outer sync (alone in its bucket:
-    `outer_bucket_wire`) over the steps it spans, and, where a worker is a host, its gradient's
-    all-reduce inside the host every step."""
+    """`plan` with its all-reduced parameters averaged every `outer.every` steps, each entry
+    priced at its share (`estimate.cost.outer_entry`) and its reason saying so."""
     topology = topology or Topology.from_sizes([plan.world_size])
     links = links or Links()
     hosts = outer.worker == "host"
@@ -98,30 +93,17 @@ def with_outer_sync(plan: Plan, outer: OuterSync, topology: Topology | None = No
         raise PlanError(f"outer_worker: 'host' splits the outer sync evenly over each host's "
                         f"ranks, which needs hosts of one size; these have "
                         f"{[len(h) for h in topology.hosts]} ranks (use outer_worker='rank')")
-    workers = topology.num_hosts if hosts else topology.world_size
-    per_worker = topology.world_size // workers
-    across = links.inter if hosts and workers > 1 else link_for(topology, links)
-    width = {"none": "", "bf16": " in bf16", "int8": " in int8", "int4": " in int4"}
     dense = sum(p.method == "allreduce" for p in plan.params)
     if outer.fragments > dense:
         raise PlanError(f"outer_fragments: {outer.fragments} fragments of {dense} all-reduced "
                         f"parameters (a fragment holds at least one)")
+    width = {"none": "", "bf16": " in bf16", "int8": " in int8", "int4": " in int4"}
     streamed = f", in {outer.fragments} fragments" if outer.fragments > 1 else ""
     overlapped = f", each beside {outer.delay} inner steps" if outer.delay else ""
     said = (f"averaged every {outer.every} steps{width[outer.compress]} (local SGD"
             f"{' over hosts' if hosts else ''}{streamed}{overlapped})")
-
-    def cost(p: ParamPlan) -> Cost:
-        wire = outer_bucket_wire(p.numel, workers, per_worker, outer.compress,
-                                 dtype_bytes(p.dtype))
-        inner = ring_allreduce_bytes(p.nbytes, per_worker)
-        return Cost(wire.sent / outer.every + inner,
-                    (seconds(wire.across, across, wire.across_messages)
-                     + seconds(wire.within, links.intra, wire.within_messages)) / outer.every
-                    + seconds(inner, links.intra, ALL_REDUCE.messages(per_worker)))
-
     params = tuple(dataclasses.replace(
-        p, predicted=None if p.predicted is None else cost(p),
+        p, predicted=None if p.predicted is None else outer_entry(p, outer, topology, links),
         reason=f"{p.reason}; {said}" if p.reason else said)
         if p.method == "allreduce" else p for p in plan.params)
     return dataclasses.replace(plan, params=params, outer=outer)
