@@ -119,11 +119,14 @@ def _load_outer(engine, saved: dict | None) -> None:
     if not outer.load_own_state(own[engine.groups.rank] if own and same_world else None):
         raise CheckpointError("checkpoint does not match this job: its local SGD state per "
                               "rank is another outer_compress's, bucket_mb's or model's")
+    if own and same_world and outer.ranks_differ:
+        engine.zero.after_load()   # this rank's own parameters: ZeRO's shards follow
     if same_world and engine.optimizer is not None:
         by_name = dict(engine.model.named_parameters())
+        by_name |= {s.name: s.shard for s in engine.zero.shards}
         for name, s in inner[engine.groups.rank].items():
-            engine.optimizer.state[by_name[name]] = {
-                k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+            engine.optimizer.state[by_name[name]] = _sharded(engine, name, {
+                k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()})
 
 
 def _this_ranks_part(engine, state: dict, taken: list) -> dict:

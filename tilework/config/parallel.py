@@ -289,8 +289,14 @@ class ParallelConfig:
               f"a weight from 0 to below 1, got {self.outer_mix!r}")
         if self.sync != "diloco":   # "auto" offers local SGD only where it can run
             return
-        for field, value in (("zero", self.zero),
-                             ("tp, pp or cp", self.model_parallel or bool(self.auto_axes)),
+        # ZeRO inside a host, local SGD between hosts (HSDP inside, DiLoCo across): a host's
+        # ranks are one replica, so their shards are one optimizer's.
+        check(not self.zero or (self.zero in (1, 2) and self.zero_scope == "host"
+                                and self.outer_worker == "host"), "zero",
+              "zero 1 or 2 with zero_scope='host' and outer_worker='host' under "
+              f"sync='diloco' (shards inside each host, local SGD across hosts), got zero="
+              f"{self.zero}, zero_scope={self.zero_scope!r}, outer_worker={self.outer_worker!r}")
+        for field, value in (("tp, pp or cp", self.model_parallel or bool(self.auto_axes)),
                              ("batch_shares", self.batch_shares is not None)):
             check(not value, "sync", f"'every_step' with {field} (local SGD with it is not "
                                      "built yet)")

@@ -145,32 +145,46 @@ def outer_entry(p: ParamPlan, outer, topology: Topology, links: Links) -> Cost:
     where a worker is a host, its gradient's all-reduce inside the host every step."""
     workers, per_worker, across = _outer_shape(outer, topology, links)
     wire = outer_bucket_wire(p.numel, workers, per_worker, outer.compress, dtype_bytes(p.dtype))
-    inner = ring_allreduce_bytes(p.nbytes, per_worker)
+    inner, messages = _inside_worker(p, per_worker)
     return Cost(wire.sent / outer.every + inner,
                 (seconds(wire.across, across, wire.across_messages)
                  + seconds(wire.within, links.intra, wire.within_messages)) / outer.every
-                + seconds(inner, links.intra, ALL_REDUCE.messages(per_worker)))
+                + seconds(inner, links.intra, messages))
+
+
+def _inside_worker(p: ParamPlan, per_worker: int) -> tuple[int, int]:
+    """(bytes, messages) an entry sends every step inside a worker of `per_worker` ranks: its
+    gradient's all-reduce, or ZeRO's reduce-scatter and gathers over the host alone (no
+    copies summed across hosts: that is the outer sync's)."""
+    if per_worker == 1:
+        return 0, 0
+    if p.zero:
+        return zero_sync_bytes(p, per_worker, 1)
+    return ring_allreduce_bytes(p.nbytes, per_worker), ALL_REDUCE.messages(per_worker)
 
 
 def outer_step_seconds(entries: list[ParamPlan], outer, topology: Topology, links: Links,
                        bucket_bytes: int) -> float:
-    """Seconds per step the all-reduced `entries` (registration order) wait on the wire under
-    local SGD: a period's syncs, fragment by fragment and bucket by bucket as the runtime
-    sends them, over H steps, plus a host worker's bucketed all-reduce every step. A delayed
-    landing's overlap with the inner steps is not credited."""
+    """Seconds per step the all-reduced `entries` (registration order, ZeRO's too) wait on the
+    wire under local SGD: a period's syncs, fragment by fragment and bucket by bucket as the
+    runtime sends them, over H steps, plus a host worker's bucketed all-reduce every step
+    (ZeRO's entries: their exchanges inside the host). A delayed landing's overlap with the
+    inner steps is not credited."""
     if not entries:
         return 0.0
     workers, per_worker, across = _outer_shape(outer, topology, links)
     item = dtype_bytes(entries[0].dtype)
     wire = outer_sync_wire([p.nbytes for p in entries], bucket_bytes, workers, per_worker,
                            outer.compress, item, outer.fragments)
-    dense = sum(p.nbytes for p in entries)
+    dense = sum(p.nbytes for p in entries if not p.zero)
     inner = ring_allreduce_bytes(dense, per_worker)
+    sharded = [_inside_worker(p, per_worker) for p in entries if p.zero]
     return ((seconds(wire.across, across, wire.across_messages)
              + seconds(wire.within, links.intra, wire.within_messages)) / outer.every
             + seconds(inner, links.intra,
                       ALL_REDUCE.messages(per_worker) * max(1, -(-dense // bucket_bytes))
-                      if per_worker > 1 else 0))
+                      if per_worker > 1 else 0)
+            + sum(seconds(b, links.intra, m) for b, m in sharded))
 
 
 def push_over_world(topology: Topology, local_aggregation: bool) -> bool:

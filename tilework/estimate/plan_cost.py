@@ -49,7 +49,7 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
     topo, links, traffic = _dp_topology(plan, cluster), cluster.links, traffic or {}
     out = []
     for p in plan.params:
-        if plan.outer is not None and p.method == "allreduce" and not p.zero:
+        if plan.outer is not None and p.method == "allreduce":
             c = outer_entry(p, plan.outer, topo, links)
         else:
             c = predict(p, traffic.get(p.name), topo, links, plan.local_aggregation) \
@@ -65,14 +65,15 @@ def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> f
     topo, links, part = _dp_topology(plan, cluster), cluster.links, plan.part(0)
     dense = sum(p.nbytes for p in part.of("allreduce") if not p.zero)
     total = 0.0
-    if plan.outer is not None:   # local SGD: the sync's share and a host's own all-reduce
-        total += outer_step_seconds([p for p in part.of("allreduce") if not p.zero],
-                                    plan.outer, topo, links, part.bucket_bytes)
+    if plan.outer is not None:   # local SGD: the sync's share and a host's own exchanges
+        total += outer_step_seconds(part.of("allreduce"), plan.outer, topo, links,
+                                    part.bucket_bytes)
     elif dense:
         total += ring_allreduce(dense, topo, links, math.ceil(dense / part.bucket_bytes)).seconds
     held = {p.name for p in part.params}
     return total + sum(c.seconds for p, c in zip(plan.params, entry_costs(plan, cluster, traffic))
-                       if p.name in held and (p.method != "allreduce" or p.zero))
+                       if p.name in held and (p.method != "allreduce"
+                                              or (p.zero and plan.outer is None)))
 
 
 def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | None = None,

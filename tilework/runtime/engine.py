@@ -106,8 +106,11 @@ class Engine:
         if plan.outer is not None and optimizer is None:
             raise PlanError("sync='diloco' takes its outer step after optimizer.step(): pass "
                             "the optimizer (parallelize(model, opt))")
-        if plan.outer is not None and any(pp.zero for pp in plan.params):
-            raise PlanError("sync='diloco' with ZeRO is not built yet: use zero=0")
+        zeros = [pp for pp in plan.params if pp.zero]
+        if plan.outer is not None and zeros and (plan.outer.worker != "host" or any(
+                pp.zero == 3 or pp.zero_scope != "host" for pp in zeros)):
+            raise PlanError("sync='diloco' with ZeRO shards inside each host: zero 1 or 2, "
+                            "zero_scope='host', outer_worker='host'")
 
     def _start_from_rank_0(self) -> None:
         """Every replica starts from rank 0's parameters and buffers, as under DDP."""
@@ -175,9 +178,11 @@ class Engine:
         self.zero = ZeroSync([(n, p, stage[n], entry[n].unit) for n, p in dense if n in stage],
                              groups, self.stats, self.plan.bucket_bytes, self.checks, self._touched,
                              Offload(self.plan.offload, self.plan.offload_dir, groups.rank,
-                                     groups.device), {entry[n].zero_scope for n in stage})
+                                     groups.device), {entry[n].zero_scope for n in stage},
+                             across_hosts=self.plan.outer is None)
         self.zero.guard = self.guard.call
         self.zero.install(self.model, self.optimizer, self.changes, self.param_names)
+        replicated = dense   # what local SGD averages: every whole parameter (ZeRO 1, 2 too)
         # Stage 1 keeps DDP's all-reduced gradients; 2 and 3 reduce-scatter their own.
         dense = [(n, p) for n, p in dense if stage.get(n, 0) <= 1]
         self.dense_params = dense
@@ -189,8 +194,10 @@ class Engine:
         group, size = groups.world, groups.world_size
         if self.plan.outer is not None:   # averaged every few steps, not every backward
             workers = workers_of(groups, self.plan.outer.worker)
-            self.outer = LocalSGD(dense, workers, self.stats, self.plan.outer,
+            self.outer = LocalSGD(replicated, workers, self.stats, self.plan.outer,
                                   self.plan.bucket_bytes)
+            # ZeRO's shards are what the optimizer steps: they follow each landing.
+            self.outer.landed = self.zero.after_load if self.zero.shards else None
             # A host's ranks stay one replica: their gradients are averaged every step over the
             # host's group, where nothing of the world's (heads' sums, the push) can ride.
             group, size = workers.within, workers.size

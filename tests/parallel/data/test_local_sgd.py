@@ -20,6 +20,7 @@ import tilework
 from tests.equivalence import LR, _train, job, reference, torch_optimizer, worst
 from tilework import ParallelConfig
 from tilework.cluster.topology import Topology
+from tilework.comm.groups import build_groups
 from tilework.comm.wire import ring_allreduce_bytes
 from tilework.data import ShardedBatches
 from tilework.errors import ConfigError, PlanError
@@ -141,13 +142,17 @@ def test_the_outer_sync_sends_the_plans_bytes_once_every_h_steps():
 
 
 def test_what_local_sgd_refuses_in_one_line():
-    with pytest.raises(ConfigError, match="sync: expected 'every_step' with zero"):
+    with pytest.raises(ConfigError, match="zero: expected zero 1 or 2 with zero_scope='host' "
+                                          "and outer_worker='host' under sync='diloco'"):
         ParallelConfig(sync="diloco", zero=2)
+    with pytest.raises(ConfigError, match="zero: expected zero 1 or 2"):
+        ParallelConfig(sync="diloco", zero=3, zero_scope="host", outer_worker="host")
+    ParallelConfig(sync="diloco", zero=1, zero_scope="host", outer_worker="host")   # HSDP+DiLoCo
     with pytest.raises(ConfigError, match="sync_every: expected a whole number"):
         ParallelConfig(sync="diloco", sync_every=0)
     with pytest.raises(ConfigError, match="outer_momentum"):
         ParallelConfig(sync="diloco", outer_momentum=1.0)
-    with pytest.raises(ConfigError, match="sync: expected 'every_step' or 'diloco'"):
+    with pytest.raises(ConfigError, match="sync: expected 'every_step', 'diloco' or 'auto'"):
         ParallelConfig(sync="sometimes")
     with pytest.raises(ConfigError, match="outer_worker: expected 'rank' or 'host'"):
         ParallelConfig(sync="diloco", outer_worker="machine")
@@ -174,10 +179,13 @@ def test_local_sgd_needs_the_optimizer():
 def resumed(rank, world_size, path, stop, steps, outer, saved_at=4):
     """Adam inside, DiLoCo outside: train to `stop` and save (tilework.save), or, when `stop`
     is None, load what was saved at step `saved_at` and train to `steps`. Returns rank 0's
-    final state."""
+    final state. Four ranks are two hosts of two."""
     work = build(job("cnn"))
     opt = torch_optimizer("adam", work.model.parameters(), LR["adam"])
-    tilework.parallelize(work.model, opt, mode="allreduce", log=False, sync="diloco", **outer)
+    groups = build_groups(dist.group.WORLD, Topology.uniform(world_size // 2, 2)) \
+        if world_size == 4 else None
+    tilework.parallelize(work.model, opt, mode="allreduce", log=False, sync="diloco",
+                         groups=groups, **outer)
     sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
     start = 0
     if stop is None:
@@ -193,18 +201,25 @@ def resumed(rank, world_size, path, stop, steps, outer, saved_at=4):
     return state if rank == 0 else None
 
 
-@pytest.mark.parametrize("extra", [{}, {"outer_compress": "int4"}, {
-    "sync_every": 4, "outer_fragments": 2, "outer_delay": 1}], ids=["plain", "int4", "streamed"])
-def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path, extra):
+@pytest.mark.parametrize("world, extra", [
+    (2, {}),
+    (2, {"outer_compress": "int4", "sync_every": 4, "outer_fragments": 2, "outer_delay": 1}),
+    (4, {"outer_worker": "host", "zero": 2, "zero_scope": "host", "outer_compress": "int8"})],
+    ids=["plain", "int4-streamed", "hosts-zero2-int8"])
+def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path, world,
+                                                                         extra):
     """Each rank's Adam moments are its own between syncs; the checkpoint keeps every rank's,
     and the outer loop's anchor and momentum (and, compressed, every rank's error feedback;
-    streamed, every rank's parameters, which differ at a period's end): resuming gives bit for
-    bit the uninterrupted run's parameters, its outer momentum and every rank's inner state."""
+    streamed, every rank's parameters, which differ at a period's end; sharded by ZeRO inside
+    each host, every host's moments, put back into the shards): resuming gives bit for bit the
+    uninterrupted run's parameters, its outer momentum and every rank's inner state."""
     outer = {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9, **extra}
     compress = outer.get("outer_compress", "none")
-    whole = spawn(resumed, 2, args=(str(tmp_path / "unused.pt"), 8, 8, outer), timeout=180)[0]
-    spawn(resumed, 2, args=(str(tmp_path / "at4.pt"), 4, 8, outer), timeout=180)
-    again = spawn(resumed, 2, args=(str(tmp_path / "at4.pt"), None, 8, outer), timeout=180)[0]
+    whole = spawn(resumed, world, args=(str(tmp_path / "unused.pt"), 8, 8, outer),
+                  timeout=180)[0]
+    spawn(resumed, world, args=(str(tmp_path / "at4.pt"), 4, 8, outer), timeout=180)
+    again = spawn(resumed, world, args=(str(tmp_path / "at4.pt"), None, 8, outer),
+                  timeout=180)[0]
     for k, v in whole["model"].items():
         assert torch.equal(v, again["model"][k]), k
     for name, m in whole["outer"]["momentum"].items():
@@ -212,13 +227,13 @@ def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_pat
     for mine, theirs in zip(whole["outer"]["inner"], again["outer"]["inner"]):
         for name, s in mine.items():
             assert torch.equal(s["exp_avg"], theirs[name]["exp_avg"]), name
-    # Between syncs the ranks' inner states differ: one copy would not have resumed them.
+    # Between syncs the workers' inner states differ: one copy would not have resumed them.
     first = next(iter(whole["outer"]["inner"][0]))
     assert not torch.equal(whole["outer"]["inner"][0][first]["exp_avg"],
-                           whole["outer"]["inner"][1][first]["exp_avg"])
+                           whole["outer"]["inner"][-1][first]["exp_avg"])
     if compress != "none":   # what the encodings still owe, each rank its own
         owed = [own["feedback"] for own in whole["outer"]["own"]]
-        assert len(owed) == 2 and not torch.equal(owed[0][0][0], owed[1][0][0])
+        assert len(owed) == world and not torch.equal(owed[0][0][0], owed[1][0][0])
         assert owed[0][0][0].abs().max() > 0
         for mine, theirs in zip(owed, [own["feedback"] for own in again["outer"]["own"]]):
             assert all(torch.equal(a, b) for pair, other in zip(mine, theirs)

@@ -23,7 +23,7 @@ from tilework.comm.codec import decode, encode, multiple_of
 from tilework.comm.groups import build_groups
 from tilework.comm.wire import ring_allreduce_bytes
 from tilework.data import ShardedBatches
-from tilework.estimate.cost import outer_bucket_wire, outer_sync_wire
+from tilework.estimate.cost import outer_bucket_wire, outer_sync_wire, zero_sync_bytes
 from tilework.planner import plan
 from tilework.plans.plan import config_of, fragments_of
 from tilework.testing import spawn
@@ -32,13 +32,14 @@ from tilework.train.workloads import build
 BATCH, STEPS, EVERY, OUTER_LR, MOMENTUM = 8, 6, 2, 0.7, 0.9
 
 
-def trained(rank, world_size, hosts, worker, codec):
+def trained(rank, world_size, hosts, worker, codec, zero):
     work = build(job("cnn"))
     opt = torch.optim.SGD(work.model.parameters(), lr=LR["sgd"])
     groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
     tilework.parallelize(work.model, opt, groups=groups, mode="allreduce", log=False,
                          sync="diloco", sync_every=EVERY, outer_lr=OUTER_LR,
-                         outer_momentum=MOMENTUM, outer_worker=worker, outer_compress=codec)
+                         outer_momentum=MOMENTUM, outer_worker=worker, outer_compress=codec,
+                         zero=zero, zero_scope="host" if zero else "world")
     sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
     losses = _train(work, opt, sampler, STEPS)
     state = {k: v.detach().clone() for k, v in work.model.state_dict().items()}
@@ -122,11 +123,13 @@ def diloco_by_hand(world, hosts, worker, codec):
     return works[0].model.state_dict()
 
 
-@pytest.mark.parametrize("world, hosts, worker, codec", [
-    (4, 2, "host", "none"), (2, 1, "rank", "int8"), (4, 2, "host", "int4")])
+@pytest.mark.parametrize("world, hosts, worker, codec, zero", [
+    (4, 2, "host", "none", 2), (2, 1, "rank", "int8", 0), (4, 2, "host", "int4", 1)])
 def test_local_sgd_over_hosts_and_compressed_is_diloco_by_hand_and_sends_the_plans_bytes(
-        world, hosts, worker, codec):
-    results = spawn(trained, world, args=(hosts, worker, codec), timeout=240)
+        world, hosts, worker, codec, zero):
+    """Host workers here shard with ZeRO inside the host (HSDP inside, DiLoCo across): the
+    shards are one optimizer's, so the run is the by-hand one all the same."""
+    results = spawn(trained, world, args=(hosts, worker, codec, zero), timeout=240)
     by_hand = diloco_by_hand(world, hosts, worker, codec)
     assert worst(results[0][0], by_hand) <= 1e-5
     per_host = world // hosts
@@ -142,11 +145,16 @@ def test_local_sgd_over_hosts_and_compressed_is_diloco_by_hand_and_sends_the_pla
         outer = stats["total"]["outer"]
         assert outer["sent"] == wire.sent * syncs, rank
         if worker == "host":
-            # Across hosts, only the outer sync; inside, every step's gradient all-reduce.
+            # Across hosts, only the outer sync; inside, every step's gradient all-reduce, or
+            # ZeRO's reduce-scatter and gathers over the host alone.
             assert outer["sent_inter_host"] == wire.across * syncs
-            assert stats["total"]["allreduce"]["sent"] == STEPS * ring_allreduce_bytes(
-                sum(nbytes), per_host)
-            assert stats["total"]["allreduce"]["sent_inter_host"] == 0
+            made = plan(model, ParallelConfig(mode="allreduce", zero=zero, zero_scope="host"),
+                        topology=Topology.uniform(hosts, per_host))
+            inside = sum(zero_sync_bytes(p, per_host, 1)[0] if p.zero
+                         else ring_allreduce_bytes(p.nbytes, per_host) for p in made.params)
+            got = {m: stats["total"].get(m, {}) for m in ("allreduce", "zero")}
+            assert sum(t.get("sent", 0) for t in got.values()) == STEPS * inside
+            assert sum(t.get("sent_inter_host", 0) for t in got.values()) == 0
         else:
             assert "allreduce" not in stats["total"]
     if codec == "int4":   # 8 values a 4-byte scale, 2 a byte: about 1/7 of float32

@@ -156,6 +156,7 @@ class LocalSGD:
         self.inner_steps = 0   # into the current period of `every`
         # With fragments or a delay, ranks' parameters differ even at a period's end.
         self.ranks_differ = outer.fragments > 1 or outer.delay > 0
+        self.landed = None   # called after every landing (ZeRO's shards follow the parameters)
 
     def after_step(self) -> bool:
         """Called after every `optimizer.step()`: moves the exchanges in flight a stage,
@@ -209,6 +210,8 @@ class LocalSGD:
             else:
                 p.copy_(anchor)
             anchor.grad = None
+        if self.landed is not None:
+            self.landed()
 
     def _pseudo_gradient(self, bucket: _Bucket) -> torch.Tensor:
         flat = torch.cat([(self.anchors[n] - p).reshape(-1) for n, p in bucket.params])

@@ -58,7 +58,8 @@ class ZeroSync:
 
     def __init__(self, params: list[tuple[str, nn.Parameter, int, str | None]], groups,
                  stats: Stats, bucket_bytes: int, checks=None, on_grad=None,
-                 offload: Offload | None = None, scopes: set[str] = frozenset()):
+                 offload: Offload | None = None, scopes: set[str] = frozenset(),
+                 across_hosts: bool = True):
         self.groups, self.stats, self.checks, self.on_grad = groups, stats, checks, on_grad
         self.bucket_bytes = bucket_bytes
         topo = groups.topology
@@ -67,14 +68,18 @@ class ZeroSync:
         if len(scopes) > 1:
             raise PlanError(f"ZeRO shards every parameter over one scope, the plan mixes "
                             f"{sorted(scopes)}")
+        # Under local SGD over hosts (`across_hosts` False) the hosts' copies are not summed:
+        # each host is its own replica until the outer sync.
         if "host" in scopes and topo.num_hosts > 1:
-            self.shard_group, self.replicas = groups.intra, groups.inter
+            self.shard_group = groups.intra
+            self.replicas = groups.inter if across_hosts else None
             n, rank = len(topo.hosts[groups.host]), groups.local_rank
             peers = list(topo.hosts[groups.host])
         else:
             self.shard_group, self.replicas = groups.world, None
             n, rank, peers = groups.world_size, groups.rank, list(range(groups.world_size))
         self.shard_size = n
+        self.averaged = n if self.replicas is None else groups.world_size   # ranks summed
         self.offload = offload or Offload("none", None, groups.rank, groups.device)
         self.late_adds: list = []   # offloaded gradient chunks to add once their copy landed
         self.shards = [Sharded(name, p, stage, rank, n, unit, self.offload.shard)
@@ -233,7 +238,7 @@ class ZeroSync:
             work = all_reduce_async(summed, self.replicas, self.stats, "zero", True)
             if work is not None:
                 work.wait()
-        summed.div_(self.groups.world_size)
+        summed.div_(self.averaged)
         bucket.pending = None
         for s, g in zip(bucket.shards, bucket.split(summed)):
             if self.offload.active and self.offload.on_gpu:
