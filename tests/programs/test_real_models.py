@@ -468,3 +468,42 @@ def test_pp_boundaries_follow_autocast():
         opt.zero_grad()
     got = [r for r in spawn(_autocast_after_plain, 2, timeout=120) if r[0] is not None][0]
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def _local_sgd(rank, world_size, family, path):
+    """Local SGD that is synchronous training (H = 1, SGD inside, a plain outer step) on a
+    model not written for tilework, tied weights included; then saved, loaded into a fresh
+    parallel model, and undone."""
+    model = build(family)
+    ties = tied_names(model)
+    outer = dict(sync="diloco", sync_every=1, outer_optimizer="sgd", outer_lr=1.0,
+                 outer_momentum=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, mode="allreduce", log=False, **outer)
+    losses = train(family, model, opt, range(STEPS), rank, world_size)
+    state = tilework.state_dict(model, opt)["model"]
+    tilework.save(path, model, opt)
+    again = build(family)
+    again_opt = torch.optim.SGD(again.parameters(), lr=0.1)
+    tilework.parallelize(again, again_opt, mode="allreduce", log=False, **outer)
+    tilework.load(path, again, again_opt)
+    loaded = tilework.state_dict(again, again_opt)["model"]
+    tilework.unparallelize(model, opt)
+    return {"losses": losses, "state": state, "loaded": loaded,
+            "ties_kept": tied_names(model) == ties and bool(ties)}
+
+
+@pytest.mark.parametrize("family", ["nanogpt",
+                                    pytest.param("llama-tied", marks=needs_transformers)])
+def test_local_sgd_on_a_model_with_tied_weights_trains_as_one_process(family, tmp_path):
+    model = build(family)
+    want_losses = train(family, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        range(STEPS))
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    results = spawn(_local_sgd, 2, args=(family, str(tmp_path / "ckpt.pt")), timeout=180)
+    got = results[0]
+    assert_same_state(got["state"], want, "state_dict")
+    assert_same_state(got["loaded"], want, "loaded")
+    assert got["ties_kept"]
+    losses = [sum(r["losses"][s] for r in results) / 2 for s in range(STEPS)]
+    assert losses == pytest.approx(want_losses, rel=1e-4)
