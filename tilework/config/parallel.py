@@ -30,6 +30,7 @@ Sync = Literal["every_step", "diloco", "auto"]
 OuterOptimizer = Literal["nesterov", "sgd"]
 OuterWorker = Literal["rank", "host"]
 OuterCompress = Literal["none", "bf16", "int8", "int4"]
+GradCompress = Literal["none", "bf16", "fp16"]
 
 
 @dataclass(kw_only=True)
@@ -181,6 +182,12 @@ class ParallelConfig:
     "bf16", "int8" or "int4" (one float32 scale per 64 values), with error feedback: what an
     encoding loses is added to the next sync's (docs/slow-links.md)."""
 
+    grad_compress: GradCompress = "none"
+    """The dense gradients' width on the wire under every-step sync: "none", or "bf16" /
+    "fp16", as DDP's bf16_compress_hook and fp16_compress_hook send them (each bucket cast,
+    divided by the ranks, summed in that width, cast back): half the bytes, and the rounding
+    of that width. The servers' rows stay as they are; not with ZeRO, tp/pp/cp or local SGD."""
+
     outer_fragments: int = 1
     """Streaming DiLoCo under sync="diloco": the dense parameters cut into this many fragments
     of about equal bytes (registration order), fragment f's outer step at inner step
@@ -273,6 +280,14 @@ class ParallelConfig:
               f"'rank' or 'host', got {self.outer_worker!r}")
         check(self.outer_compress in ("none", "bf16", "int8", "int4"), "outer_compress",
               f"'none', 'bf16', 'int8' or 'int4', got {self.outer_compress!r}")
+        check(self.grad_compress in ("none", "bf16", "fp16"), "grad_compress",
+              f"'none', 'bf16' or 'fp16', got {self.grad_compress!r}")
+        if self.grad_compress != "none":
+            check(self.sync != "diloco" and not self.zero and not self.model_parallel
+                  and not self.auto_axes, "grad_compress",
+                  "'none' with sync='diloco' (its wire is outer_compress), ZeRO or tp/pp/cp: "
+                  "compressed buckets are built for plain data-parallel all-reduce, got "
+                  f"grad_compress={self.grad_compress!r}")
         whole = (int,)
         check(isinstance(self.outer_fragments, whole) and not isinstance(self.outer_fragments,
                                                                          bool)

@@ -48,14 +48,28 @@ def seconds(nbytes: float, link: Link, messages: int) -> float:
 
 # -- all-reduce --------------------------------------------------------------------------------
 
+GRAD_WIDTH = 2   # bytes a value of a compressed bucket (bf16, fp16) takes on the wire
+
+
+def grad_wire(nbytes: int, plan_or_compress, item: int = 4) -> int:
+    """An all-reduced gradient's bytes as its bucket sends it: `nbytes` as they are, or at
+    GRAD_WIDTH a value under `grad_compress` (a Plan, or the setting itself)."""
+    compress = getattr(plan_or_compress, "grad_compress", plan_or_compress)
+    return nbytes if compress == "none" else nbytes // item * GRAD_WIDTH
+
 def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
-                     carried_bytes: int = 0, push: bool = False) -> int:
+                     carried_bytes: int = 0, push: bool = False,
+                     grad_compress: str = "none", item: int = 4) -> int:
     """Exact: what `parallel.data.dense.DenseSync` counts per step for parameters in registration
     order; `carried_bytes` ride the last bucket (the input check's words: CHECK_WORDS elements, hot
     heads). `push`: a server push over the world happens that step, which the last bucket
-    rides where `wire.bucket_rides_push` says so, whole to every peer."""
+    rides where `wire.bucket_rides_push` says so, whole to every peer. `grad_compress`
+    (parameters of `item` bytes): each bucket crosses in that width, alone."""
     order = list(reversed(param_nbytes))
     buckets = assign_buckets(order, bucket_bytes)
+    if grad_compress != "none":   # nothing rides a compressed bucket
+        return sum(ring_allreduce_bytes(sum(order[i] for i in b) // item * GRAD_WIDTH, n)
+                   for b in buckets)
     sizes = [sum(order[i] for i in b) for b in buckets]
     if sizes:
         sizes[-1] += carried_bytes

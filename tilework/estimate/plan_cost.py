@@ -19,7 +19,14 @@ from ..cluster.topology import Cluster
 from ..errors import PlanError
 from ..plans.plan import Plan, config_of
 from .compute import step_flops
-from .cost import dense_served, outer_entry, outer_step_seconds, predict, ring_allreduce
+from .cost import (
+    dense_served,
+    grad_wire,
+    outer_entry,
+    outer_step_seconds,
+    predict,
+    ring_allreduce,
+)
 from .memory import MemoryEstimate
 from .plan_memory import plan_memory
 from .step import predict as predict_step
@@ -51,6 +58,8 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
     for p in plan.params:
         if plan.outer is not None and p.method == "allreduce":
             c = outer_entry(p, plan.outer, topo, links)
+        elif plan.grad_compress != "none" and p.method == "allreduce" and not p.zero:
+            c = ring_allreduce(grad_wire(p.nbytes, plan), topo, links)
         else:
             c = predict(p, traffic.get(p.name), topo, links, plan.local_aggregation) \
                 or dense_served(p, topo, links)
@@ -69,7 +78,8 @@ def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> f
         total += outer_step_seconds(part.of("allreduce"), plan.outer, topo, links,
                                     part.bucket_bytes)
     elif dense:
-        total += ring_allreduce(dense, topo, links, math.ceil(dense / part.bucket_bytes)).seconds
+        total += ring_allreduce(grad_wire(dense, plan), topo, links,
+                                math.ceil(dense / part.bucket_bytes)).seconds
     held = {p.name for p in part.params}
     return total + sum(c.seconds for p, c in zip(plan.params, entry_costs(plan, cluster, traffic))
                        if p.name in held and (p.method != "allreduce"
@@ -117,7 +127,8 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
     if found.step_s is None:
         return PlanCost(comm, entries=entries, parts=parts, why=found.why)
     step = found.step_s
-    if plan.outer is not None:   # the step model all-reduces every step: local SGD does not
+    if plan.outer is not None or plan.grad_compress != "none":
+        # The step model all-reduces every step in full width: these plans do not.
         step += comm - parts["dp"]
         parts["dp"] = comm
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))

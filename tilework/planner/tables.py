@@ -22,6 +22,7 @@ from ..config.parallel import Method, Mode, ParallelConfig, RowMap, RowMapChoice
 from ..errors import ConfigError, PlanError
 from ..estimate.cost import (
     TableTraffic,
+    grad_wire,
     outer_entry,
     predict,
     ps_expected,
@@ -30,7 +31,7 @@ from ..estimate.cost import (
     sparse_allgather,
 )
 from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
-from ..plans.plan import OuterSync, ParamPlan, Plan, bucket_bytes
+from ..plans.plan import OuterSync, ParamPlan, Plan, bucket_bytes, dtype_bytes
 from .shares import server_map, server_partitions
 
 
@@ -70,6 +71,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      if config.zero == 3 else None,
                      offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope,
                      server_weights=config.server_weights)
+    if config.grad_compress != "none":
+        made = with_grad_compress(made, config.grad_compress, topology, links)
     if config.sync == "diloco":
         made = with_outer_sync(made, OuterSync(config.sync_every, config.outer_optimizer,
                                                config.outer_lr, config.outer_momentum,
@@ -80,6 +83,21 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
     if config.batch_shares is None:
         return made
     return dataclasses.replace(made, batch_shares=tuple(config.batch_shares))
+
+
+def with_grad_compress(plan: Plan, compress: str, topology: Topology | None = None,
+                       links: Links | None = None) -> Plan:
+    """`plan` with its bucketed gradients sent at half width (`grad_compress`): each
+    all-reduced entry's ring all-reduce priced at its compressed bytes, its reason saying so."""
+    topology = topology or Topology.from_sizes([plan.world_size])
+    links = links or Links()
+    said = f"its gradient in {compress} on the wire"
+    params = tuple(dataclasses.replace(
+        p, predicted=None if p.predicted is None else ring_allreduce(
+            grad_wire(p.nbytes, compress, dtype_bytes(p.dtype)), topology, links),
+        reason=f"{p.reason}; {said}" if p.reason else said)
+        if p.method == "allreduce" and not p.zero else p for p in plan.params)
+    return dataclasses.replace(plan, params=params, grad_compress=compress)
 
 
 def with_outer_sync(plan: Plan, outer: OuterSync, topology: Topology | None = None,

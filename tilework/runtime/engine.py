@@ -206,9 +206,11 @@ class Engine:
             if size == 1:
                 dense = []
                 self._densify_sparse_gradients()
+        wire = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
         self.dense = DenseSync(dense, group, size, self.stats,
                                self.plan.bucket_bytes, successor_remote, self.checks, self._touched,
-                               rider_dtype=rider_dtype, push_dtype=push_dtype)
+                               rider_dtype=rider_dtype, push_dtype=push_dtype,
+                               wire_dtype=wire[self.plan.grad_compress])
         self.changes.record("dense parameters: post-accumulate-grad hooks (all-reduce buckets)",
                             lambda: [handle.remove() for handle in self.dense.handles])
         self.early = EarlyPush(self.tables, self.push_route, self.checks, self._touched)

@@ -40,14 +40,19 @@ class _Bucket:
         self.buffer: torch.Tensor | None = None
         self.work = None
         self.riders: list[tuple[object, int, int]] = []   # (rider, offset, numel) in `buffer`
+        self.wire: torch.Tensor | None = None   # the compressed copy on the wire
 
 
 class DenseSync:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group, world_size: int,
                  stats: Stats, bucket_bytes: int, successor_remote: bool = False,
                  checks=None, on_grad=None, rider_dtype: torch.dtype | None = None,
-                 push_dtype: torch.dtype | None = None):
+                 push_dtype: torch.dtype | None = None, wire_dtype: torch.dtype | None = None):
         self.group, self.world_size, self.stats = group, world_size, stats
+        # Compressed buckets (`grad_compress`): cast, divided, summed and cast back as DDP's
+        # bf16/fp16 compress hooks do. Nothing rides them: the checks' words and the heads'
+        # sums must add up exactly, and a push carries its own width.
+        self.wire_dtype = wire_dtype
         self.checks = checks  # sees each bucket's local gradients before they leave
         self.successor_remote = successor_remote
         order = list(reversed(params))
@@ -63,14 +68,16 @@ class DenseSync:
         # it holds the first-registered parameters, whose gradients come last anyway. Only in
         # float32/float64, where the words' sums stay exact.
         last_dtype = self.buckets[-1].params[0][1].dtype if self.buckets else None
-        self.carry = (checks is not None and world_size > 1
+        self.carry = (checks is not None and world_size > 1 and wire_dtype is None
                       and last_dtype in (torch.float32, torch.float64))
         # Hot heads' sums (`rider_dtype`: theirs, None without heads) ride it as well: one
         # meeting of all ranks fewer per step. Same dtype only (a sum of flags and rows).
-        self.rideable = world_size > 1 and rider_dtype is not None and last_dtype == rider_dtype
+        self.rideable = (world_size > 1 and rider_dtype is not None and wire_dtype is None
+                         and last_dtype == rider_dtype)
         # And the last bucket itself may ride the server push (`push_dtype`: the dtype of a push
         # over this group, None without one), whole to every peer: wire.bucket_rides_push.
-        self.push_ride = world_size > 1 and push_dtype is not None and last_dtype == push_dtype
+        self.push_ride = (world_size > 1 and push_dtype is not None and wire_dtype is None
+                          and last_dtype == push_dtype)
         self.riding: _Bucket | None = None
         self.hold_last = self.carry or self.rideable or self.push_ride
         self.active = False  # a synchronised backward has produced gradients not yet averaged
@@ -98,7 +105,8 @@ class DenseSync:
         checked (taken before, a NaN in the last bucket alone left this rank's words clean and
         its checks dirty: its peers read the words, it exchanged them again, and the step
         hung). With `push`, a bucket small enough is filled and left for the push to carry."""
-        if len(bucket.params) == 1 and not carry and not riders and not push:
+        if len(bucket.params) == 1 and not carry and not riders and not push \
+                and self.wire_dtype is None:
             # A parameter that fills a bucket alone (a large table) is reduced in place: copying
             # hundreds of MB into a buffer and back cost more than the all-reduce on loopback.
             # Safe since nothing reads `.grad` before backward returns, when the reduce is done.
@@ -137,6 +145,11 @@ class DenseSync:
         if push and bucket_rides_push(bucket.buffer.numel() * bucket.buffer.element_size(),
                                       self.world_size):
             self.riding = bucket
+            return
+        if self.wire_dtype is not None:
+            bucket.wire = bucket.buffer.to(self.wire_dtype).div_(self.world_size)
+            bucket.work = all_reduce_async(bucket.wire, self.group, self.stats, "allreduce",
+                                           self.successor_remote)
             return
         bucket.work = all_reduce_async(bucket.buffer, self.group, self.stats, "allreduce",
                                        self.successor_remote)
@@ -187,7 +200,11 @@ class DenseSync:
             for rider, offset, numel in bucket.riders:
                 rider.landed(bucket.buffer[offset:offset + numel].clone())
             bucket.riders.clear()
-            bucket.buffer[:bucket.numel].div_(self.world_size)
+            if bucket.wire is not None:   # already divided, in its width
+                bucket.buffer.copy_(bucket.wire)
+                bucket.wire = None
+            else:
+                bucket.buffer[:bucket.numel].div_(self.world_size)
             offset = 0
             for _, p in bucket.params:
                 n = p.numel()
