@@ -3,7 +3,7 @@ PyTorch's PowerSGD hook, on emulated hosts.
 
     sudo .venv/bin/python bench/slow_links.py [--hosts 4] [--mbit 100] [--rtt-ms 50]
         [--workloads gpt lm] [--steps 120] [--every 20 40] [--compress none int4]
-        [--streams 4:5] [--no-powersgd] [--eval-every 40] [--longer 4]
+        [--streams 4:5] [--no-powersgd] [--grad-compress bf16] [--eval-every 40] [--longer 4]
         [--out docs/slow-links.json] [--png docs/slow-links.png]
 
 Each host is a network namespace with one rank, its link shaped by netem (rate and a one-way
@@ -13,6 +13,7 @@ the same seed on the same global batches (AdamW inside); DDP runs `--steps`, the
 - ddp: DistributedDataParallel, every gradient all-reduced every step;
 - ddp-powersgd: DDP with torch's PowerSGD communication hook (rank 2, error feedback, warm
   start, from step 2);
+- sync-bf16, sync-fp16: synchronous tilework, the buckets in that width (grad_compress);
 - diloco-H[-codec][-F<f>d<tau>]: tilework.parallelize(sync="diloco", sync_every=H,
   outer_fragments=f, outer_delay=tau), the outer step
   Nesterov (lr 0.7, momentum 0.9), every parameter in the outer sync (mode="allreduce"), the
@@ -99,6 +100,9 @@ def _wrap(system: str, model, opt):
         return model, model.module
     import tilework
 
+    if system.startswith("sync-"):   # synchronous, the buckets in that width
+        tilework.parallelize(model, opt, mode="allreduce", grad_compress=system[5:], log=False)
+        return model, model
     tilework.parallelize(model, opt, mode="allreduce", sync="diloco",
                          outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
                          **_diloco(system), log=False)
@@ -161,7 +165,8 @@ def run_system(cluster, workload: str, system: str, a) -> dict:
         out = Path(tmp) / "result.json"
         # The others may go on past DDP's steps: how long they take to reach its loss is the
         # measure (their loss at its step count is in their curves too).
-        steps = a.steps * (1 if system == "ddp" else a.longer)
+        steps = a.steps * (1 if system == "ddp" else 2 if system.startswith("sync-")
+                           else a.longer)
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--workload",
                 workload, "--system", system, "--steps", str(steps), "--eval-every",
                 str(a.eval_every), "--out", str(out)]
@@ -221,6 +226,9 @@ def main(argv=None) -> int:
                     help="also run each H and encoding streamed: F fragments, each exchange "
                          "beside TAU inner steps (outer_fragments, outer_delay)")
     ap.add_argument("--no-powersgd", action="store_true", help="leave out DDP + PowerSGD")
+    ap.add_argument("--grad-compress", nargs="*", default=[], choices=["bf16", "fp16"],
+                    help="also synchronous tilework with its buckets in that width "
+                         "(grad_compress), run to twice DDP's steps")
     ap.add_argument("--eval-every", type=int, default=40)
     ap.add_argument("--longer", type=int, default=4,
                     help="the systems other than DDP run this many times its steps (to find "
@@ -243,6 +251,7 @@ def main(argv=None) -> int:
                  f"here: {why} (--rtt-ms 0 shapes the rate alone)")
     streams = [""] + [f"-F{f}d{t}" for f, t in (x.split(":") for x in a.streams)]
     systems = ["ddp", *([] if a.no_powersgd else ["ddp-powersgd"]),
+               *[f"sync-{c}" for c in a.grad_compress],
                *[f"diloco-H{h}" + ("" if c == "none" else f"-{c}") + st
                  for h in a.every for c in a.compress for st in streams]]
     report: dict = {"hosts": a.hosts, "mbit": a.mbit, "rtt_ms": a.rtt_ms, "steps": a.steps,
