@@ -383,3 +383,15 @@ def test_sync_auto_goes_local_only_where_the_wire_outweighs_the_extra_steps():
     assert slow.chosen.step_s * 2 < synchronous.step_s
     with pytest.raises(tilework.errors.ConfigError, match="sync: expected 'auto' with plan"):
         ParallelConfig(sync="auto")
+
+
+def test_a_search_keeps_the_users_grad_compress_and_skips_what_refuses_it():
+    """grad_compress is built for plain data parallelism: the search's ZeRO candidates are
+    not candidates then (they used to stop the search with the config's refusal)."""
+    model, inputs = gpt(layers=2), tokens()
+    found = auto(model, ParallelConfig(plan="auto", grad_compress="bf16"),
+                 Cluster([Host("a", 2), Host("b", 2)]), inputs, RATE)
+    assert all(c.config.zero == 0 and c.config.grad_compress == "bf16"
+               for c in found.candidates)
+    assert "grad_compress" in __import__("tilework.planner.search", fromlist=["x"]).options_of(
+        found.chosen.config)

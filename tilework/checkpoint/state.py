@@ -108,6 +108,9 @@ def _load_outer(engine, saved: dict | None) -> None:
     if missing:
         raise CheckpointError(f"checkpoint does not match the model: its local SGD state has "
                               f"no {missing[0]}")
+    if int(saved.get("inner_steps", 0)) >= outer.outer.every:
+        raise CheckpointError(f"checkpoint was taken {saved['inner_steps']} steps into a local "
+                              f"SGD period; this job's sync_every is {outer.outer.every}")
     outer.load_state_dict(saved)
     inner = saved.get("inner")
     # Each rank its own inner optimizer state, where the world is the one that saved it (at
@@ -119,7 +122,7 @@ def _load_outer(engine, saved: dict | None) -> None:
     if not outer.load_own_state(own[engine.groups.rank] if own and same_world else None):
         raise CheckpointError("checkpoint does not match this job: its local SGD state per "
                               "rank is another outer_compress's, bucket_mb's or model's")
-    if own and same_world and outer.ranks_differ:
+    if own and same_world and "params" in own[engine.groups.rank]:
         engine.zero.after_load()   # this rank's own parameters: ZeRO's shards follow
     if same_world and engine.optimizer is not None:
         by_name = dict(engine.model.named_parameters())

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..cluster.topology import Cluster
 from ..errors import PlanError
-from ..plans.plan import Plan, config_of
+from ..plans.plan import Plan, config_of, dtype_bytes
 from .compute import step_flops
 from .cost import (
     dense_served,
@@ -59,7 +59,7 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
         if plan.outer is not None and p.method == "allreduce":
             c = outer_entry(p, plan.outer, topo, links)
         elif plan.grad_compress != "none" and p.method == "allreduce" and not p.zero:
-            c = ring_allreduce(grad_wire(p.nbytes, plan), topo, links)
+            c = ring_allreduce(grad_wire(p.nbytes, plan, dtype_bytes(p.dtype)), topo, links)
         else:
             c = predict(p, traffic.get(p.name), topo, links, plan.local_aggregation) \
                 or dense_served(p, topo, links)
@@ -67,19 +67,27 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
     return out
 
 
+def dense_seconds(plan: Plan, cluster: Cluster) -> float:
+    """The bucketed dense parameters' part of `comm_seconds`: their all-reduce (in its wire
+    width), or under local SGD the sync's share and a host's own exchanges (ZeRO's too)."""
+    topo, links, part = _dp_topology(plan, cluster), cluster.links, plan.part(0)
+    if plan.outer is not None:
+        return outer_step_seconds(part.of("allreduce"), plan.outer, topo, links,
+                                  part.bucket_bytes)
+    replicated = [p for p in part.of("allreduce") if not p.zero]
+    dense = sum(p.nbytes for p in replicated)
+    if not dense:
+        return 0.0
+    wire = sum(grad_wire(p.nbytes, plan, dtype_bytes(p.dtype)) for p in replicated)
+    return ring_allreduce(wire, topo, links, math.ceil(dense / part.bucket_bytes)).seconds
+
+
 def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> float:
     """Data-parallel communication per step (on a mesh: pp rank 0's part over its dp group):
     replicated dense parameters bucketed together, tables and ZeRO-sharded parameters one by
     one."""
-    topo, links, part = _dp_topology(plan, cluster), cluster.links, plan.part(0)
-    dense = sum(p.nbytes for p in part.of("allreduce") if not p.zero)
-    total = 0.0
-    if plan.outer is not None:   # local SGD: the sync's share and a host's own exchanges
-        total += outer_step_seconds(part.of("allreduce"), plan.outer, topo, links,
-                                    part.bucket_bytes)
-    elif dense:
-        total += ring_allreduce(grad_wire(dense, plan), topo, links,
-                                math.ceil(dense / part.bucket_bytes)).seconds
+    part = plan.part(0)
+    total = dense_seconds(plan, cluster)
     held = {p.name for p in part.params}
     return total + sum(c.seconds for p, c in zip(plan.params, entry_costs(plan, cluster, traffic))
                        if p.name in held and (p.method != "allreduce"
@@ -129,8 +137,9 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
     step = found.step_s
     if plan.outer is not None or plan.grad_compress != "none":
         # The step model all-reduces every step in full width: these plans do not.
-        step += comm - parts["dp"]
-        parts["dp"] = comm
+        dense = dense_seconds(plan, cluster)
+        step += dense - parts["dp"]
+        parts["dp"] = dense
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
     slowest = pace(plan, cluster)
     if slowest != 1.0 and config.pp == 1:   # under pp the step model times each stage's speed

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..cluster.topology import Cluster
 from ..config.parallel import ParallelConfig
-from ..errors import PlanError
+from ..errors import ConfigError, PlanError
 from ..estimate.step import MeshCandidate, predict  # noqa: F401 - the search's record
 
 Candidate = MeshCandidate
@@ -111,7 +111,8 @@ def with_sync(found: list[ParallelConfig], base: ParallelConfig) -> list[Paralle
     for c in found:
         out.append(dataclasses.replace(c, sync="every_step", sync_every=1))
         if not c.zero and c.tp * c.pp * c.cp == 1 and c.batch_shares is None:
-            out.append(dataclasses.replace(c, sync="diloco", sync_every=every))
+            out += _allowed(lambda c=c: dataclasses.replace(
+                c, sync="diloco", sync_every=every, grad_compress="none"))
     return out
 
 
@@ -136,7 +137,7 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
             for scope, offload in itertools.product(scopes, offloads):
                 for recompute in space.recompute or (base.recompute,):
                     for schedule, microbatches in _pipelines(base, space, pp):
-                        out.append(dataclasses.replace(
+                        out += _allowed(lambda: dataclasses.replace(
                             base, plan="config", auto_axes=None, tp=tp, pp=pp, cp=cp,
                             sync="every_step" if base.sync == "auto" else base.sync,
                             batch_shares=None if base.batch_shares == "auto"
@@ -147,6 +148,15 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
                             mode="hybrid" if pp * tp * cp > 1 and base.mode == "ps"
                             else base.mode))
     return out
+
+
+def _allowed(make) -> list[ParallelConfig]:
+    """[the config `make` builds], or [] where the user's other settings refuse it (their
+    `grad_compress` with a ZeRO stage, their local SGD with tp): not a candidate then."""
+    try:
+        return [make()]
+    except ConfigError:
+        return []
 
 
 def with_shares(found: list[ParallelConfig], cluster: Cluster,
@@ -389,6 +399,8 @@ def options_of(config: ParallelConfig) -> dict:
         out["recompute"] = config.recompute
     if config.batch_shares is not None:
         out["batch_shares"] = list(config.batch_shares)
+    if config.grad_compress != "none":
+        out["grad_compress"] = config.grad_compress
     if config.sync == "diloco":
         out |= {k: getattr(config, k) for k in (
             "sync", "sync_every", "outer_optimizer", "outer_lr", "outer_momentum",

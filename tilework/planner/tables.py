@@ -112,7 +112,7 @@ def with_outer_sync(plan: Plan, outer: OuterSync, topology: Topology | None = No
                         f"ranks, which needs hosts of one size; these have "
                         f"{[len(h) for h in topology.hosts]} ranks (use outer_worker='rank')")
     dense = sum(p.method == "allreduce" for p in plan.params)
-    if outer.fragments > dense:
+    if dense and outer.fragments > dense:   # none (mode="ps"): nothing for it to sync
         raise PlanError(f"outer_fragments: {outer.fragments} fragments of {dense} all-reduced "
                         f"parameters (a fragment holds at least one)")
     width = {"none": "", "bf16": " in bf16", "int8": " in int8", "int4": " in int4"}

@@ -107,6 +107,10 @@ class Engine:
             raise PlanError("sync='diloco' takes its outer step after optimizer.step(): pass "
                             "the optimizer (parallelize(model, opt))")
         zeros = [pp for pp in plan.params if pp.zero]
+        if plan.grad_compress != "none" and (zeros or plan.outer is not None
+                                             or plan.parallel is not None):
+            raise PlanError(f"grad_compress={plan.grad_compress!r} is built for plain data-"
+                            "parallel all-reduce: not with ZeRO, local SGD or tp/pp/cp")
         if plan.outer is not None and zeros and (plan.outer.worker != "host" or any(
                 pp.zero == 3 or pp.zero_scope != "host" for pp in zeros)):
             raise PlanError("sync='diloco' with ZeRO shards inside each host: zero 1 or 2, "

@@ -23,7 +23,7 @@ from tilework.cluster.topology import Topology
 from tilework.comm.groups import build_groups
 from tilework.comm.wire import ring_allreduce_bytes
 from tilework.data import ShardedBatches
-from tilework.errors import ConfigError, PlanError
+from tilework.errors import ConfigError, InputError, PlanError
 from tilework.estimate.cost import outer_sync_bytes
 from tilework.planner import plan
 from tilework.testing import spawn
@@ -201,24 +201,25 @@ def resumed(rank, world_size, path, stop, steps, outer, saved_at=4):
     return state if rank == 0 else None
 
 
-@pytest.mark.parametrize("world, extra", [
-    (2, {}),
-    (2, {"outer_compress": "int4", "sync_every": 4, "outer_fragments": 2, "outer_delay": 1}),
-    (4, {"outer_worker": "host", "zero": 2, "zero_scope": "host", "outer_compress": "int8"})],
-    ids=["plain", "int4-streamed", "hosts-zero2-int8"])
+@pytest.mark.parametrize("world, extra, at", [
+    (2, {}, 4),
+    (2, {"sync_every": 4}, 3),
+    (2, {"outer_compress": "int4", "sync_every": 4, "outer_fragments": 2, "outer_delay": 1}, 4),
+    (4, {"outer_worker": "host", "zero": 2, "zero_scope": "host", "outer_compress": "int8"}, 4)],
+    ids=["plain", "mid-period", "int4-streamed", "hosts-zero2-int8"])
 def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path, world,
-                                                                         extra):
+                                                                         extra, at):
     """Each rank's Adam moments are its own between syncs; the checkpoint keeps every rank's,
     and the outer loop's anchor and momentum (and, compressed, every rank's error feedback;
-    streamed, every rank's parameters, which differ at a period's end; sharded by ZeRO inside
-    each host, every host's moments, put back into the shards): resuming gives bit for bit the
-    uninterrupted run's parameters, its outer momentum and every rank's inner state."""
+    streamed, or saved mid-period, every rank's parameters, which differ then; sharded by ZeRO
+    inside each host, every host's moments, put back into the shards): resuming gives bit for
+    bit the uninterrupted run's parameters, its outer momentum and every rank's inner state."""
     outer = {"sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9, **extra}
     compress = outer.get("outer_compress", "none")
     whole = spawn(resumed, world, args=(str(tmp_path / "unused.pt"), 8, 8, outer),
                   timeout=180)[0]
-    spawn(resumed, world, args=(str(tmp_path / "at4.pt"), 4, 8, outer), timeout=180)
-    again = spawn(resumed, world, args=(str(tmp_path / "at4.pt"), None, 8, outer),
+    spawn(resumed, world, args=(str(tmp_path / "at.pt"), at, 8, outer), timeout=180)
+    again = spawn(resumed, world, args=(str(tmp_path / "at.pt"), None, 8, outer, at),
                   timeout=180)[0]
     for k, v in whole["model"].items():
         assert torch.equal(v, again["model"][k]), k
@@ -258,3 +259,75 @@ def test_a_sparse_tables_gradient_is_made_dense_as_the_buckets_make_it():
     (it used to hand Adam the sparse one, which it refuses)."""
     losses = spawn(_dense_adam_on_a_sparse_table, 2, timeout=120)
     assert all(torch.isfinite(torch.tensor(r)).all() for r in losses)
+
+
+def test_a_checkpoint_taken_while_an_exchange_is_in_flight_resumes_it_at_its_landing(tmp_path):
+    """With a delay the exchange runs beside inner steps; a checkpoint between its launch and
+    its landing does not hold it (nor what its encoding owed since): the resumed run starts it
+    again at the landing, from the parameters then, and trains on."""
+    outer = {"sync_every": 4, "outer_delay": 2, "outer_compress": "int8", "outer_lr": 0.7,
+             "outer_momentum": 0.9}
+    whole = spawn(resumed, 2, args=(str(tmp_path / "unused.pt"), 8, 8, outer), timeout=180)[0]
+    spawn(resumed, 2, args=(str(tmp_path / "at3.pt"), 3, 8, outer), timeout=180)   # in flight
+    again = spawn(resumed, 2, args=(str(tmp_path / "at3.pt"), None, 8, outer, 3),
+                  timeout=180)[0]
+    # Not the same sync as the uninterrupted run's (its pseudo-gradient is two steps later),
+    # so not equal: it landed (momentum), trained on, and stayed finite.
+    assert all(torch.isfinite(v).all() for v in again["model"].values())
+    assert set(again["outer"]["momentum"]) == set(whole["outer"]["momentum"])
+    assert not all(torch.equal(again["model"][k], v) for k, v in whole["model"].items())
+
+
+def test_after_a_refused_outer_step_the_next_period_syncs_on_time():
+    """A non-finite average is refused (InputError naming the rank whose own was not finite,
+    nothing applied: it used to fail building that error); a loop that catches it and goes on
+    gets the next period's sync at its step, with nothing owed by the refused encodings (one
+    rank: the sync is the outer step alone)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, mode="allreduce", log=False, sync="diloco", sync_every=2,
+                         outer_compress="int8")
+    landed = []
+    outer = model._tilework_engine.outer
+    for step in range(6):
+        model(torch.randn(3, 4)).sum().backward()
+        if step == 1:
+            with torch.no_grad():
+                model.weight[0, 0] = float("nan")
+        try:
+            opt.step()
+        except InputError as e:
+            assert e.ranks == (0,) and "inner steps of rank(s) [0] diverged" in str(e)
+            landed.append("refused")
+            with torch.no_grad():   # the user's own repair: back to the last sync
+                model.weight.copy_(outer.anchors["weight"])
+        opt.zero_grad()
+        landed.append(outer.inner_steps)
+    assert landed == [1, "refused", 0, 1, 0, 1, 0]
+    assert all(torch.isfinite(b.error).all() for b in outer.buckets)
+    assert torch.isfinite(model.weight).all()
+
+
+def _one_rank_diverges(rank, world_size):
+    work = build(job("cnn"))
+    opt = torch.optim.SGD(work.model.parameters(), lr=LR["sgd"])
+    tilework.parallelize(work.model, opt, mode="allreduce", log=False, sync="diloco",
+                         sync_every=2, outer_compress="int4")
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    for step in range(2):
+        work.loss(work.model, work.train_set.collate(sampler.indices(step)), step).backward()
+        if rank == 1 and step == 1:
+            with torch.no_grad():
+                next(work.model.parameters()).fill_(float("inf"))
+        try:
+            opt.step()
+        except InputError as e:
+            return e.ranks, str(e)
+        opt.zero_grad()
+
+
+def test_every_rank_refuses_the_outer_step_together_naming_the_rank_that_diverged():
+    for ranks, message in spawn(_one_rank_diverges, 2, timeout=120):
+        assert ranks == (1,)
+        assert "not finite at the outer step (the inner steps of rank(s) [1] diverged)" in message

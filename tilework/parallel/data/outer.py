@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm.codec import decode, encode, multiple_of
-from ...comm.counted import Stats, all_gather_async, all_reduce_async, all_to_all_v
+from ...comm.counted import Stats, all_gather, all_gather_async, all_reduce_async, all_to_all_v
 from ...errors import InputError, PlanError
 from ...plans.plan import OuterSync, assign_buckets, fragments_of
 
@@ -90,6 +90,8 @@ class _Bucket:
         lossy = codec != "none"
         self.error = torch.zeros(self.slice, device=device) if lossy else None
         self.owner_error = torch.zeros(self.part, device=device) if lossy else None
+        self.owed = None   # (error, owner_error) as they were when an exchange in flight began
+        self.diverged = False   # this rank's own pseudo-gradient of it was not finite
 
 
 class _Fragment:
@@ -101,6 +103,7 @@ class _Fragment:
         self.buckets, self.launch_at, self.apply_at = buckets, launch_at, apply_at
         self.running: dict[int, object] = {}
         self.averaged: dict[int, torch.Tensor] = {}
+        self.launched = False   # its exchange started this period, not landed yet
 
     @property
     def names(self) -> list[str]:
@@ -163,20 +166,27 @@ class LocalSGD:
         starts those due, lands those due. Returns whether an outer step landed."""
         self.inner_steps += 1
         landed = False
-        for fragment in self.fragments:
-            if fragment.running and fragment.apply_at != self.inner_steps:
-                fragment.advance()
-            if fragment.launch_at == self.inner_steps:
-                self._start(fragment)
-            if fragment.apply_at == self.inner_steps:
-                self._land(fragment)
-                landed = True
-        if self.inner_steps == self.outer.every:
-            self.inner_steps = 0
+        try:
+            for fragment in self.fragments:
+                if fragment.running and fragment.apply_at != self.inner_steps:
+                    fragment.advance()
+                if fragment.launch_at == self.inner_steps:
+                    self._start(fragment)
+                if fragment.apply_at == self.inner_steps:
+                    self._land(fragment)
+                    landed = True
+        finally:   # a refused landing still ends the period: the next one starts on time
+            if self.inner_steps == self.outer.every:
+                self.inner_steps = 0
         return landed
 
     @torch.no_grad()
     def _start(self, fragment: _Fragment) -> None:
+        # What the encodings owed before this exchange: what a checkpoint taken while it is in
+        # flight keeps (the exchange itself is not saved; a resume starts it again at landing).
+        for b in fragment.buckets:
+            b.owed = None if b.error is None else (b.error.clone(), b.owner_error.clone())
+        fragment.launched = True
         fragment.running = {i: self._exchange(b) for i, b in enumerate(fragment.buckets)}
         fragment.averaged = {}
         fragment.advance()
@@ -185,13 +195,18 @@ class LocalSGD:
     def _land(self, fragment: _Fragment) -> None:
         """Wait for the fragment's average, step the outer optimizer on its anchors, start
         every rank from the result (mixed with its own, under a delay)."""
+        if not fragment.launched:   # resumed from a checkpoint taken while it was in flight
+            self._start(fragment)
+        fragment.launched = False
         while fragment.running:
             fragment.advance()
         for i, bucket in enumerate(fragment.buckets):
             offset = 0
             for n, p in bucket.params:
-                # A view of this sync's flat average: nothing else holds it.
-                self.anchors[n].grad = fragment.averaged[i][offset:offset + p.numel()].view_as(p)
+                # A view of this sync's flat average (nothing else holds it), in the anchor's
+                # dtype: an encoded average comes back in float32.
+                self.anchors[n].grad = fragment.averaged[i][offset:offset + p.numel()].view_as(
+                    p).to(p.dtype)
                 offset += p.numel()
         fragment.averaged = {}
         names = fragment.names
@@ -199,8 +214,15 @@ class LocalSGD:
         if bad is not None:
             for n in names:
                 self.anchors[n].grad = None
+            for b in fragment.buckets:   # a refused average owes nothing (and is not finite)
+                if b.error is not None:
+                    b.error.zero_()
+                    b.owner_error.zero_()
+            at_fault = self._diverged(any(b.diverged for b in fragment.buckets))
+            why = (f"the inner steps of rank(s) {list(at_fault)} diverged" if at_fault
+                   else "every rank's own was finite: their sum overflowed")
             raise InputError(f"the averaged pseudo-gradient of {bad} is not finite at the outer "
-                             "step (a worker's inner steps diverged): nothing was applied")
+                             f"step ({why}): nothing was applied", at_fault)
         self.optimizer.step()   # only the fragment's anchors have a gradient
         mix = self.outer.mix if self.outer.delay else 0.0
         for n in names:
@@ -213,8 +235,19 @@ class LocalSGD:
         if self.landed is not None:
             self.landed()
 
+    def _diverged(self, mine: bool) -> tuple[int, ...]:
+        """The ranks whose own pseudo-gradient was not finite (a collective on the refusal
+        path only, where every rank is, since the average is the same everywhere); for host
+        workers, the rank that carried each faulty slice across."""
+        w = self.workers
+        flag = torch.tensor([int(mine)], device=self.buckets[0].params[0][1].device)
+        flags = [flag] if w.across is None else all_gather(flag, w.across, self.stats, "outer")
+        return tuple(j if w.across is None else dist.get_global_rank(w.across, j)
+                     for j, f in enumerate(flags) if f.item())
+
     def _pseudo_gradient(self, bucket: _Bucket) -> torch.Tensor:
         flat = torch.cat([(self.anchors[n] - p).reshape(-1) for n, p in bucket.params])
+        bucket.diverged = not bool(torch.isfinite(flat).all())
         if self.codec != "none":
             flat = flat.float()
         return torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
@@ -264,7 +297,7 @@ class LocalSGD:
         self.optimizer.state.clear()
         self.inner_steps = 0
         for fragment in self.fragments:
-            fragment.running, fragment.averaged = {}, {}
+            fragment.running, fragment.averaged, fragment.launched = {}, {}, False
         self.load_own_state(None)
 
     def state_dict(self) -> dict:
@@ -288,14 +321,20 @@ class LocalSGD:
                         for i, n in enumerate(names) if n in state["momentum"]}
         self.optimizer.load_state_dict(opt)
         self.inner_steps = int(state["inner_steps"])
+        # Exchanges that were in flight when it was saved start again at their landing.
+        for fragment in self.fragments:
+            fragment.running, fragment.averaged, fragment.launched = {}, {}, False
 
     def own_state(self) -> dict:
         """What only this rank holds: its error-feedback buffers (compressed), and its
         parameters where ranks differ at a period's end (fragments, a delay)."""
         own = {}
         if self.codec != "none":
-            own["feedback"] = [(b.error.clone(), b.owner_error.clone()) for b in self.buckets]
-        if self.ranks_differ:
+            flying = {id(b) for f in self.fragments if f.launched for b in f.buckets}
+            own["feedback"] = [tuple(t.clone() for t in b.owed) if id(b) in flying
+                               else (b.error.clone(), b.owner_error.clone())
+                               for b in self.buckets]
+        if self.ranks_differ or self.inner_steps:   # mid-period: every rank's own, too
             own["params"] = {n: p.detach().clone() for n, p in self.params}
         return own
 
@@ -314,7 +353,7 @@ class LocalSGD:
                     (saved[i][0].clone(), saved[i][1].clone()) if saved
                     else (torch.zeros_like(b.error), torch.zeros_like(b.owner_error)))
         params = own.get("params")
-        if self.ranks_differ and params is not None:
+        if params is not None:
             if set(params) != set(self.by_name):
                 return False
             for n, p in self.params:
