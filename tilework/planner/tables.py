@@ -70,7 +70,9 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      units=(units if units is not None else owning_units(model))
                      if config.zero == 3 else None,
                      offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope,
-                     server_weights=config.server_weights)
+                     server_weights=config.server_weights,
+                     # Compressed buckets and local SGD's carry nothing (parallel/data/dense.py).
+                     riders=config.grad_compress == "none" and config.sync != "diloco")
     if config.grad_compress != "none":
         made = with_grad_compress(made, config.grad_compress, topology, links)
     if config.sync == "diloco":
@@ -137,7 +139,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               recompute: tuple[tuple[str, str], ...] = (),
               units: dict[str, str] | None = None,
               offload: tuple[str, str | None] = ("none", None),
-              zero_scope: str = "world", server_weights: list[float] | None = None) -> Plan:
+              zero_scope: str = "world", server_weights: list[float] | None = None,
+              riders: bool = True) -> Plan:
     overrides = _checked(infos, mode, sparse_reduce, overrides)
     topology = topology or Topology.from_sizes([world_size])
     if topology.world_size != world_size:
@@ -154,6 +157,7 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
     # A hot head's sum rides the last dense bucket where dense parameters of its dtype are
     # all-reduced in buckets (parallel/data/dense.py): its bytes then, and no meeting of its own.
     bucketed = {i.dtype for i in infos if not i.is_table} if mode == "hybrid" and zero <= 1 \
+        and riders \
         else set()
     params = []
     for info in infos:
