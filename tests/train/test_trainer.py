@@ -372,14 +372,15 @@ def test_a_pipeline_over_hosts_of_different_speeds_gives_the_faster_more_blocks(
 
 
 def test_local_sgd_trains_and_resumes_bit_exact_from_a_sync(tmp_path):
-    """`[parallel] sync = "diloco"`: 2 ranks, a sync every 2 steps, Adam inside. A run stopped
-    at step 2 (a sync, and a checkpoint) and resumed to step 4 logs the uninterrupted run's
-    losses bit for bit: the checkpoint holds both ranks' Adam moments and the outer state. A
-    checkpoint_every off the syncs is refused by name."""
+    """`[parallel] sync = "diloco"`: 2 ranks, a sync every 2 steps in two fragments and in
+    int4, Adam inside. A run stopped at step 2 (a sync, and a checkpoint) and resumed to step 4
+    logs the uninterrupted run's losses bit for bit: the checkpoint holds both ranks' Adam
+    moments, parameters and error feedback, and the outer state. A checkpoint_every off the
+    syncs is refused by name."""
     from tilework.errors import ConfigError
     from tilework.testing import spawn
 
-    options = {"sync": "diloco", "sync_every": 2}
+    options = {"sync": "diloco", "sync_every": 2, "outer_fragments": 2, "outer_compress": "int4"}
     whole = spawn(_train_on_ranks, 2, (gpt_job(tmp_path / "whole", steps=4, **options), False),
                   timeout=240)
     spawn(_train_on_ranks, 2, (gpt_job(tmp_path / "cut", steps=2, **options), False),
