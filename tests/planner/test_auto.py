@@ -395,3 +395,17 @@ def test_a_search_keeps_the_users_grad_compress_and_skips_what_refuses_it():
                for c in found.candidates)
     assert "grad_compress" in __import__("tilework.planner.search", fromlist=["x"]).options_of(
         found.chosen.config)
+
+
+def test_grad_compress_auto_takes_half_width_buckets_on_a_slow_link_and_not_on_a_fast_one():
+    model, inputs = gpt(layers=2, dim=128, vocab=2000), tokens(batch=8)
+    config = ParallelConfig(plan="auto", grad_compress="auto")
+    fast = auto(model, config, Cluster([Host("a", 2), Host("b", 2)],
+                                       links=Links(inter=Link(100.0, 5.0))), inputs, RATE)
+    assert fast.chosen.config.grad_compress == "none", fast.why()
+    slow = auto(model, config, Cluster([Host("a", 2), Host("b", 2)],
+                                       links=Links(inter=Link(0.1, 500.0))), inputs, RATE)
+    assert slow.chosen.config.grad_compress == "bf16", slow.why()
+    assert "bf16 buckets" in slow.why()
+    with pytest.raises(tilework.errors.ConfigError, match="grad_compress: expected 'auto' with"):
+        ParallelConfig(grad_compress="auto")

@@ -30,7 +30,7 @@ Sync = Literal["every_step", "diloco", "auto"]
 OuterOptimizer = Literal["nesterov", "sgd"]
 OuterWorker = Literal["rank", "host"]
 OuterCompress = Literal["none", "bf16", "int8", "int4"]
-GradCompress = Literal["none", "bf16", "fp16"]
+GradCompress = Literal["none", "bf16", "fp16", "auto"]
 
 
 @dataclass(kw_only=True)
@@ -186,7 +186,10 @@ class ParallelConfig:
     """The dense gradients' width on the wire under every-step sync: "none", or "bf16" /
     "fp16", as DDP's bf16_compress_hook and fp16_compress_hook send them (each bucket cast,
     divided by the ranks, summed in that width, cast back): half the bytes, and the rounding
-    of that width. The servers' rows stay as they are; not with ZeRO, tp/pp/cp or local SGD."""
+    of that width. The servers' rows stay as they are; not with ZeRO, tp/pp/cp or local SGD.
+    "auto" (with plan="auto"): the search prices each plain data-parallel candidate also with
+    bf16 buckets and takes them only where the step is predicted at least
+    planner/search.COMPRESS_GAIN shorter (so not on a fast link)."""
 
     outer_fragments: int = 1
     """Streaming DiLoCo under sync="diloco": the dense parameters cut into this many fragments
@@ -280,9 +283,11 @@ class ParallelConfig:
               f"'rank' or 'host', got {self.outer_worker!r}")
         check(self.outer_compress in ("none", "bf16", "int8", "int4"), "outer_compress",
               f"'none', 'bf16', 'int8' or 'int4', got {self.outer_compress!r}")
-        check(self.grad_compress in ("none", "bf16", "fp16"), "grad_compress",
-              f"'none', 'bf16' or 'fp16', got {self.grad_compress!r}")
-        if self.grad_compress != "none":
+        check(self.grad_compress in ("none", "bf16", "fp16", "auto"), "grad_compress",
+              f"'none', 'bf16', 'fp16' or 'auto', got {self.grad_compress!r}")
+        check(self.grad_compress != "auto" or self.plan == "auto", "grad_compress",
+              "'auto' with plan='auto' (the search weighs the bytes saved against the step)")
+        if self.grad_compress not in ("none", "auto"):
             check(self.sync != "diloco" and not self.zero and not self.model_parallel
                   and not self.auto_axes, "grad_compress",
                   "'none' with sync='diloco' (its wire is outer_compress), ZeRO or tp/pp/cp: "

@@ -99,6 +99,22 @@ def _meshes(world: int, ranks_per_host: int | None, layers: int, axes: tuple[str
 # more than that.
 LOCAL_SGD_STEPS = 2.0
 AUTO_SYNC_EVERY = 40   # sync="auto" with sync_every left at 1: DiLoCo's H as measured here
+# grad_compress="auto" takes bf16 buckets only where they shorten the predicted step by this
+# much: their casts are not priced, and their rounding is a cost of its own.
+COMPRESS_GAIN = 0.10
+
+
+def with_compression(found: list[ParallelConfig], base: ParallelConfig) -> list[ParallelConfig]:
+    """grad_compress="auto": every candidate as it is, and, where compressed buckets can run
+    (plain data parallelism, every step), also with bf16 buckets."""
+    if base.grad_compress != "auto":
+        return found
+    out = []
+    for c in found:
+        out.append(c)
+        if c.sync == "every_step" and not c.zero and c.tp * c.pp * c.cp == 1:
+            out += _allowed(lambda c=c: dataclasses.replace(c, grad_compress="bf16"))
+    return out
 
 
 def with_sync(found: list[ParallelConfig], base: ParallelConfig) -> list[ParallelConfig]:
@@ -140,6 +156,8 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
                         out += _allowed(lambda: dataclasses.replace(
                             base, plan="config", auto_axes=None, tp=tp, pp=pp, cp=cp,
                             sync="every_step" if base.sync == "auto" else base.sync,
+                            grad_compress="none" if base.grad_compress == "auto"
+                            else base.grad_compress,
                             batch_shares=None if base.batch_shares == "auto"
                             else base.batch_shares,
                             server_weights=base.server_weights if pp * tp * cp == 1 else None,
@@ -314,7 +332,7 @@ def priced_steps(model: nn.Module, cluster: Cluster, example_inputs: tuple, flop
     enumerated = configs(base, space, cluster, _layers(model))
     if base.batch_shares == "auto":   # the loop reads its count: shares may be chosen
         enumerated = with_shares(enumerated, cluster, example_inputs)
-    enumerated = with_sync(enumerated, base)
+    enumerated = with_compression(with_sync(enumerated, base), base)
     return sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
                               message_overhead_s, cache=cache)
                    for c in enumerated), key=_order)
@@ -326,13 +344,17 @@ def _order(c: Candidate) -> tuple:
 
 def _steps_to_a_loss(c: Candidate) -> float:
     """Steps to a given loss relative to synchronous training, which the search weighs each
-    candidate's step by: local SGD's are more (`LOCAL_SGD_STEPS`)."""
-    return LOCAL_SGD_STEPS if c.config.sync == "diloco" else 1.0
+    candidate's step by: local SGD's are more (`LOCAL_SGD_STEPS`); compressed buckets must
+    win by `COMPRESS_GAIN`."""
+    if c.config.sync == "diloco":
+        return LOCAL_SGD_STEPS
+    return 1.0 / (1.0 - COMPRESS_GAIN) if c.config.grad_compress != "none" else 1.0
 
 
 def _complexity(c: Candidate) -> tuple:
     cfg = c.config
-    return (cfg.tp * cfg.pp * cfg.cp, cfg.sync != "every_step", cfg.batch_shares is not None,
+    return (cfg.tp * cfg.pp * cfg.cp, cfg.sync != "every_step", cfg.grad_compress != "none",
+            cfg.batch_shares is not None,
             cfg.zero,
             cfg.offload != "none",
             cfg.zero_scope != "world", ("none", "selective", "full").index(cfg.recompute),
@@ -425,6 +447,8 @@ def label(c: Candidate) -> str:
         out += f", {cfg.microbatches} microbatches {cfg.schedule}"
     if cfg.batch_shares is not None:
         out += f", shares {'/'.join(map(str, cfg.batch_shares))}"
+    if cfg.grad_compress != "none":
+        out += f", {cfg.grad_compress} buckets"
     if cfg.sync == "diloco":
         out += f", local SGD every {cfg.sync_every} steps" + (
             f" in {cfg.outer_compress}" if cfg.outer_compress != "none" else "") + (
