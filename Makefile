@@ -20,8 +20,9 @@ demo: $(STAMP)
 
 # The lint first (seconds): pyflakes, pycodestyle errors, import order, 100 columns
 # (pyproject's [tool.ruff]). pytest's exit code 5 ("no tests collected") is a failure too.
+# The slowest tests are listed at the end: the suite must stay well under 15 minutes here.
 test: lint
-	$(PY) -m pytest; rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; \
+	$(PY) -m pytest --durations=15; rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; \
 	[ $$rc -eq 0 ]
 
 lint: $(STAMP)

@@ -236,7 +236,7 @@ def test_a_rank_killed_inside_an_outer_sync_resumes_bit_exact_from_the_last_chec
     there, rank 0 let go. The restart resumes every rank from step 10 (the outer loop's anchors
     and momentum, every rank's own Adam state) and ends as the uninterrupted run, bit for bit."""
     def job(name):
-        path = _job(tmp_path, name, steps=30)
+        path = _job(tmp_path, name, steps=20)
         path.write_text(path.read_text() + LOCAL_SGD)
         return path
 
@@ -260,8 +260,8 @@ def test_a_rank_killed_inside_an_outer_sync_resumes_bit_exact_from_the_last_chec
     assert code == 0, err
     assert "restarting them all (restart 1 of 1)" in err, err
     assert "resumed from" in out, out
-    want = _final_state(tmp_path / "reference", 30)
-    got = _final_state(tmp_path / "restarted", 30)
+    want = _final_state(tmp_path / "reference", 20)
+    got = _final_state(tmp_path / "restarted", 20)
     for name, tensor in want["model"].items():
         assert torch.equal(got["model"][name], tensor), name
     for name, momentum in want["outer"]["momentum"].items():
