@@ -96,3 +96,22 @@ def test_a_host_with_less_memory_serves_fewer_rows():
     assert not job_plan(job, even).of("ps")[0].servers
     own = job_plan(Job(workload="lm", parallel=ParallelConfig(server_weights=[1, 1])), cluster)
     assert not own.of("ps")[0].servers
+
+
+def test_a_homogeneous_cluster_runs_the_plan_it_ran_before_speeds_and_memories_existed():
+    """Issue 27's paired homogeneous check, on the plan side: hosts that give equal `speed`
+    and `memory_gb` get exactly the plan, the configuration and the predicted step of hosts
+    that give neither (no shares, no uneven serving), for every workload."""
+    from tilework.estimate.plan_cost import estimate
+    from tilework.train.planning import job_config, job_plan
+
+    plain = Cluster([Host("a", 2), Host("b", 2)])
+    even = Cluster([Host("a", 2, memory_gb=16.0, speed=1.0),
+                    Host("b", 2, memory_gb=16.0, speed=1.0)])
+    for workload in ("gpt", "lm", "cnn", "recommender"):
+        job = Job(workload=workload)
+        assert job_config(job, even) == job_config(job, plain), workload
+        made = job_plan(job, even)
+        assert made == job_plan(job, plain), workload
+        assert made.batch_shares is None and not any(p.servers for p in made.params)
+        assert estimate(made, even).comm_s == estimate(job_plan(job, plain), plain).comm_s
