@@ -293,14 +293,12 @@ class ParallelConfig:
                   "'none' with sync='diloco' (its wire is outer_compress), ZeRO or tp/pp/cp: "
                   "compressed buckets are built for plain data-parallel all-reduce, got "
                   f"grad_compress={self.grad_compress!r}")
-        whole = (int,)
-        check(isinstance(self.outer_fragments, whole) and not isinstance(self.outer_fragments,
-                                                                         bool)
+        check(isinstance(self.outer_fragments, int) and not isinstance(self.outer_fragments, bool)
               and 1 <= self.outer_fragments <= self.sync_every, "outer_fragments",
               f"a whole number from 1 to sync_every ({self.sync_every}), got "
               f"{self.outer_fragments!r}")
         period = self.sync_every // self.outer_fragments
-        check(isinstance(self.outer_delay, whole) and not isinstance(self.outer_delay, bool)
+        check(isinstance(self.outer_delay, int) and not isinstance(self.outer_delay, bool)
               and 0 <= self.outer_delay < period, "outer_delay",
               f"a whole number of steps below sync_every / outer_fragments ({period}), got "
               f"{self.outer_delay!r}")

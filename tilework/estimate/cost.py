@@ -51,11 +51,10 @@ def seconds(nbytes: float, link: Link, messages: int) -> float:
 GRAD_WIDTH = 2   # bytes a value of a compressed bucket (bf16, fp16) takes on the wire
 
 
-def grad_wire(nbytes: int, plan_or_compress, item: int = 4) -> int:
-    """An all-reduced gradient's bytes as its bucket sends it: `nbytes` as they are, or at
-    GRAD_WIDTH a value under `grad_compress` (a Plan, or the setting itself)."""
-    compress = getattr(plan_or_compress, "grad_compress", plan_or_compress)
-    return nbytes if compress == "none" else nbytes // item * GRAD_WIDTH
+def grad_wire(nbytes: int, grad_compress: str, item: int = 4) -> int:
+    """An all-reduced gradient's bytes (values of `item` bytes) as its bucket sends it: as they
+    are, or at GRAD_WIDTH a value under `grad_compress`."""
+    return nbytes if grad_compress == "none" else nbytes // item * GRAD_WIDTH
 
 def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
                      carried_bytes: int = 0, push: bool = False,
@@ -68,8 +67,8 @@ def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
     order = list(reversed(param_nbytes))
     buckets = assign_buckets(order, bucket_bytes)
     if grad_compress != "none":   # nothing rides a compressed bucket
-        return sum(ring_allreduce_bytes(sum(order[i] for i in b) // item * GRAD_WIDTH, n)
-                   for b in buckets)
+        return sum(ring_allreduce_bytes(grad_wire(sum(order[i] for i in b), grad_compress,
+                                                  item), n) for b in buckets)
     sizes = [sum(order[i] for i in b) for b in buckets]
     if sizes:
         sizes[-1] += carried_bytes

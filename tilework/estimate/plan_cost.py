@@ -59,7 +59,8 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
         if plan.outer is not None and p.method == "allreduce":
             c = outer_entry(p, plan.outer, topo, links)
         elif plan.grad_compress != "none" and p.method == "allreduce" and not p.zero:
-            c = ring_allreduce(grad_wire(p.nbytes, plan, dtype_bytes(p.dtype)), topo, links)
+            c = ring_allreduce(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype)),
+                               topo, links)
         else:
             c = predict(p, traffic.get(p.name), topo, links, plan.local_aggregation) \
                 or dense_served(p, topo, links)
@@ -78,7 +79,7 @@ def dense_seconds(plan: Plan, cluster: Cluster) -> float:
     dense = sum(p.nbytes for p in replicated)
     if not dense:
         return 0.0
-    wire = sum(grad_wire(p.nbytes, plan, dtype_bytes(p.dtype)) for p in replicated)
+    wire = sum(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype)) for p in replicated)
     return ring_allreduce(wire, topo, links, math.ceil(dense / part.bucket_bytes)).seconds
 
 

@@ -91,7 +91,6 @@ class _Bucket:
         self.error = torch.zeros(self.slice, device=device) if lossy else None
         self.owner_error = torch.zeros(self.part, device=device) if lossy else None
         self.owed = None   # (error, owner_error) as they were when an exchange in flight began
-        self.diverged = False   # this rank's own pseudo-gradient of it was not finite
 
 
 class _Fragment:
@@ -218,7 +217,9 @@ class LocalSGD:
                 if b.error is not None:
                     b.error.zero_()
                     b.owner_error.zero_()
-            at_fault = self._diverged(any(b.diverged for b in fragment.buckets))
+            # Nothing was applied: a rank that diverged holds non-finite parameters still.
+            at_fault = self._diverged(any(not torch.isfinite(self.anchors[n] - self.by_name[n])
+                                          .all() for n in names))
             why = (f"the inner steps of rank(s) {list(at_fault)} diverged" if at_fault
                    else "every rank's own was finite: their sum overflowed")
             raise InputError(f"the averaged pseudo-gradient of {bad} is not finite at the outer "
@@ -247,7 +248,6 @@ class LocalSGD:
 
     def _pseudo_gradient(self, bucket: _Bucket) -> torch.Tensor:
         flat = torch.cat([(self.anchors[n] - p).reshape(-1) for n, p in bucket.params])
-        bucket.diverged = not bool(torch.isfinite(flat).all())
         if self.codec != "none":
             flat = flat.float()
         return torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
