@@ -23,8 +23,8 @@ microbatches multiply. So, as Proteus and vTrain profile operators:
   plan="auto" measures the rest only); any other call not measured (or that failed on made-up
   values) at the median measured call, and counted in `missing`.
 
-What it leaves out: the optimizer step (the step models leave it out everywhere), and what
-the runtime does around the model (ZeRO's copies and gathers, the buckets' copies).
+What a step runs around the model (the optimizer's update, the buckets' and ZeRO's copies) is
+recorded apart, from the parameters a Recording keeps (estimate/runtime_ops.py).
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ class Recording:
     # axis -> message ends (sends and receives) the tp and cp exchanges made, recompute's
     # second run included (estimate/op_stages.py counts them on the shape-only exchanges)
     messages: Counter = field(default_factory=Counter)
+    # the recorded module's trainable parameters, in its order: what the rank's runtime
+    # synchronises and steps (estimate/runtime_ops.py), and the ZeRO-3 unit of each
+    params: tuple = ()
+    units: tuple = ()
 
     def calls(self) -> set[OpCall]:
         return set(self.forward) | set(self.backward)
@@ -113,7 +117,12 @@ def record(module: nn.Module, inputs: tuple, recompute=(), grad_of_output: bool 
     for name, chosen in recompute:   # both runs of a recomputed forward pass through here
         wrapped = module.get_submodule(name).forward
         wrapped.forward = _Marked(wrapped.forward, chosen, policy)
-    out = Recording()
+    from ..plans.analysis import owning_units
+
+    owner = owning_units(module)
+    trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    out = Recording(params=tuple(_spec(p) for _, p in trained),
+                    units=tuple(owner[n] for n, _ in trained))
     try:
         with WorstCaseUnique(), _Recorder(out.forward, out.regions, "forward", policy):
             y = module(*inputs)

@@ -124,14 +124,15 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
         # overlapped: the bound the step cannot exceed).
         compute = _counted_compute(model, example_inputs, plan.recompute, flops) \
             * pace(plan, cluster)
-        return PlanCost(comm, compute, compute + comm, memory(), entries,
-                        {"compute": compute, "dp": comm})
+        runtime = _runtime_seconds(model, plan, cluster, flops, optimizer)
+        return PlanCost(comm, compute, compute + comm + runtime, memory(), entries,
+                        {"compute": compute, "dp": comm, "runtime": runtime})
     if replica_batch is None or seq is None:
         if example_inputs is None:
             return PlanCost(comm, memory=memory(), entries=entries)
         replica_batch, seq = example_inputs[0].shape[:2]
     found = predict_step(model, config, cluster, replica_batch, seq, flops,
-                         message_overhead_s=message_overhead_s)
+                         message_overhead_s=message_overhead_s, optimizer=optimizer)
     parts = dict(found.parts)
     if found.step_s is None:
         return PlanCost(comm, entries=entries, parts=parts, why=found.why)
@@ -171,6 +172,27 @@ def _counted_compute(model, example_inputs: tuple, recompute, rate) -> float:
     if not isinstance(rate, OpTimes):
         return step_flops(model, example_inputs, recompute).seconds(rate)
     return sum(rate.seconds(model_recording(model, example_inputs, recompute)))
+
+
+def _runtime_seconds(model, plan: Plan, cluster: Cluster, rate, optimizer) -> float:
+    """Given OpTimes, what the runtime runs around a data-parallel step (estimate/runtime_ops.py):
+    the bucketed dense parameters' copies, ZeRO's, and the optimizer's update of what the rank
+    steps (the servers' tables step on the servers, not priced here)."""
+    from .ops import OpTimes, TensorSpec
+    from .runtime_ops import runtime_calls
+
+    if not isinstance(rate, OpTimes):
+        return 0.0
+    dense = {p.name: p for p in plan.params if p.method == "allreduce"}
+    held = [(name, p) for name, p in model.named_parameters() if name in dense and p.requires_grad]
+    specs = tuple(TensorSpec(tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                  for _, p in held)
+    zero = max((p.zero for p in dense.values()), default=0)
+    host_scope = any(p.zero and p.zero_scope == "host" for p in dense.values())
+    shards = min(h.procs for h in cluster.hosts) if host_scope else plan.world_size
+    units = tuple(dense[n].unit or "" for n, _ in held)
+    return rate.priced(runtime_calls(specs, zero, shards, plan.world_size, plan.bucket_bytes,
+                                     optimizer, units=units))[0]
 
 
 def _steps_like_the_reference_gpt(model) -> bool:

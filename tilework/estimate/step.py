@@ -156,13 +156,16 @@ def _message_ends(model, config: ParallelConfig, stages, schedule) -> dict:
 
 def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_batch: int,
             seq: int, flops_per_s, itemsize: int = 4,
-            message_overhead_s: float = 0.0) -> MeshCandidate:
+            message_overhead_s: float = 0.0, optimizer: str = "adam") -> MeshCandidate:
     """One candidate's predicted step (see the module's docstring) for `replica_batch`
     sequences per dp replica, or why it cannot run. `flops_per_s`: one rate, a MatmulCurve
     (stage_seconds), or OpTimes: each stage's recorded ops at their measured times
     (estimate/op_stages.py). `message_overhead_s`: LogP's o, what each
     message costs the CPU at each end beside the link's time (pipeline_runs.message_overhead
-    measures it on busy CPU ranks; about 0 where collectives run on their own engines)."""
+    measures it on busy CPU ranks; about 0 where collectives run on their own engines).
+    Given OpTimes, what each rank's runtime runs around its stages (the buckets' and ZeRO's
+    copies, `optimizer`'s update: estimate/runtime_ops.py) is priced too, after the
+    pipeline."""
     from ..parallel.pipeline import build, simulate, split_stages
     from ..parallel.pipeline.model import stage_modules
     from .step_bytes import mesh_step_bytes
@@ -249,13 +252,40 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     dp_s = max(allreduce_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb,
                                  message_overhead_s) for s in per_rank) \
         * (1.5 if config.zero in (1, 3) else 1.0)
+    group = mesh.groups(("dp", "cp") if config.cp > 1 else "dp")[0]
+    topo = cluster.topology()
+    shards = averaged if config.zero_scope == "world" else \
+        sum(topo.host_of(r) == topo.host_of(group[0]) for r in group)   # a host's of them
+    runtime = _runtime_seconds(flops_per_s, recorded, schedule, config, shards, averaged,
+                               optimizer)
     parts = {"compute": compute, **comm, "pipeline": sim.step_s, "dp": dp_s, "dp_size": dp,
+             "runtime": runtime,
              "bubble": sim.bubble, "bubbles": list(sim.bubbles), "microbatches": m,
              "stage_forward_s": fwd, "stage_backward_s": bwd, "stage_forward_flops": flops,
              "activation_bytes": activation,
              "pp_link": pp_link, "pp_between_hosts": crossing, "dp_link": dp_link,
              "dp_between_hosts": dp_spans, "bytes_per_rank": per_rank}
-    return MeshCandidate(config, sim.step_s + dp_s, "", parts)
+    return MeshCandidate(config, sim.step_s + dp_s + runtime, "", parts)
+
+
+def _runtime_seconds(times, recorded, schedule, config: ParallelConfig, shards: int,
+                     averaged: int, optimizer: str) -> float:
+    """The slowest rank's runtime work around its stages (0 without measured op times): its
+    stages' parameters synchronised over the `averaged` ranks (ZeRO's over `shards` of them)
+    and stepped."""
+    from ..plans.plan import bucket_bytes
+    from .runtime_ops import runtime_calls
+
+    if recorded is None:
+        return 0.0
+    per_rank: dict[int, float] = {}
+    for k, recording in enumerate(recorded):
+        calls = runtime_calls(recording.params, config.zero, shards, averaged,
+                              bucket_bytes(config.bucket_mb), optimizer, config.check_inputs,
+                              recording.units)
+        rank = schedule.rank_of(k)
+        per_rank[rank] = per_rank.get(rank, 0.0) + times.priced(calls)[0]
+    return max(per_rank.values())
 
 
 def _recomputed(model: nn.Module, config: ParallelConfig) -> list[nn.Module]:

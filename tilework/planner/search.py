@@ -31,6 +31,7 @@ from torch import nn
 from ..cluster.topology import Cluster
 from ..config.parallel import ParallelConfig
 from ..errors import ConfigError, PlanError
+from ..estimate.ops import OpTimes
 from ..estimate.step import MeshCandidate, predict  # noqa: F401 - the search's record
 
 Candidate = MeshCandidate
@@ -211,7 +212,7 @@ def price(model: nn.Module, config: ParallelConfig, cluster: Cluster, example_in
     parallelism (a replica of tp x pp x cp ranks takes as many of them), or with `replica`
     one replica's batch."""
     found = price_step(model, config, cluster, example_inputs, flops_per_s, traffic,
-                       message_overhead_s, replica)
+                       message_overhead_s, replica, optimizer=optimizer)
     return price_memory(model, found, cluster, example_inputs, optimizer, budget_bytes,
                         replica, traffic)
 
@@ -219,13 +220,14 @@ def price(model: nn.Module, config: ParallelConfig, cluster: Cluster, example_in
 def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
                example_inputs: tuple, flops_per_s: float, traffic: dict | None = None,
                message_overhead_s: float = 0.0, replica: bool = False,
-               cache: dict | None = None) -> Candidate:
+               cache: dict | None = None, optimizer="adam") -> Candidate:
     """The predicted step, memory not yet estimated. A data-parallel candidate is planned and
     priced by `estimate(plan)`; a mesh candidate by the step model `estimate(plan)` prices a
     mesh plan with (estimate/step.predict, on the config the plan would say it runs under),
     its plan made when its memory is priced: the step does not read the placements, and most
     candidates never get that far. `cache`: the search's, shared by candidates whose step
-    cannot differ (ZeRO 0-2 and their scope move the same bytes)."""
+    cannot differ (ZeRO 0-2 and their scope move the same bytes; under measured op times
+    each stage copies differently: estimate/runtime_ops.py)."""
     from ..estimate.plan_cost import estimate
     from . import plan as make_plan
 
@@ -237,11 +239,13 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
                                        f"{config.microbatches} microbatches", {"dp_size": dp})
     if config.model_parallel:
         cache = {} if cache is None else cache
-        key = repr(dataclasses.replace(config, zero=3 if config.zero == 3 else 0,
+        measured_ops = isinstance(flops_per_s, OpTimes)
+        key = repr(dataclasses.replace(config, offload="none") if measured_ops else
+                   dataclasses.replace(config, zero=3 if config.zero == 3 else 0,
                                        zero_scope="world", offload="none"))
         if key not in cache:
             cache[key] = predict(model, config, cluster, batch, inputs[0].shape[1], flops_per_s,
-                                 message_overhead_s=message_overhead_s)
+                                 message_overhead_s=message_overhead_s, optimizer=optimizer)
         found = cache[key]
         if found.step_s is None:
             return Candidate(config, None, found.why, {"dp_size": dp})
@@ -249,7 +253,8 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
     try:
         plan = make_plan(model, config, cluster, traffic=traffic)
         cost = estimate(plan, cluster, model, inputs, traffic=traffic, flops=flops_per_s,
-                        message_overhead_s=message_overhead_s, with_memory=False)
+                        message_overhead_s=message_overhead_s, with_memory=False,
+                        optimizer=optimizer)
     except (PlanError, ValueError) as e:   # a layout that does not split, more stages than blocks
         return Candidate(config, None, str(e), {"dp_size": dp})
     if cost.step_s is None:
@@ -309,7 +314,7 @@ def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_
     and its runner-up; `every`: for all): a slower plan's memory cannot change the choice.
     Those not examined have no "peak_bytes" in their parts."""
     priced = priced_steps(model, cluster, example_inputs, flops_per_s, base, space, traffic,
-                          message_overhead_s)
+                          message_overhead_s, optimizer)
     out, fits = [], 0
     for c in priced:
         if c.step_s is not None and (every or fits < 2):
@@ -322,8 +327,8 @@ def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_
 
 def priced_steps(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_s,
                  base: ParallelConfig | None = None, space: Space | None = None,
-                 traffic: dict | None = None, message_overhead_s: float = 0.0
-                 ) -> list[Candidate]:
+                 traffic: dict | None = None, message_overhead_s: float = 0.0,
+                 optimizer="adam") -> list[Candidate]:
     """Enumerate and estimate: every candidate of `space` around `base` with its step priced
     (no memory yet), fastest first."""
     base = base or ParallelConfig()
@@ -334,7 +339,7 @@ def priced_steps(model: nn.Module, cluster: Cluster, example_inputs: tuple, flop
         enumerated = with_shares(enumerated, cluster, example_inputs)
     enumerated = with_compression(with_sync(enumerated, base), base)
     return sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
-                              message_overhead_s, cache=cache)
+                              message_overhead_s, cache=cache, optimizer=optimizer)
                    for c in enumerated), key=_order)
 
 

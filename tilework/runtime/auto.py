@@ -46,7 +46,8 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
         space = dataclasses.replace(space, zero=())
     o = _message_overhead(groups) if space.axes else 0.0
     stepped = optimizer if optimizer is not None else "sgd"
-    ops = _measured_ops(groups, model, config, live, example_inputs, space, traffic, flops, o)
+    ops = _measured_ops(groups, model, config, live, example_inputs, space, traffic, flops, o,
+                        stepped)
     found = auto(model, config, live, example_inputs, ops, stepped, traffic, memory, space,
                  message_overhead_s=o)
     if log and groups.rank == 0:
@@ -138,18 +139,19 @@ def _measured_curve(groups: Groups):
 
 
 def _measured_ops(groups: Groups, model: nn.Module, config: ParallelConfig, cluster: Cluster,
-                  example_inputs: tuple, space, traffic, curve, o: float):
+                  example_inputs: tuple, space, traffic, curve, o: float, optimizer):
     """The op-level compute model (estimate/ops.py) for this search: every op any candidate
     runs, gathered by pricing them once at nothing, the ones beside the matmuls timed here
     (the matmuls go by the curve: a large model's products would take long to time one by one
     on a CPU), and the framework's cost per call; every rank times at once and the slowest
     time of each is agreed. It charges what one FLOP rate cannot: the norms, softmax and
-    copies, selective recompute's second run of them, more microbatches' per-op cost."""
+    copies, selective recompute's second run of them, more microbatches' per-op cost, and
+    what the runtime copies and `optimizer` updates around them (estimate/runtime_ops.py)."""
     from ..estimate.ops import Collecting, OpTimes, framework_costs, measure
     from ..planner.search import priced_steps
 
     asked = Collecting()   # the steps only: memory needs no op times
-    priced_steps(model, cluster, example_inputs, asked, config, space, traffic, o)
+    priced_steps(model, cluster, example_inputs, asked, config, space, traffic, o, optimizer)
     calls = sorted(asked.asked, key=repr)
     timed = measure(calls, groups.device, matmuls=False)
     costs = framework_costs(groups.device)
