@@ -2,9 +2,11 @@
 (dp x pp x cp x tp, ZeRO 0-3 and its scope, recompute, microbatches), run for real.
 
     .venv/bin/python bench/planner_accuracy.py [--world 2] [--steps 5] [--rounds 3]
-        [--out FILE] [--png FILE]
+        [--hosts] [--mbit 1000] [--out FILE] [--png FILE]
 
-The GPT of bench/mesh_search.py on `--world` gloo ranks on this machine (loopback). Every
+The GPT of bench/mesh_search.py on `--world` gloo ranks on this machine: on loopback, or with
+`--hosts` (root) each rank an emulated host of its own (tilework/bench/netns.py, a network
+namespace), the links between them shaped to `--mbit` Mbit/s. Every
 runnable candidate of tilework/planner/search.py is run through `tilework.parallelize` for
 `--steps` steps in each of `--rounds` fresh worlds (each in its own shuffled order); its median
 step over the rounds (barrier to the slowest rank's optimizer step, each world's first dropped)
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 import random
 import statistics
 import sys
@@ -98,6 +102,48 @@ def _world(rank, world_size, configs, steps, calls, order, calibrate):
             "curve": curve.as_dict(), "overhead_s": overhead, "op_seconds": op_seconds,
             "framework": framework} | _world(rank, world_size, configs, steps, calls, order,
                                              False)
+
+
+def _worker(a) -> None:
+    """One rank of an emulated host's world (--hosts): the job from a file, rank 0's result to
+    one."""
+    import torch.distributed as dist
+
+    job = pickle.loads(Path(a.job).read_bytes())
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = _world(rank, world, job["configs"], job["steps"], job["calls"], job["order"], True)
+    if rank == 0:
+        Path(a.result).write_bytes(pickle.dumps(out))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)   # past the last collective: no teardown to wait in
+
+
+def _round(world: int, configs, steps: int, calls, order, cluster) -> dict:
+    """One fresh world running every candidate in `order`: spawned on loopback, or one rank
+    per emulated host of `cluster`."""
+    if cluster is None:
+        return spawn(_world, world, args=(configs, steps, calls, order, True), timeout=3600)[0]
+    import tempfile
+
+    from tilework.bench.suite import _free_port, launch_ranks
+    from tilework.cluster.worker_env import WorkerEnv
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job, result = Path(tmp) / "job.pickle", Path(tmp) / "result.pickle"
+        job.write_bytes(pickle.dumps({"configs": configs, "steps": steps, "calls": calls,
+                                      "order": order}))
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--job", str(job),
+                "--result", str(result)]
+        port = _free_port()
+        base = {**os.environ, "OMP_NUM_THREADS": "1"}
+        envs = [{**base, **WorkerEnv(launched=True, rank=r, world_size=world, local_rank=0,
+                                     local_world_size=1, master_addr="127.0.0.1",
+                                     master_port=port).to_environ(),
+                 **cluster.gloo_env(r, port)} for r in range(world)]
+        launch_ranks([cluster.command(r, argv) for r in range(world)], envs, timeout=3600)
+        return pickle.loads(result.read_bytes())
 
 
 def _op_times(world_size: int, calls: list) -> tuple[list, dict]:
@@ -182,12 +228,43 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hosts", action="store_true",
+                    help="each rank an emulated host of its own (root)")
+    ap.add_argument("--mbit", type=float, default=1000.0,
+                    help="with --hosts: the links between hosts, Mbit/s")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", type=Path)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.worker:
+        _worker(a)
+        return 0
+    if not a.hosts:
+        return _run(a, None)
+    from tilework.bench.netns import LinkShape, available, emulated_cluster
+
+    link = LinkShape(rate_mbit=a.mbit)
+    ok, why = available(link)
+    if not ok:
+        sys.exit(f"planner_accuracy: cannot emulate hosts here: {why}")
+    with emulated_cluster(a.world, link) as cluster:
+        return _run(a, cluster)
+
+
+def _hosts(world: int, cluster, link=None) -> Cluster:
+    """The cluster the search plans for: one host of `world` ranks (loopback), or one host per
+    rank; `link` measured (None: the search's defaults)."""
+    hosts = [Host("localhost", world)] if cluster is None else \
+        [Host(f"h{r}", 1) for r in range(world)]
+    return Cluster(hosts) if link is None else Cluster(hosts, links=Links(intra=link, inter=link))
+
+
+def _run(a, cluster) -> int:
     with torch.device("meta"):
         meta = TinyGPT(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ)
-    here = Cluster([Host("localhost", a.world)])
+    here = _hosts(a.world, cluster)
     runnable = _priced(meta, here, a.world, 1e11)
     from tilework.estimate.ops import Collecting
 
@@ -202,8 +279,7 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         order = list(range(len(configs)))
         random.Random(r).shuffle(order)
-        ran = spawn(_world, a.world, args=(configs, a.steps, calls, order, True),
-                    timeout=3600)[0]
+        ran = _round(a.world, configs, a.steps, calls, order, cluster)
         rounds.append(ran)
         for i, s in enumerate(ran["steps"]):
             steps[i] += s[1:]   # each world's first step of a plan warms it up
@@ -211,7 +287,7 @@ def main(argv=None) -> int:
     # measurement disturbed (by anything else the machine ran then) moves every prediction.
     got = _median_of(rounds)
     link = Link(*got["link"])
-    measured_here = Cluster([Host("localhost", a.world)], links=Links(intra=link, inter=link))
+    measured_here = _hosts(a.world, cluster, link)
     from tilework.cluster.matmul_curve import MatmulCurve
 
     curve = scaled_curve(MatmulCurve.from_dict(got["curve"]), got["flops"], a.world)
@@ -244,8 +320,10 @@ def main(argv=None) -> int:
         "ops": _summary(rows, "ops_ms", "ops_error") | {"scale": scale, "calls": len(calls)},
         "flops": got["flops"], "flops_by_round": got["flops_by_round"],
         "framework": got["framework"],
-        "link": got["link"], "overhead_s": got["overhead_s"], "world": a.world}
-    print(f"{a.world} ranks on loopback: FLOP/s per rank {got['flops']:.3g} (each world: "
+        "link": got["link"], "overhead_s": got["overhead_s"], "world": a.world,
+        "hosts": cluster is not None, "mbit": a.mbit if cluster is not None else None}
+    where = "loopback" if cluster is None else f"{a.world} emulated hosts at {a.mbit:g} Mbit/s"
+    print(f"{a.world} ranks on {where}: FLOP/s per rank {got['flops']:.3g} (each world: "
           + ", ".join(f"{f:.3g}" for f in got["flops_by_round"]) + "), link "
           f"{link.bandwidth_gbps:.3g} Gb/s {link.latency_us:.0f} us, o "
           f"{got['overhead_s'] * 1e3:.2f} ms")
@@ -301,7 +379,9 @@ def _plot(rows: list[dict], summary: dict, path: Path) -> None:
     ax.plot([0, top], [0, top], lw=0.8, color="grey")
     ax.set_xlabel("measured step (ms)")
     ax.set_ylabel("predicted step (ms)")
-    ax.set_title(f"{summary['plans']} plans, {summary['world']} ranks on loopback", fontsize=9)
+    where = f"emulated hosts at {summary['mbit']:g} Mbit/s" if summary.get("hosts") \
+        else "loopback"
+    ax.set_title(f"{summary['plans']} plans, {summary['world']} ranks on {where}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
