@@ -87,7 +87,9 @@ def _world(rank, world_size, configs, steps, calls, order, calibrate):
 
     from tilework.bench.pipeline_runs import Shape, message_overhead
 
-    link = ms._allreduce_link(world_size, ms.BATCH // world_size * ms.SEQ * ms.DIM * 4)
+    nbytes = ms.BATCH // world_size * ms.SEQ * ms.DIM * 4
+    link = ms._allreduce_link(world_size, nbytes)
+    factors = _exchange_factors(world_size, nbytes)
     shape = Shape(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ,
                   microbatch=ms.BATCH // world_size)
     overhead = message_overhead(world_size, shape, quiet=(2.0, 0.0))["overhead_s"]
@@ -98,7 +100,8 @@ def _world(rank, world_size, configs, steps, calls, order, calibrate):
 
     curve = measure_curve(dist.group.WORLD, world_size)
     op_seconds, framework = _op_times(world_size, calls)
-    return {"link": (link.bandwidth_gbps, link.latency_us), "flops": rate.item() / world_size,
+    return {"link": (link.bandwidth_gbps, link.latency_us), "factors": factors,
+            "flops": rate.item() / world_size,
             "curve": curve.as_dict(), "overhead_s": overhead, "op_seconds": op_seconds,
             "framework": framework} | _world(rank, world_size, configs, steps, calls, order,
                                              False)
@@ -146,6 +149,21 @@ def _round(world: int, configs, steps: int, calls, order, cluster) -> dict:
         return pickle.loads(result.read_bytes())
 
 
+def _exchange_factors(world_size: int, nbytes: int) -> dict:
+    """ZeRO's exchanges as the runtime makes them against the all-reduce's fit, as `tilework
+    calibrate` writes them into a link (cluster/calibration_file.exchange_factors), on buffers
+    of 1-16x the activations' size."""
+    import torch.distributed as dist
+
+    from tilework.cluster.calibrate import fit_points, time_points
+    from tilework.cluster.calibration_file import exchange_factors
+
+    points = time_points(dist.group.WORLD, world_size, [nbytes, 4 * nbytes, 16 * nbytes],
+                         repeats=5, collectives=("all_reduce", "reduce_scatter", "all_gather"))
+    return exchange_factors({name: fit_points(name, world_size, pts)
+                             for name, pts in points.items()})
+
+
 def _op_times(world_size: int, calls: list) -> tuple[list, dict]:
     """Every recorded call's seconds and the framework's per-call costs (estimate/ops.py),
     measured on every rank at once and averaged; a call that fails on made-up values is -1."""
@@ -180,6 +198,7 @@ def _median_of(rounds: list[dict]) -> dict:
     ops = [r["op_seconds"] for r in rounds]
     return {"flops": med([r["flops"] for r in rounds]),
             "link": tuple(med([r["link"][i] for r in rounds]) for i in range(2)),
+            "factors": {k: med([r["factors"][k] for r in rounds]) for k in rounds[0]["factors"]},
             "overhead_s": med([r["overhead_s"] for r in rounds]),
             "curve": MatmulCurve(c0.sizes, grid).as_dict(),
             "op_seconds": [med([o[i] for o in ops]) for i in range(len(ops[0]))],
@@ -286,7 +305,7 @@ def _run(a, cluster) -> int:
     # Every world measures the inputs too, and each is the median over the worlds: one
     # measurement disturbed (by anything else the machine ran then) moves every prediction.
     got = _median_of(rounds)
-    link = Link(*got["link"])
+    link = Link(*got["link"], **got["factors"])
     measured_here = _hosts(a.world, cluster, link)
     from tilework.cluster.matmul_curve import MatmulCurve
 
@@ -320,12 +339,14 @@ def _run(a, cluster) -> int:
         "ops": _summary(rows, "ops_ms", "ops_error") | {"scale": scale, "calls": len(calls)},
         "flops": got["flops"], "flops_by_round": got["flops_by_round"],
         "framework": got["framework"],
-        "link": got["link"], "overhead_s": got["overhead_s"], "world": a.world,
+        "link": got["link"], "factors": got["factors"], "overhead_s": got["overhead_s"],
+        "world": a.world,
         "hosts": cluster is not None, "mbit": a.mbit if cluster is not None else None}
     where = "loopback" if cluster is None else f"{a.world} emulated hosts at {a.mbit:g} Mbit/s"
     print(f"{a.world} ranks on {where}: FLOP/s per rank {got['flops']:.3g} (each world: "
           + ", ".join(f"{f:.3g}" for f in got["flops_by_round"]) + "), link "
-          f"{link.bandwidth_gbps:.3g} Gb/s {link.latency_us:.0f} us, o "
+          f"{link.bandwidth_gbps:.3g} Gb/s {link.latency_us:.0f} us (ZeRO's reduce-scatter "
+          f"{link.reduce_scatter_factor:.2f}x, all-gather {link.all_gather_factor:.2f}x), o "
           f"{got['overhead_s'] * 1e3:.2f} ms")
     print(f"op model: {len(calls)} distinct calls, scale {scale:.2f}, framework per call "
           + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in got["framework"].items()))

@@ -17,6 +17,7 @@ from tilework.cluster.calibrate import (
     time_points,
     write_calibration,
 )
+from tilework.cluster.calibration_file import exchange_factors
 from tilework.cluster.topology import Cluster, Link, Links, Topology
 from tilework.comm.wire import ring_allreduce_bytes
 from tilework.config.toml_writer import dump_toml
@@ -58,6 +59,25 @@ def test_link_of_a_fit_reproduces_it_in_the_cost_model():
     assert m.predict(8 << 20) == pytest.approx(planned.seconds)
 
 
+def test_zero_exchange_factors_are_their_times_over_the_all_reduce_fits_price():
+    """A reduce-scatter measured at exactly twice what the all-reduce's link prices its bytes,
+    an all-gather at 1.5x: the factors a link carries, which price ZeRO's exchanges."""
+    n, alpha, beta = 2, 100e-6, 1e9
+    buffers = (1 << 20, 4 << 20)
+    ar_wire = tuple(ring_allreduce_bytes(b, n) for b in buffers)
+    results = {"all_reduce": Measurement("all_reduce", n, buffers, ar_wire,
+                                         tuple(alpha + w / beta for w in ar_wire), alpha, beta)}
+    link = results["all_reduce"].link()
+    for name, factor in (("reduce_scatter", 2.0), ("all_gather", 1.5)):
+        wire = tuple(b // 2 if name == "reduce_scatter" else b for b in buffers)
+        m = Measurement(name, n, buffers, wire, (), 0.0, 1.0)
+        times = tuple(factor * cost.seconds(w, link, m.messages) for w in wire)
+        results[name] = Measurement(name, n, buffers, wire, times, 0.0, 1.0)
+    assert exchange_factors(results) == pytest.approx({"reduce_scatter_factor": 2.0,
+                                                       "all_gather_factor": 1.5})
+    assert exchange_factors({"all_reduce": results["all_reduce"]}) == {}
+
+
 def test_hand_written_toml_reads_back():
     data = {"rendezvous": "node0:29500", "flag": True, "ratio": 0.25, "list": [1, 2],
             "hosts": [{"name": "node0", "address": "192.0.2.1", "procs": 2},
@@ -88,10 +108,16 @@ def test_write_calibration_updates_one_link_and_keeps_the_rest(tmp_path, monkeyp
     os.chmod(path, 0o640)
     results = {"all_reduce": _fit("all_reduce", 3, 800e-6, 1e9),
                "all_to_all": _fit("all_to_all", 3, 400e-6, 2e9)}
+    if writer == "by hand":   # ZeRO's exchanges measured too: their factors join the link
+        results["all_gather"] = _fit("all_gather", 3, 400e-6, 2e9)
     key, json_path = write_calibration(path, results, spans_hosts=spans_hosts, when="T")
     c = Cluster.load(path)
     assert [h.name for h in c.hosts] == ["a", "b"] and c.rendezvous == "a:29500"
     fitted = Link(bandwidth_gbps=8.0, latency_us=200.0)  # 800 us over 2(n-1) = 4 messages
+    if writer == "by hand":   # written to 4 significant digits, as the link's other figures
+        factor = exchange_factors(results)["all_gather_factor"]
+        assert factor != 1.0
+        fitted = Link(8.0, 200.0, all_gather_factor=float(f"{factor:.4g}"))
     untouched = Link(3.0, 7.0) if not spans_hosts else Links().intra
     assert key == ("links.inter" if spans_hosts else "links.intra")
     assert (c.links.inter, c.links.intra) == ((fitted, untouched) if spans_hosts
@@ -131,11 +157,16 @@ def test_time_points_on_two_real_ranks_gives_every_rank_the_same_counted_points(
     # tested above on exact data, and `tilework calibrate` reports a fit that gives no bandwidth.
     out = spawn(_points_tiny, world_size=2, timeout=60)
     assert out[0] == out[1]   # every rank returns the same figures
-    assert set(out[0]) == {"all_reduce", "all_to_all", "send_recv"}
+    assert set(out[0]) == {"all_reduce", "all_to_all", "send_recv", "reduce_scatter",
+                           "all_gather"}
     for name, points in out[0].items():
+        # ZeRO's exchanges as the runtime makes them: the reduce-scatter sends the other
+        # rank's half of the buffer, the all-gather this rank's part (the buffer) once.
         assert [(b, w) for b, w, _ in points] == {
             "all_reduce": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)],
             "all_to_all": [(4 << 10, 2 << 10), (4 << 20, 2 << 20)],
+            "reduce_scatter": [(4 << 10, 2 << 10), (4 << 20, 2 << 20)],
+            "all_gather": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)],
             "send_recv": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)]}[name]
         assert all(math.isfinite(s) and s > 0 for _, _, s in points), name
 

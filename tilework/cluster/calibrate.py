@@ -53,7 +53,7 @@ DEFAULT_SIZES = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
 DEFAULT_REPEATS = 5
 QUICK_SIZES = (4 * KB, 64 * KB, 1 * MB, 4 * MB)
 QUICK_REPEATS = 3
-COLLECTIVES = ("all_reduce", "all_to_all", "send_recv")
+COLLECTIVES = ("all_reduce", "all_to_all", "send_recv", "reduce_scatter", "all_gather")
 
 
 # The collectives calibration times, by the wire table's definitions of bytes and messages (a
@@ -198,6 +198,8 @@ def _call_timer(group):
     barrier (so that every rank starts together) to its return on this rank."""
     import torch.distributed as dist
 
+    from ..comm.counted import Stats, all_gather_async, reduce_scatter_async
+
     me = dist.get_rank(group)
     peer = {0: dist.get_global_rank(group, 1), 1: dist.get_global_rank(group, 0)}.get(me)
 
@@ -208,6 +210,10 @@ def _call_timer(group):
             dist.all_reduce(send, group=group)
         elif name == "all_to_all":
             dist.all_to_all_single(recv, send, group=group)
+        elif name == "reduce_scatter":
+            reduce_scatter_async(send, group, Stats(), "calibrate").wait()
+        elif name == "all_gather":   # `send` is this rank's part
+            all_gather_async(send, group, Stats(), "calibrate").wait()
         elif me == 0:
             dist.send(send, dst=peer)
             dist.recv(recv, src=peer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,10 +14,29 @@ from ..checkpoint.atomic import write_atomic
 from ..config.files import from_dict, read_toml
 from ..config.toml_writer import toml_text
 from ..errors import UserError
+from ..estimate.cost import seconds
 from .topology import Cluster
 
 if TYPE_CHECKING:
     from .calibrate import Measurement
+
+
+# ZeRO's two exchanges, timed by calibrate as the runtime makes them (comm/counted.py).
+ZERO_EXCHANGES = ("reduce_scatter", "all_gather")
+
+
+def exchange_factors(results: dict[str, Measurement]) -> dict[str, float]:
+    """Each of ZeRO's exchanges measured in `results`: the median over its points of its time
+    over what the all-reduce's fit prices its bytes and messages at (a Link's
+    `reduce_scatter_factor` and `all_gather_factor`)."""
+    link = results["all_reduce"].link()
+    out = {}
+    for name in ZERO_EXCHANGES:
+        m = results.get(name)
+        if m is not None:
+            out[f"{name}_factor"] = statistics.median(
+                t / seconds(w, link, m.messages) for w, t in m.points)
+    return out
 
 
 def _sig(x: float, digits: int = 4) -> float:
@@ -73,6 +93,7 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     kind = "inter" if spans_hosts else "intra"
     link = results["all_reduce"].link()
     values = {"bandwidth_gbps": _sig(link.bandwidth_gbps), "latency_us": _sig(link.latency_us)}
+    values |= {k: _sig(v) for k, v in exchange_factors(results).items()}
     links = data.setdefault("links", {})
     if not isinstance(links, dict):
         raise UserError(f"{path}: links: expected a table")

@@ -18,6 +18,8 @@ A cluster file (TOML) looks like:
     [links.inter]                     # optional: between hosts
     bandwidth_gbps = 10.0
     latency_us = 50.0
+    reduce_scatter_factor = 1.0       # optional: ZeRO's exchanges against the fit (calibrate)
+    all_gather_factor = 1.0
 
 `Topology` is the pure rank-to-host map every later layer (groups, planner, cost model) reads.
 Ranks are numbered host by host, as torchrun's agents number them.
@@ -37,14 +39,25 @@ MAX_PROCS = 1024  # per host: far beyond any host's accelerators or cores
 
 @dataclass(frozen=True)
 class Link:
-    """A link class: alpha (latency) and beta (bandwidth) of the alpha-beta cost model."""
+    """A link class: alpha (latency) and beta (bandwidth) of the alpha-beta cost model, fitted
+    to all-reduces; and how much longer than that fit prices their bytes ZeRO's two exchanges
+    take as the runtime makes them (comm/counted.py: on gloo the reduce-scatter is an
+    all-to-all and a local sum). Measured by `tilework calibrate`, 1 where not: on 2 emulated
+    hosts at 1 Gbit/s gloo's all-to-all took 1.9-2.0x and its all-gather 1.4-1.6x, a
+    simultaneous exchange both ways through the shaped queues, where the ring all-reduce's
+    chunks kept both directions full."""
 
     bandwidth_gbps: float = 10.0
     latency_us: float = 50.0
+    reduce_scatter_factor: float = 1.0
+    all_gather_factor: float = 1.0
 
     def __post_init__(self):
         check(self.bandwidth_gbps > 0, "bandwidth_gbps", "a positive number of Gbit/s")
         check(self.latency_us >= 0, "latency_us", "a latency >= 0 microseconds")
+        for name in ("reduce_scatter_factor", "all_gather_factor"):
+            check(getattr(self, name) > 0, name, "a positive factor (1: as the all-reduce fit "
+                                                 "prices its bytes)")
 
     @property
     def bytes_per_s(self) -> float:

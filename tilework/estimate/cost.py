@@ -191,13 +191,14 @@ def outer_step_seconds(entries: list[ParamPlan], outer, topology: Topology, link
                            outer.compress, item, outer.fragments)
     dense = sum(p.nbytes for p in entries if not p.zero)
     inner = ring_allreduce_bytes(dense, per_worker)
-    sharded = [_inside_worker(p, per_worker) for p in entries if p.zero]
+    sharded = [zero_sync_seconds(p, per_worker, links.intra) for p in entries
+               if p.zero and per_worker > 1]
     return ((seconds(wire.across, across, wire.across_messages)
              + seconds(wire.within, links.intra, wire.within_messages)) / outer.every
             + seconds(inner, links.intra,
                       ALL_REDUCE.messages(per_worker) * max(1, -(-dense // bucket_bytes))
                       if per_worker > 1 else 0)
-            + sum(seconds(b, links.intra, m) for b, m in sharded))
+            + sum(sharded))
 
 
 def push_over_world(topology: Topology, local_aggregation: bool) -> bool:
@@ -254,12 +255,30 @@ def zero_sync_bytes(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:
     return first + gathers * gather, messages + gathers * ALL_GATHER.messages(scope)
 
 
+def zero_sync_seconds(plan: ParamPlan, n: int, link: Link, hosts: int = 1) -> float:
+    """`zero_sync_bytes`'s exchanges on `link`, each at its own measured factor: the
+    reduce-scatter's and the all-gathers' (Link), the all-reduces' as fitted."""
+    scope, chunk = zero_shard(plan, n, hosts)
+    gathers = 2 if plan.zero == 3 and plan.unit else 1
+    gather = seconds(all_gather_bytes(chunk, scope), link, ALL_GATHER.messages(scope)) \
+        * link.all_gather_factor
+    if plan.zero == 1:
+        first = seconds(ring_allreduce_bytes(plan.nbytes, n), link, ALL_REDUCE.messages(n))
+    else:
+        first = seconds(REDUCE_SCATTER.sent(chunk * scope, scope), link,
+                        REDUCE_SCATTER.messages(scope)) * link.reduce_scatter_factor
+        if scope < n:
+            first += seconds(ring_allreduce_bytes(chunk, n // scope), link,
+                             ALL_REDUCE.messages(n // scope))
+    return first + gathers * gather
+
+
 def zero_sharded(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
     n = topology.world_size
     if n == 1:
         return Cost(0, 0.0)
-    sent, messages = zero_sync_bytes(plan, n, topology.num_hosts)
-    return Cost(sent, seconds(sent, link_for(topology, links), messages))
+    sent, _ = zero_sync_bytes(plan, n, topology.num_hosts)
+    return Cost(sent, zero_sync_seconds(plan, n, link_for(topology, links), topology.num_hosts))
 
 
 # -- parameter server: exact replay of parallel/rows/sparse.py -------------------------------------

@@ -1,0 +1,69 @@
+"""ZeRO's exchanges priced at their links' measured factors (cluster/topology.Link), and ZeRO-3's
+transfers beside the compute across hosts (estimate/step.dp_seconds). Pure."""
+
+import pytest
+
+from tilework.cluster.topology import Link, Topology
+from tilework.comm.wire import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, all_gather_bytes
+from tilework.estimate.cost import seconds, zero_sharded, zero_sync_bytes, zero_sync_seconds
+from tilework.estimate.step import allreduce_seconds, dp_seconds
+from tilework.plans.plan import ParamPlan
+
+LINK = Link(bandwidth_gbps=1.0, latency_us=100.0)
+SLOW_EXCHANGES = Link(1.0, 100.0, reduce_scatter_factor=2.0, all_gather_factor=1.5)
+
+
+def entry(zero: int, numel: int = 1 << 20) -> ParamPlan:
+    return ParamPlan("w", (numel,), "allreduce", zero=zero, unit="block" if zero == 3 else None)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_at_factors_of_one_the_exchanges_cost_their_bytes_on_the_link(zero):
+    for n in (2, 4):
+        sent, messages = zero_sync_bytes(entry(zero), n)
+        assert zero_sync_seconds(entry(zero), n, LINK) == pytest.approx(
+            seconds(sent, LINK, messages))
+
+
+def test_each_exchange_takes_its_own_factor():
+    n, p = 2, entry(2)
+    chunk = p.numel * 4 // n
+    gather = seconds(all_gather_bytes(chunk, n), LINK, ALL_GATHER.messages(n))
+    scatter = seconds(REDUCE_SCATTER.sent(chunk * n, n), LINK, REDUCE_SCATTER.messages(n))
+    assert zero_sync_seconds(p, n, SLOW_EXCHANGES) == pytest.approx(2.0 * scatter + 1.5 * gather)
+    # ZeRO-1 all-reduces its gradient (the fit's own collective) and gathers once.
+    ring = seconds(ALL_REDUCE.sent(p.nbytes, n), LINK, ALL_REDUCE.messages(n))
+    assert zero_sync_seconds(entry(1), n, SLOW_EXCHANGES) == pytest.approx(ring + 1.5 * gather)
+    # The plan's entry cost reads the topology's link the same way.
+    assert zero_sharded(p, Topology.from_sizes([n]), _links(SLOW_EXCHANGES)).seconds == \
+        pytest.approx(2.0 * scatter + 1.5 * gather)
+
+
+def _links(link):
+    from tilework.cluster.topology import Links
+
+    return Links(intra=link, inter=link)
+
+
+def test_the_step_models_dp_wait_follows_the_same_halves():
+    sent, n = 8e6, 2
+    ring = allreduce_seconds(sent, n, SLOW_EXCHANGES, 25.0)
+    assert dp_seconds(sent, n, SLOW_EXCHANGES, 25.0, 0) == ring
+    assert dp_seconds(sent, n, SLOW_EXCHANGES, 25.0, 1) == pytest.approx(ring * (1 + 1.5 / 2))
+    assert dp_seconds(sent, n, SLOW_EXCHANGES, 25.0, 2) == pytest.approx(ring * (2 + 1.5) / 2)
+
+
+def test_zero3_transfers_hide_behind_the_compute_only_across_hosts():
+    sent, n, units = 8e6, 2, 5
+    moved = sent / 2 / SLOW_EXCHANGES.bytes_per_s * (2.0 + 2 * 1.5)
+    messages = units * (REDUCE_SCATTER.messages(n) + 2 * ALL_GATHER.messages(n)) \
+        * SLOW_EXCHANGES.latency_s
+    inside = dp_seconds(sent, n, SLOW_EXCHANGES, 25.0, 3, compute=10.0, units=units)
+    assert inside == pytest.approx(moved + messages)
+    # Across hosts beside a long compute: one unit's share of the transfers waits...
+    hidden = dp_seconds(sent, n, SLOW_EXCHANGES, 25.0, 3, compute=10.0, units=units, beside=True)
+    assert hidden == pytest.approx(moved / units + messages)
+    # ...beside a short one, what the compute cannot cover.
+    short = dp_seconds(sent, n, SLOW_EXCHANGES, 25.0, 3, compute=moved / 4, units=units,
+                       beside=True)
+    assert short == pytest.approx(moved * 3 / 4 + messages)
