@@ -89,7 +89,7 @@ def _world(rank, world_size, configs, steps, calls, order, calibrate):
 
     nbytes = ms.BATCH // world_size * ms.SEQ * ms.DIM * 4
     link = ms._allreduce_link(world_size, nbytes)
-    factors = _exchange_factors(world_size, nbytes)
+    factors = _exchange_factors(world_size, nbytes, link)
     shape = Shape(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ,
                   microbatch=ms.BATCH // world_size)
     overhead = message_overhead(world_size, shape, quiet=(2.0, 0.0))["overhead_s"]
@@ -149,19 +149,19 @@ def _round(world: int, configs, steps: int, calls, order, cluster) -> dict:
         return pickle.loads(result.read_bytes())
 
 
-def _exchange_factors(world_size: int, nbytes: int) -> dict:
-    """ZeRO's exchanges as the runtime makes them against the all-reduce's fit, as `tilework
-    calibrate` writes them into a link (cluster/calibration_file.exchange_factors), on buffers
-    of 1-16x the activations' size."""
+def _exchange_factors(world_size: int, nbytes: int, link) -> dict:
+    """ZeRO's exchanges as the runtime makes them against `link` (the all-reduce's fit), as
+    `tilework calibrate` writes them into a link (cluster/calibration_file.exchange_factors),
+    on buffers of 1-16x the activations' size."""
     import torch.distributed as dist
 
-    from tilework.cluster.calibrate import fit_points, time_points
+    from tilework.cluster.calibrate import time_points
     from tilework.cluster.calibration_file import exchange_factors
 
     points = time_points(dist.group.WORLD, world_size, [nbytes, 4 * nbytes, 16 * nbytes],
-                         repeats=5, collectives=("all_reduce", "reduce_scatter", "all_gather"))
-    return exchange_factors({name: fit_points(name, world_size, pts)
-                             for name, pts in points.items()})
+                         repeats=5, collectives=("reduce_scatter", "all_gather"))
+    return exchange_factors({c: [(w, t) for _, w, t in pts] for c, pts in points.items()},
+                            link, world_size)
 
 
 def _op_times(world_size: int, calls: list) -> tuple[list, dict]:

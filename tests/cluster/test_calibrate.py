@@ -68,14 +68,14 @@ def test_zero_exchange_factors_are_their_times_over_the_all_reduce_fits_price():
     results = {"all_reduce": Measurement("all_reduce", n, buffers, ar_wire,
                                          tuple(alpha + w / beta for w in ar_wire), alpha, beta)}
     link = results["all_reduce"].link()
+    points = {}
     for name, factor in (("reduce_scatter", 2.0), ("all_gather", 1.5)):
         wire = tuple(b // 2 if name == "reduce_scatter" else b for b in buffers)
-        m = Measurement(name, n, buffers, wire, (), 0.0, 1.0)
-        times = tuple(factor * cost.seconds(w, link, m.messages) for w in wire)
-        results[name] = Measurement(name, n, buffers, wire, times, 0.0, 1.0)
-    assert exchange_factors(results) == pytest.approx({"reduce_scatter_factor": 2.0,
-                                                       "all_gather_factor": 1.5})
-    assert exchange_factors({"all_reduce": results["all_reduce"]}) == {}
+        messages = Measurement(name, n, buffers, wire, (), 0.0, 1.0).messages
+        points[name] = [(w, factor * cost.seconds(w, link, messages)) for w in wire]
+    assert exchange_factors(points, link, n) == pytest.approx({"reduce_scatter_factor": 2.0,
+                                                               "all_gather_factor": 1.5})
+    assert exchange_factors({}, link, n) == {}
 
 
 def test_hand_written_toml_reads_back():
@@ -115,7 +115,8 @@ def test_write_calibration_updates_one_link_and_keeps_the_rest(tmp_path, monkeyp
     assert [h.name for h in c.hosts] == ["a", "b"] and c.rendezvous == "a:29500"
     fitted = Link(bandwidth_gbps=8.0, latency_us=200.0)  # 800 us over 2(n-1) = 4 messages
     if writer == "by hand":   # written to 4 significant digits, as the link's other figures
-        factor = exchange_factors(results)["all_gather_factor"]
+        factor = exchange_factors({"all_gather": results["all_gather"].points},
+                                  results["all_reduce"].link(), 3)["all_gather_factor"]
         assert factor != 1.0
         fitted = Link(8.0, 200.0, all_gather_factor=float(f"{factor:.4g}"))
     untouched = Link(3.0, 7.0) if not spans_hosts else Links().intra

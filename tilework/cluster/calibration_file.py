@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint.atomic import write_atomic
+from ..comm.wire import COLLECTIVES
 from ..config.files import from_dict, read_toml
 from ..config.toml_writer import toml_text
 from ..errors import UserError
 from ..estimate.cost import seconds
-from .topology import Cluster
+from .topology import Cluster, Link
 
 if TYPE_CHECKING:
     from .calibrate import Measurement
@@ -25,17 +26,17 @@ if TYPE_CHECKING:
 ZERO_EXCHANGES = ("reduce_scatter", "all_gather")
 
 
-def exchange_factors(results: dict[str, Measurement]) -> dict[str, float]:
-    """Each of ZeRO's exchanges measured in `results`: the median over its points of its time
-    over what the all-reduce's fit prices its bytes and messages at (a Link's
-    `reduce_scatter_factor` and `all_gather_factor`)."""
-    link = results["all_reduce"].link()
+def exchange_factors(points: dict, link: Link, world_size: int) -> dict[str, float]:
+    """Each of ZeRO's exchanges timed in `points` (collective -> [(wire bytes, seconds)], as
+    calibrate times them on `world_size` ranks): the median over its points of its time over
+    what `link` (the all-reduce's fit) prices its bytes and messages at; a Link's
+    `reduce_scatter_factor` and `all_gather_factor`."""
     out = {}
     for name in ZERO_EXCHANGES:
-        m = results.get(name)
-        if m is not None:
+        if points.get(name):
+            messages = COLLECTIVES[name].messages(world_size)
             out[f"{name}_factor"] = statistics.median(
-                t / seconds(w, link, m.messages) for w, t in m.points)
+                t / seconds(w, link, messages) for w, t in points[name])
     return out
 
 
@@ -93,7 +94,9 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     kind = "inter" if spans_hosts else "intra"
     link = results["all_reduce"].link()
     values = {"bandwidth_gbps": _sig(link.bandwidth_gbps), "latency_us": _sig(link.latency_us)}
-    values |= {k: _sig(v) for k, v in exchange_factors(results).items()}
+    timed = {name: m.points for name, m in results.items()}
+    values |= {k: _sig(v) for k, v in exchange_factors(timed, link, results["all_reduce"]
+                                                        .world_size).items()}
     links = data.setdefault("links", {})
     if not isinstance(links, dict):
         raise UserError(f"{path}: links: expected a table")

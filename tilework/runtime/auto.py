@@ -70,12 +70,14 @@ def _live_cluster(groups: Groups, cluster: Cluster | None, timed: Links | None) 
 
 
 def _timed_links(groups: Groups) -> Links | None:
-    """The links an all-reduce fit gives here, agreed by every rank (the slowest bandwidth and
-    latency any group measured); None where there is nothing to time or no fit is found (the
-    defaults are used then). A handful of all-reduces from 16 kB to 4 MB: well under a second
+    """The links an all-reduce fit gives here, with ZeRO's exchanges' factors against it
+    (cluster/calibration_file.exchange_factors), agreed by every rank (the slowest bandwidth,
+    latency and factors any group measured); None where there is nothing to time or no fit is
+    found (the defaults are used then). A handful of each from 16 kB to 4 MB: about a second
     on loopback. On CPU ranks the latency is most of what tp's many small exchanges cost, which
     the defaults (a GPU node's) would price as free."""
     from ..cluster.calibrate import CalibrationError, fit_points, time_points
+    from ..cluster.calibration_file import exchange_factors
 
     if groups.world is None:
         return None
@@ -91,24 +93,29 @@ def _timed_links(groups: Groups) -> Links | None:
         if group is None or size < 2:
             continue
         try:
-            points = time_points(group, size, sizes, repeats=5, collectives=("all_reduce",))
-            links[name] = fit_points("all_reduce", size, points["all_reduce"]).link()
+            points = time_points(group, size, sizes, repeats=5,
+                                 collectives=("all_reduce", "reduce_scatter", "all_gather"))
+            ring = fit_points("all_reduce", size, points["all_reduce"]).link()
+            timed = {c: [(w, t) for _, w, t in pts] for c, pts in points.items()}
+            links[name] = Link(ring.bandwidth_gbps, ring.latency_us,
+                               **exchange_factors(timed, ring, size))
         except CalibrationError:   # times that do not grow with size (a loaded machine)
             failed = True
-    # The slowest any rank measured: [bandwidth, -latency] per link, and whether all fitted,
-    # in one MIN all-reduce; a link this rank did not time is +inf in both, which MIN ignores.
+    # The slowest any rank measured: [bandwidth, -latency, -factors] per link, and whether all
+    # fitted, in one MIN all-reduce; a link this rank did not time is +inf throughout, which
+    # MIN ignores.
     values = []
     for link in links.values():
-        values += [link.bandwidth_gbps, -link.latency_us] if link is not None \
-            else [float("inf"), float("inf")]
+        values += [link.bandwidth_gbps, -link.latency_us, -link.reduce_scatter_factor,
+                   -link.all_gather_factor] if link is not None else [float("inf")] * 4
     agreed = torch.tensor(values + [0.0 if failed else 1.0], dtype=torch.float64,
                           device=groups.device)
     all_reduce(agreed, groups.world, Stats(), "setup", op=dist.ReduceOp.MIN)
-    intra_bw, intra_lat, inter_bw, inter_lat, fitted = agreed.tolist()
+    *figures, fitted = agreed.tolist()
     if not fitted:
         return None
-    intra = Link(intra_bw, -intra_lat) if intra_bw != float("inf") else None
-    inter = Link(inter_bw, -inter_lat) if inter_bw != float("inf") else None
+    intra, inter = (Link(f[0], -f[1], -f[2], -f[3]) if f[0] != float("inf") else None
+                    for f in (figures[:4], figures[4:]))
     if intra is None and inter is None:
         return None
     return Links(intra=intra or inter, inter=inter or intra)
