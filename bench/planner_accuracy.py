@@ -88,7 +88,7 @@ def _world(rank, world_size, configs, steps, calls, order, calibrate):
     from tilework.bench.pipeline_runs import Shape, message_overhead
 
     nbytes = ms.BATCH // world_size * ms.SEQ * ms.DIM * 4
-    link = ms._allreduce_link(world_size, nbytes)
+    link = _link(world_size, nbytes)
     factors = _exchange_factors(world_size, nbytes, link)
     shape = Shape(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ,
                   microbatch=ms.BATCH // world_size)
@@ -147,6 +147,19 @@ def _round(world: int, configs, steps: int, calls, order, cluster) -> dict:
                  **cluster.gloo_env(r, port)} for r in range(world)]
         launch_ranks([cluster.command(r, argv) for r in range(world)], envs, timeout=3600)
         return pickle.loads(result.read_bytes())
+
+
+def _link(world_size: int, nbytes: int, tries: int = 3):
+    """bench/mesh_search.py's all-reduce fit, measured again when a burst of load made its
+    times not grow with the size (every rank sees the same points, so all retry together)."""
+    from tilework.cluster.calibrate import CalibrationError
+
+    for attempt in range(tries):
+        try:
+            return ms._allreduce_link(world_size, nbytes)
+        except CalibrationError:
+            if attempt == tries - 1:
+                raise
 
 
 def _exchange_factors(world_size: int, nbytes: int, link) -> dict:

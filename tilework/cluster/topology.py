@@ -43,7 +43,7 @@ class Link:
     to all-reduces; and how much longer than that fit prices their bytes ZeRO's two exchanges
     take as the runtime makes them (comm/counted.py: on gloo the reduce-scatter is an
     all-to-all and a local sum). Measured by `tilework calibrate`, 1 where not: on 2 emulated
-    hosts at 1 Gbit/s gloo's all-to-all took 1.9-2.0x and its all-gather 1.4-1.6x, a
+    hosts at 1 Gbit/s gloo's all-to-all took 1.7-2.0x and its all-gather 1.4-1.6x, a
     simultaneous exchange both ways through the shaped queues, where the ring all-reduce's
     chunks kept both directions full."""
 

@@ -302,8 +302,8 @@ def dp_seconds(sent: float, n: int, link: Link, bucket_mb: float, zero: int,
     transfers run beside `compute` (the next unit's gather launched as one is used, each
     unit's reduce-scatter as its backward ends): only what exceeds it waits, and at least one
     unit's share. Inside a host on CPU ranks an exchange is the cores' own copying, which the
-    compute cannot hide. Measured on 2 emulated hosts at 1 Gbit/s: ZeRO-3's step equal to
-    plain dp's within 1%, ZeRO-2's 1.32x."""
+    compute cannot hide. Measured on 2 emulated hosts at 1 Gbit/s: ZeRO-3's step 0.90-1.01x
+    plain dp's though it moves 1.5x the bytes, ZeRO-2's 1.23-1.32x."""
     from ..comm.wire import ALL_GATHER, REDUCE_SCATTER
 
     ring = allreduce_seconds(sent, n, link, bucket_mb, message_overhead_s)
