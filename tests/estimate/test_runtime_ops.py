@@ -64,10 +64,17 @@ def large(calls: Counter) -> Counter:
     return out
 
 
-def _real_step(rank, world_size, zero, optimizer):
+def _real_step(rank, world_size, zero, optimizer, hosts=1):
+    import torch.distributed as dist
+
+    from tilework.cluster.topology import Topology
+    from tilework.comm import build_groups
+
     model = new_model()
     opt = new_optimizer(optimizer, model.parameters())
-    tilework.parallelize(model, opt, zero=zero, bucket_mb=BUCKET_BYTES / 2**20, log=False)
+    groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
+    tilework.parallelize(model, opt, zero=zero, bucket_mb=BUCKET_BYTES / 2**20, log=False,
+                         groups=groups, zero_scope="host" if hosts > 1 else "world")
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
 
     def step():
@@ -93,13 +100,17 @@ def _model_step() -> Counter:
     return calls
 
 
-@pytest.mark.parametrize("zero,optimizer", [(0, "sgd"), (1, "sgd"), (2, "adam"), (3, "sgd")])
-def test_the_runtime_runs_the_recorded_calls_around_the_model(zero, optimizer):
-    real = spawn(_real_step, 2, args=(zero, optimizer))[0]
+@pytest.mark.parametrize("zero,optimizer,hosts", [(0, "sgd", 1), (1, "sgd", 1), (2, "adam", 1),
+                                                  (3, "sgd", 1), (2, "sgd", 2)])
+def test_the_runtime_runs_the_recorded_calls_around_the_model(zero, optimizer, hosts):
+    """hosts=2: ZeRO over each host of one rank (zero_scope="host"), the chunks summed across
+    hosts: it shards over one rank, and still packs, divides and writes back."""
+    real = spawn(_real_step, 2, args=(zero, optimizer, hosts))[0]
     around = large(real) - large(_model_step())
     params = tuple(TensorSpec(tuple(p.shape), "float32") for p in new_model().parameters())
     units = tuple(owning_units(new_model()).values())
-    predicted = large(runtime_calls(params, zero, 2, 2, BUCKET_BYTES, optimizer, units=units))
+    predicted = large(runtime_calls(params, zero, 2 // hosts, 2, BUCKET_BYTES, optimizer,
+                                    units=units))
     assert {k: (around[k], predicted[k]) for k in around | predicted
             if around[k] != predicted[k]} == {}
 

@@ -67,3 +67,24 @@ def test_zero3_transfers_hide_behind_the_compute_only_across_hosts():
     short = dp_seconds(sent, n, SLOW_EXCHANGES, 25.0, 3, compute=moved / 4, units=units,
                        beside=True)
     assert short == pytest.approx(moved * 3 / 4 + messages)
+
+
+def test_the_search_prices_each_zero_stage_of_a_mesh_candidate_apart():
+    """The search's step cache shares a mesh candidate's step between configurations that
+    cannot differ; ZeRO's stages do, once their exchanges have factors of their own."""
+    import torch
+
+    from tilework.cluster.topology import Cluster, Host, Links
+    from tilework.config.parallel import ParallelConfig
+    from tilework.models.gpt import TinyGPT
+    from tilework.planner.search import price_step
+
+    with torch.device("meta"):
+        model = TinyGPT(vocab=64, dim=32, heads=2, layers=2, seq_len=8)
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    link = Link(1.0, 100.0, reduce_scatter_factor=1.8, all_gather_factor=1.5)
+    cluster = Cluster([Host("a", 4)], links=Links(intra=link, inter=link))
+    cache: dict = {}
+    steps = [price_step(model, ParallelConfig(tp=2, zero=zero), cluster, (ids, ids), 1e10,
+                        cache=cache).step_s for zero in (0, 1, 2)]
+    assert None not in steps and len(set(steps)) == 3

@@ -100,7 +100,10 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     links = data.setdefault("links", {})
     if not isinstance(links, dict):
         raise UserError(f"{path}: links: expected a table")
-    links.setdefault(kind, {}).update(values)
+    link_table = links.setdefault(kind, {})
+    for stale in ("reduce_scatter_factor", "all_gather_factor"):   # measured against another fit
+        link_table.pop(stale, None)
+    link_table.update(values)
     hosts = data.get("hosts")
     if speeds is not None and isinstance(hosts, list) and len(hosts) == len(speeds):
         for host, speed in zip(hosts, speeds):   # hosts that differ: their relative speeds

@@ -56,7 +56,9 @@ def _calls(params, zero, shards, averaged, bucket_bytes, optimizer, checks, unit
         p.grad = torch.empty_like(p)
     backward = ps[::-1]   # buckets fill in backward's order
     out, regions = Counter(), Counter()
-    sharded = zero > 0 and shards > 1
+    # A host-scoped ZeRO on hosts of one rank shards over one: its packing, gathers and
+    # copies still run (the chunks' sums across hosts are the replicas' all-reduce).
+    sharded = zero > 0 and averaged > 1
     owned = [Sharded(str(i), p, zero, 0, shards) for i, p in enumerate(ps)] if sharded else []
     stepped = [s.shard for s in owned] if sharded else ps
     for s in owned:
@@ -74,10 +76,11 @@ def _calls(params, zero, shards, averaged, bucket_bytes, optimizer, checks, unit
                 for s in order:   # ZeroSync.before_step: the chunk of the averaged gradient
                     s.take(s.param.grad)
             elif by_unit is None:
-                _reduce_scatter_buckets(order, bucket_bytes, assign_buckets, checks)
+                _reduce_scatter_buckets(order, bucket_bytes, assign_buckets, checks, averaged)
             else:   # one bucket per unit, the model's own last (zero3.Units)
                 _reduce_scatter_buckets([s for _, unit in by_unit[::-1] for s in unit], 0,
-                                        _as_given([len(u) for _, u in by_unit[::-1]]), checks)
+                                        _as_given([len(u) for _, u in by_unit[::-1]]), checks,
+                                        averaged)
             if by_unit is not None:
                 # Before the forward every unit is gathered, and again before the backward but
                 # the model's own, which stays whole through both.
@@ -167,18 +170,21 @@ def _dense_buckets(params, bucket_bytes: int, averaged: int, assign, checks: boo
             offset += p.numel()
 
 
-def _reduce_scatter_buckets(shards, bucket_bytes: int, assign, checks: bool) -> None:
+def _reduce_scatter_buckets(shards, bucket_bytes: int, assign, checks: bool,
+                            averaged: int) -> None:
     """parallel/data/zero.py's `_pack` and `_finish`: each gradient as (n, chunk) rows, the
-    rows concatenated rank-major, checked by one sum; the received chunks summed and
-    divided."""
+    rows concatenated rank-major, checked by one sum; the received chunks summed and divided
+    by the `averaged` ranks."""
     for members in assign([s.n * s.chunk * s.param.element_size() for s in shards],
                           bucket_bytes):
         bucket = [shards[i] for i in members]
         flat = torch.cat([s.rows(s.param.grad) for s in bucket], dim=1).reshape(-1)
         if checks:
             flat.sum()
-        received = torch.empty_like(flat)
-        summed = received.view(bucket[0].n, -1).sum(0).div_(bucket[0].n)
+        n = bucket[0].n
+        # Over one rank the packed buffer is its own sum (comm/counted.reduce_scatter_async).
+        summed = flat if n == 1 else torch.empty_like(flat).view(n, -1).sum(0)
+        summed.div_(averaged)
         torch.split(summed, [s.chunk for s in bucket], dim=-1)
 
 
@@ -188,8 +194,9 @@ def _gather_buckets(shards, bucket_bytes: int, assign) -> None:
     for members in assign([s.n * s.chunk * s.param.element_size() for s in shards],
                           bucket_bytes):
         bucket = [shards[i] for i in members]
-        part = torch.cat([s.values() for s in bucket])
-        every = part.new_empty(bucket[0].n * part.numel()).view(bucket[0].n, -1)
+        part, n = torch.cat([s.values() for s in bucket]), bucket[0].n
+        # Over one rank the gather is the part itself (comm/counted.all_gather_async).
+        every = (part if n == 1 else part.new_empty(n * part.numel())).view(n, -1)
         with torch.no_grad():
             for s, rows in zip(bucket, torch.split(every, [s.chunk for s in bucket], dim=-1)):
                 s.write_whole(s.param.data, rows)

@@ -251,7 +251,8 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     # gradient and all-gathers the values, ZeRO-3 gathers them again for backward: three
     # half-ring passes for two.
     dp_s = max(dp_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb,
-                          config.zero, compute, _units(model), dp_spans, message_overhead_s)
+                          config.zero, compute, max(1, _units(model) // config.pp), dp_spans,
+                          message_overhead_s)
                for s in per_rank)
     group = mesh.groups(("dp", "cp") if config.cp > 1 else "dp")[0]
     topo = cluster.topology()
@@ -321,7 +322,8 @@ def dp_seconds(sent: float, n: int, link: Link, bucket_mb: float, zero: int,
 
 
 def _units(model: nn.Module) -> int:
-    """How many units ZeRO-3 gathers the model in (plans.analysis.owning_units)."""
+    """How many units ZeRO-3 gathers the model in (plans.analysis.owning_units); a pipeline
+    rank holds about its share of them."""
     from ..plans.analysis import owning_units
 
     return len(set(owning_units(model).values()))

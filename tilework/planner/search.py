@@ -226,8 +226,8 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
     mesh plan with (estimate/step.predict, on the config the plan would say it runs under),
     its plan made when its memory is priced: the step does not read the placements, and most
     candidates never get that far. `cache`: the search's, shared by candidates whose step
-    cannot differ (ZeRO 0-2 and their scope move the same bytes; under measured op times
-    each stage copies differently: estimate/runtime_ops.py)."""
+    cannot differ (ZeRO's scope and offload, but under measured op times its scope copies
+    differently: estimate/runtime_ops.py)."""
     from ..estimate.plan_cost import estimate
     from . import plan as make_plan
 
@@ -239,10 +239,11 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
                                        f"{config.microbatches} microbatches", {"dp_size": dp})
     if config.model_parallel:
         cache = {} if cache is None else cache
+        # ZeRO's stages exchange differently (estimate/step.dp_seconds) and, under measured op
+        # times, copy differently (estimate/runtime_ops.py); their scope changes neither there.
         measured_ops = isinstance(flops_per_s, OpTimes)
         key = repr(dataclasses.replace(config, offload="none") if measured_ops else
-                   dataclasses.replace(config, zero=3 if config.zero == 3 else 0,
-                                       zero_scope="world", offload="none"))
+                   dataclasses.replace(config, zero_scope="world", offload="none"))
         if key not in cache:
             cache[key] = predict(model, config, cluster, batch, inputs[0].shape[1], flops_per_s,
                                  message_overhead_s=message_overhead_s, optimizer=optimizer)

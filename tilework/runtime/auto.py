@@ -96,9 +96,9 @@ def _timed_links(groups: Groups) -> Links | None:
             points = time_points(group, size, sizes, repeats=5,
                                  collectives=("all_reduce", "reduce_scatter", "all_gather"))
             ring = fit_points("all_reduce", size, points["all_reduce"]).link()
-            timed = {c: [(w, t) for _, w, t in pts] for c, pts in points.items()}
+            raw = {c: [(w, t) for _, w, t in pts] for c, pts in points.items()}
             links[name] = Link(ring.bandwidth_gbps, ring.latency_us,
-                               **exchange_factors(timed, ring, size))
+                               **exchange_factors(raw, ring, size))
         except CalibrationError:   # times that do not grow with size (a loaded machine)
             failed = True
     # The slowest any rank measured: [bandwidth, -latency, -factors] per link, and whether all
