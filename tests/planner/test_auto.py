@@ -173,6 +173,22 @@ def test_a_sparse_table_goes_to_the_servers():
     assert placed["tables.0.weight"] == "ps"
 
 
+def test_with_every_parameter_on_the_servers_zero_is_no_candidate():
+    """mode="ps" leaves ZeRO nothing to shard: its stages would be copies of plain dp (and
+    ZeRO-3 with offload made a plan whose configuration could not be built: the search
+    raised instead of ranking)."""
+    from tilework.models.recommender import DLRM
+
+    with torch.device("meta"):
+        model = DLRM([1000, 50], embed_dim=16, sparse=True)
+    inputs = (torch.zeros(8, 8), torch.zeros(8, 2, dtype=torch.long), torch.zeros(8))
+    cluster = Cluster([Host("a", 2)])
+    found = search(model, cluster, inputs, RATE, base=ParallelConfig(mode="ps"), every=True)
+    assert {c.config.zero for c in found} == {0}
+    assert all(c.step_s is not None for c in found)
+    assert {p.method for p in found[0].parts["plan"].params} == {"ps"}
+
+
 def test_price_refuses_what_cannot_run_and_says_why():
     model, inputs = gpt(layers=2), tokens(batch=2)
     cluster = Cluster([Host("a", 4)])

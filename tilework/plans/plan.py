@@ -401,7 +401,9 @@ def config_of(plan: Plan) -> ParallelConfig:
         overrides={p.name: p.method for p in plan.params if p.reason == "set by the user"}
         or None,
         zero=max((p.zero for p in zeros), default=0),
-        zero_scope=zeros[0].zero_scope if zeros else "world", offload=plan.offload,
+        # A plan whose ZeRO shards nothing (every parameter on the servers) offloads nothing.
+        zero_scope=zeros[0].zero_scope if zeros else "world",
+        offload=plan.offload if zeros else "none",
         offload_dir=plan.offload_dir, recompute=dict(plan.recompute) or "none", **sizes,
         layout=dict(par.layout) or None, sequence_parallel=par.sequence_parallel,
         schedule=par.schedule or "1f1b", microbatches=par.microbatches or None,
