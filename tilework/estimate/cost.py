@@ -189,16 +189,15 @@ def outer_step_seconds(entries: list[ParamPlan], outer, topology: Topology, link
     item = dtype_bytes(entries[0].dtype)
     wire = outer_sync_wire([p.nbytes for p in entries], bucket_bytes, workers, per_worker,
                            outer.compress, item, outer.fragments)
-    dense = sum(p.nbytes for p in entries if not p.zero)
+    dense = sum(p.nbytes for p in entries if p.zero <= 1)   # stage 1 rides the buckets
     inner = ring_allreduce_bytes(dense, per_worker)
-    sharded = [zero_sync_seconds(p, per_worker, links.intra) for p in entries
-               if p.zero and per_worker > 1]
+    sharded = zero_bucket_seconds(entries, per_worker, links.intra, 1, bucket_bytes)
     return ((seconds(wire.across, across, wire.across_messages)
              + seconds(wire.within, links.intra, wire.within_messages)) / outer.every
             + seconds(inner, links.intra,
                       ALL_REDUCE.messages(per_worker) * max(1, -(-dense // bucket_bytes))
                       if per_worker > 1 else 0)
-            + sum(sharded))
+            + sharded)
 
 
 def push_over_world(topology: Topology, local_aggregation: bool) -> bool:
@@ -260,17 +259,70 @@ def zero_sync_seconds(plan: ParamPlan, n: int, link: Link, hosts: int = 1) -> fl
     reduce-scatter's and the all-gathers' (Link), the all-reduces' as fitted."""
     scope, chunk = zero_shard(plan, n, hosts)
     gathers = 2 if plan.zero == 3 and plan.unit else 1
-    gather = seconds(all_gather_bytes(chunk, scope), link, ALL_GATHER.messages(scope)) \
+    first = seconds(ring_allreduce_bytes(plan.nbytes, n), link, ALL_REDUCE.messages(n)) \
+        if plan.zero == 1 else _scatter_seconds(chunk, scope, n, link)
+    return first + gathers * _gather_seconds(chunk, scope, link)
+
+
+def _scatter_seconds(chunk: int, scope: int, n: int, link: Link) -> float:
+    """One reduce-scatter of `chunk`-byte chunks over `scope` ranks at its factor, and the
+    chunk's all-reduce across the n // scope copies where the scope is a host's."""
+    out = seconds(REDUCE_SCATTER.sent(chunk * scope, scope), link,
+                  REDUCE_SCATTER.messages(scope)) * link.reduce_scatter_factor
+    if scope < n:
+        out += seconds(ring_allreduce_bytes(chunk, n // scope), link,
+                       ALL_REDUCE.messages(n // scope))
+    return out
+
+
+def _gather_seconds(chunk: int, scope: int, link: Link) -> float:
+    return seconds(all_gather_bytes(chunk, scope), link, ALL_GATHER.messages(scope)) \
         * link.all_gather_factor
-    if plan.zero == 1:
-        first = seconds(ring_allreduce_bytes(plan.nbytes, n), link, ALL_REDUCE.messages(n))
-    else:
-        first = seconds(REDUCE_SCATTER.sent(chunk * scope, scope), link,
-                        REDUCE_SCATTER.messages(scope)) * link.reduce_scatter_factor
-        if scope < n:
-            first += seconds(ring_allreduce_bytes(chunk, n // scope), link,
-                             ALL_REDUCE.messages(n // scope))
-    return first + gathers * gather
+
+
+def zero_exchanges(entries: list[ParamPlan], n: int, hosts: int,
+                   bucket_bytes: int) -> list[tuple[str, int, int]]:
+    """ZeRO's own collectives for `entries` (registration order) in one step, as
+    parallel/data/zero.py launches them, one per bucket: ("reduce_scatter" or "all_gather",
+    each rank's chunk bytes, times a step). Stage 2's gradients are reduce-scattered in buckets
+    by size and stage 3's per unit; stage 1 and 2's values gathered after the step in buckets
+    by size, stage 3's per unit (twice, the model's own unit once). Stage 1's gradient
+    all-reduce is not here: it rides in the replicated parameters' buckets. The bytes are
+    `zero_sync_bytes`' summed (each parameter's chunk padded on its own)."""
+    sharded = [p for p in reversed(entries) if p.zero]   # backward's order, as launched
+    if n == 1 or not sharded:
+        return []
+
+    def chunk(group):
+        return sum(zero_shard(p, n, hosts)[1] for p in group)
+
+    def by_size(group):
+        return [[group[i] for i in b]
+                for b in assign_buckets([p.nbytes for p in group], bucket_bytes)]
+
+    units: dict[str, list[ParamPlan]] = {}
+    for p in sharded:
+        if p.zero == 3:
+            units.setdefault(p.unit or "", []).append(p)
+    return ([("reduce_scatter", chunk(b), 1)
+             for b in by_size([p for p in sharded if p.zero == 2]) + list(units.values())]
+            + [("all_gather", chunk(b), 1)
+               for b in by_size([p for p in sharded if p.zero in (1, 2)])]
+            + [("all_gather", chunk(b), 2 if unit else 1) for unit, b in units.items()])
+
+
+def zero_bucket_seconds(entries: list[ParamPlan], n: int, link: Link, hosts: int,
+                        bucket_bytes: int) -> float:
+    """`zero_exchanges` on `link`, each at its measured factor: a bucket's messages, where
+    pricing each parameter alone charged a model of many small ones a latency per
+    parameter."""
+    found = zero_exchanges(entries, n, hosts, bucket_bytes)
+    if not found:
+        return 0.0
+    scope = zero_shard(next(p for p in entries if p.zero), n, hosts)[0]
+    return sum(times * (_scatter_seconds(chunk, scope, n, link) if kind == "reduce_scatter"
+                        else _gather_seconds(chunk, scope, link))
+               for kind, chunk, times in found)
 
 
 def zero_sharded(plan: ParamPlan, topology: Topology, links: Links) -> Cost:

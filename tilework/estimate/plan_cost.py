@@ -22,10 +22,12 @@ from .compute import step_flops
 from .cost import (
     dense_served,
     grad_wire,
+    link_for,
     outer_entry,
     outer_step_seconds,
     predict,
     ring_allreduce,
+    zero_bucket_seconds,
 )
 from .memory import MemoryEstimate
 from .plan_memory import plan_memory
@@ -70,29 +72,32 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
 
 def dense_seconds(plan: Plan, cluster: Cluster) -> float:
     """The bucketed dense parameters' part of `comm_seconds`: their all-reduce (in its wire
-    width), or under local SGD the sync's share and a host's own exchanges (ZeRO's too)."""
+    width) and ZeRO's exchanges bucket by bucket, or under local SGD the sync's share and a
+    host's own exchanges (ZeRO's too)."""
     topo, links, part = _dp_topology(plan, cluster), cluster.links, plan.part(0)
     if plan.outer is not None:
         return outer_step_seconds(part.of("allreduce"), plan.outer, topo, links,
                                   part.bucket_bytes)
-    replicated = [p for p in part.of("allreduce") if not p.zero]
-    dense = sum(p.nbytes for p in replicated)
+    # ZeRO-1's gradients are all-reduced in the replicated parameters' buckets.
+    bucketed = [p for p in part.of("allreduce") if p.zero <= 1]
+    dense = sum(p.nbytes for p in bucketed)
+    sharded = zero_bucket_seconds(part.of("allreduce"), topo.world_size,
+                                  link_for(topo, links), topo.num_hosts, part.bucket_bytes)
     if not dense:
-        return 0.0
-    wire = sum(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype)) for p in replicated)
-    return ring_allreduce(wire, topo, links, math.ceil(dense / part.bucket_bytes)).seconds
+        return sharded
+    wire = sum(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype)) for p in bucketed)
+    return ring_allreduce(wire, topo, links, math.ceil(dense / part.bucket_bytes)).seconds \
+        + sharded
 
 
 def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> float:
     """Data-parallel communication per step (on a mesh: pp rank 0's part over its dp group):
-    replicated dense parameters bucketed together, tables and ZeRO-sharded parameters one by
-    one."""
+    dense parameters in their buckets (ZeRO's in its own), tables one by one."""
     part = plan.part(0)
     total = dense_seconds(plan, cluster)
     held = {p.name for p in part.params}
     return total + sum(c.seconds for p, c in zip(plan.params, entry_costs(plan, cluster, traffic))
-                       if p.name in held and (p.method != "allreduce"
-                                              or (p.zero and plan.outer is None)))
+                       if p.name in held and p.method != "allreduce")
 
 
 def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | None = None,

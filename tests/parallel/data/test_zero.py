@@ -182,12 +182,29 @@ def test_unparallelize_after_stage_3_gives_back_the_plain_model():
 def test_counted_bytes_by_stage():
     """What one step sends per rank, by stage, on 2 ranks: stage 1 adds an all-gather to DDP's
     all-reduce; 2 is DDP's bytes (a reduce-scatter and an all-gather); 3 adds a gather per
-    block unit (the counters equal the cost model exactly: tests/estimate/test_cost.py)."""
+    block unit (the counters equal the cost model exactly: tests/estimate/test_cost.py). And
+    ZeRO's collectives are the ones the cost model prices, one per bucket or unit
+    (estimate/cost.zero_exchanges), with their bytes."""
+    from tilework.cluster.topology import Topology
+    from tilework.comm.wire import REDUCE_SCATTER, all_gather_bytes
+    from tilework.estimate.cost import zero_exchanges
+
     sent = {}
-    for zero in (0, 1, 2, 3):
-        results = spawn(_rank, 2, args=(zero, "sgd", {"check_inputs": False}), timeout=120)
-        sent[zero] = sum(t["sent"] for m, t in results[0]["stats"].items()
-                         if m in ("allreduce", "zero"))
+    # The last: buckets of 2 KB, so stage 2's exchanges take several.
+    for zero, bucket_mb in ((0, 25.0), (1, 25.0), (2, 25.0), (3, 25.0), (2, 2 / 1024)):
+        results = spawn(_rank, 2, args=(zero, "sgd", {"check_inputs": False,
+                                                      "bucket_mb": bucket_mb}), timeout=120)
+        if bucket_mb == 25.0:
+            sent[zero] = sum(t["sent"] for m, t in results[0]["stats"].items()
+                             if m in ("allreduce", "zero"))
+        plan = tilework.plan(new_model(), ParallelConfig(zero=zero, bucket_mb=bucket_mb),
+                             topology=Topology.from_sizes([2]))
+        priced = zero_exchanges(list(plan.of("allreduce")), 2, 1, plan.bucket_bytes)
+        counted = results[0]["stats"].get("zero", {"calls": 0, "sent": 0})
+        assert counted["calls"] == sum(times for _, _, times in priced), (zero, priced)
+        assert counted["sent"] == sum(
+            times * (REDUCE_SCATTER.sent(chunk * 2, 2) if kind == "reduce_scatter"
+                     else all_gather_bytes(chunk, 2)) for kind, chunk, times in priced), zero
     params = sum(p.numel() * 4 for p in new_model().parameters())
     assert sent[0] == params   # ring all-reduce on 2 ranks: 2 (n-1)/n = 1x the bytes
     assert sent[0] < sent[1] <= 1.5 * sent[0] + 64
