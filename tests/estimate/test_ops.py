@@ -103,6 +103,27 @@ def test_measure_times_real_calls_and_leaves_out_one_that_fails():
     assert set(got) == {ok} and got[ok] > 0
 
 
+def test_a_sparse_gradient_is_recorded_and_measured_as_its_touched_rows():
+    """An embedding with sparse=True hands its gradient to AccumulateGrad as a sparse tensor
+    of the rows looked up: recorded as such and timed on a sparse tensor of as many entries,
+    not on a dense table (the recommender's forward and backward came out 3.4x its measured
+    time when a 200,000-row table's gradient was cloned dense)."""
+    with torch.device("meta"):
+        table = nn.Embedding(200_000, 16, sparse=True)
+    ids = torch.zeros(128, dtype=torch.long, device="meta")
+    found = record(table, (ids,), ())
+    sparse = [a for c in found.backward for a in c.args
+              if isinstance(a, TensorSpec) and a.sparse_dims]
+    assert sparse and all(a == TensorSpec((200_000, 16), "float32", 1, 128) for a in sparse)
+    from tilework.estimate.ops import _made
+
+    made = _made(sparse[0], torch.device("cpu"))   # what `measure` times the call on
+    assert made.layout == torch.sparse_coo and made.shape == (200_000, 16)
+    assert made._nnz() == 128 and made._values().numel() == 128 * 16
+    clone = OpCall("aten::clone.default", (sparse[0],), ())
+    assert set(measure([clone], min_seconds=1e-4)) == {clone}
+
+
 def test_collecting_gathers_what_it_is_asked_and_prices_nothing():
     asked = Collecting()
     got = record(on_meta(TwoLayers()), inputs())

@@ -134,3 +134,56 @@ def test_zero_copies_more_than_the_plain_buckets_and_steps_less():
     assert moved(plain, "aten::cat.out") == numel           # one bucket, every gradient once
     assert moved(sharded, "aten::copy_.default") >= numel   # every value written back
     assert moved(sharded, "aten::add_.Tensor") * 2 <= moved(plain, "aten::add_.Tensor") + 2
+
+
+def _recommender():
+    from tilework.models.recommender import DLRM
+
+    torch.manual_seed(0)
+    return DLRM([500, 300], dense_features=8, embed_dim=16, sparse=True)
+
+
+def _recommender_inputs(rank: int = 0):
+    g = torch.Generator().manual_seed(rank)
+    return (torch.randn(BATCH, 8, generator=g), torch.randint(0, 300, (BATCH, 2), generator=g),
+            torch.randint(0, 2, (BATCH,), generator=g).float())
+
+
+def _real_all_reduced_tables(rank, world_size):
+    model = _recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tilework.parallelize(model, opt, mode="allreduce", bucket_mb=BUCKET_BYTES / 2**20,
+                         log=False)
+    inputs = _recommender_inputs(rank)
+
+    def step():
+        model(*inputs).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    calls = Counter()
+    with _Recorder(calls, Counter(), "step", ["none"]):
+        step()
+    return calls
+
+
+def test_sparse_gradients_all_reduced_are_made_dense_as_recorded():
+    """Tables with sparse gradients, all-reduced (mode="allreduce"): the runtime makes each
+    gradient dense in its bucket, which the recorded calls do too, from the recording's
+    sparse gradient specs (the touched rows), where they used to take it dense already."""
+    from tilework.estimate.ops import record
+
+    real = spawn(_real_all_reduced_tables, 2)[0]
+    model, own = _recommender(), Counter()
+    with _Recorder(own, Counter(), "step", ["none"]):
+        model(*_recommender_inputs()).backward()
+    around = large(real) - large(own)
+    with torch.device("meta"):
+        meta = _recommender()
+    specs = record(meta, tuple(x.to("meta") for x in _recommender_inputs())).params
+    assert [s.sparse_dims for s in specs[:2]] == [1, 1] and specs[0].nnz == BATCH
+    predicted = large(runtime_calls(specs, 0, 2, 2, BUCKET_BYTES, "sgd"))
+    assert any(op == "aten::_to_dense.default" for op, _ in predicted)
+    assert {k: (around[k], predicted[k]) for k in around | predicted
+            if around[k] != predicted[k]} == {}

@@ -29,6 +29,7 @@ recorded apart, from the parameters a Recording keeps (estimate/runtime_ops.py).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections import Counter
@@ -43,6 +44,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 class TensorSpec(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
+    # A sparse COO tensor's (sparse dimensions, stored entries): an embedding's sparse gradient
+    # is its touched rows, which a dense tensor of its shape would price as the whole table.
+    sparse_dims: int = 0
+    nnz: int = 0
 
 
 class OpCall(NamedTuple):
@@ -72,7 +77,10 @@ class Recording:
 
 def _spec(x):
     if torch.is_tensor(x):
-        return TensorSpec(tuple(x.shape), str(x.dtype).removeprefix("torch."))
+        dtype = str(x.dtype).removeprefix("torch.")
+        if x.layout == torch.sparse_coo:
+            return TensorSpec(tuple(x.shape), dtype, x.sparse_dim(), x._nnz())
+        return TensorSpec(tuple(x.shape), dtype)
     if isinstance(x, torch.device):
         return "device"        # made on the measuring device
     if isinstance(x, list):
@@ -123,19 +131,35 @@ def record(module: nn.Module, inputs: tuple, recompute=(), grad_of_output: bool 
     trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     out = Recording(params=tuple(_spec(p) for _, p in trained),
                     units=tuple(owner[n] for n, _ in trained))
+    before, hooks = [p.grad for _, p in trained], []
     try:
         with WorstCaseUnique(), _Recorder(out.forward, out.regions, "forward", policy):
             y = module(*inputs)
         outputs = [y] if torch.is_tensor(y) else [t for t in (y or ()) if torch.is_tensor(t)]
         outputs = [t for t in outputs if t.requires_grad]
         if outputs:
+            # A gradient that arrives sparse (an embedding's, sparse=True) is what the runtime
+            # copies into its buckets: the touched rows, made dense there.
+            arriving: dict[int, TensorSpec] = {}
+            hooks = [p.register_hook(functools.partial(_keep_sparse, arriving, k))
+                     for k, (_, p) in enumerate(trained)]
             with WorstCaseUnique(), _Recorder(out.backward, out.regions, "backward", policy):
                 grads = [None if t.numel() == 1 and not grad_of_output else torch.empty_like(t)
                          for t in outputs]
                 torch.autograd.backward(outputs, grads)
+            out.params = tuple(arriving.get(k, spec) for k, spec in enumerate(out.params))
     finally:
+        for hook in hooks:
+            hook.remove()
+        for (_, p), grad in zip(trained, before):
+            p.grad = grad
         changes.undo()
     return out
+
+
+def _keep_sparse(arriving: dict, k: int, grad: torch.Tensor) -> None:
+    if grad.layout == torch.sparse_coo:
+        arriving[k] = _spec(grad)
 
 
 # The products a MatmulCurve prices, and how their (m, k, n, count) reads off the arguments.
@@ -217,6 +241,11 @@ def _resolve(name: str):
 
 
 def _made(spec, device):
+    if isinstance(spec, TensorSpec) and spec.sparse_dims:
+        values = TensorSpec((spec.nnz, *spec.shape[spec.sparse_dims:]), spec.dtype)
+        indices = torch.zeros(spec.sparse_dims, spec.nnz, dtype=torch.long, device=device)
+        return torch.sparse_coo_tensor(indices, _made(values, device), spec.shape,
+                                       check_invariants=True)
     if isinstance(spec, TensorSpec):
         dtype = getattr(torch, spec.dtype)
         if dtype.is_floating_point or dtype.is_complex:

@@ -129,7 +129,7 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
         # overlapped: the bound the step cannot exceed).
         compute = _counted_compute(model, example_inputs, plan.recompute, flops) \
             * pace(plan, cluster)
-        runtime = _runtime_seconds(model, plan, cluster, flops, optimizer)
+        runtime = _runtime_seconds(model, example_inputs, plan, cluster, flops, optimizer)
         return PlanCost(comm, compute, compute + comm + runtime, memory(), entries,
                         {"compute": compute, "dp": comm, "runtime": runtime})
     if replica_batch is None or seq is None:
@@ -179,19 +179,24 @@ def _counted_compute(model, example_inputs: tuple, recompute, rate) -> float:
     return sum(rate.seconds(model_recording(model, example_inputs, recompute)))
 
 
-def _runtime_seconds(model, plan: Plan, cluster: Cluster, rate, optimizer) -> float:
+def _runtime_seconds(model, example_inputs: tuple, plan: Plan, cluster: Cluster, rate,
+                     optimizer) -> float:
     """Given OpTimes, what the runtime runs around a data-parallel step (estimate/runtime_ops.py):
-    the bucketed dense parameters' copies, ZeRO's, and the optimizer's update of what the rank
-    steps (the servers' tables step on the servers, not priced here)."""
-    from .ops import OpTimes, TensorSpec
+    the bucketed dense parameters' copies (a sparse gradient made dense), ZeRO's, and the
+    optimizer's update of what the rank steps (the servers' tables step on the servers, not
+    priced here)."""
+    from .op_stages import model_recording
+    from .ops import OpTimes
     from .runtime_ops import runtime_calls
 
     if not isinstance(rate, OpTimes):
         return 0.0
     dense = {p.name: p for p in plan.params if p.method == "allreduce"}
-    held = [(name, p) for name, p in model.named_parameters() if name in dense and p.requires_grad]
-    specs = tuple(TensorSpec(tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                  for _, p in held)
+    # The recording's specs: each parameter's, or its gradient's where that arrives sparse.
+    recorded = model_recording(model, example_inputs, plan.recompute).params
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    held = [(name, spec) for name, spec in zip(trained, recorded) if name in dense]
+    specs = tuple(spec for _, spec in held)
     zero = max((p.zero for p in dense.values()), default=0)
     host_scope = any(p.zero and p.zero_scope == "host" for p in dense.values())
     shards = min(h.procs for h in cluster.hosts) if host_scope else plan.world_size

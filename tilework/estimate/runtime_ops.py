@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from .ops import TensorSpec, _Recorder
+from .ops import OpCall, TensorSpec, _Recorder
 
 
 def runtime_calls(params: tuple[TensorSpec, ...], zero: int, shards: int, averaged: int,
@@ -54,6 +54,9 @@ def _calls(params, zero, shards, averaged, bucket_bytes, optimizer, checks, unit
           for s in params]
     for p in ps:
         p.grad = torch.empty_like(p)
+    # Gradients that arrive sparse (an embedding's touched rows) are made dense in the buckets.
+    arriving = {id(p): _sparse_grad(s) for p, s in zip(ps, params) if s.sparse_dims}
+    sparse = {id(arriving[id(p)]): s for p, s in zip(ps, params) if s.sparse_dims}
     backward = ps[::-1]   # buckets fill in backward's order
     out, regions = Counter(), Counter()
     # A host-scoped ZeRO on hosts of one rank shards over one: its packing, gathers and
@@ -67,7 +70,9 @@ def _calls(params, zero, shards, averaged, bucket_bytes, optimizer, checks, unit
     opt.step()   # the first step makes the state: recorded from the second on
     with _Recorder(out, regions, "step", ["none"]):
         if averaged > 1 and zero <= 1:
-            _dense_buckets(backward, bucket_bytes, averaged, assign_buckets, checks)
+            for p in ps:
+                p.grad = arriving.get(id(p), p.grad)
+            _dense_buckets(backward, bucket_bytes, averaged, assign_buckets, checks, out, sparse)
         if sharded:
             by_param = {id(s.param): s for s in owned}
             order = [by_param[id(p)] for p in backward]
@@ -134,14 +139,33 @@ def _optimizer(optimizer, params: list[nn.Parameter]):
     return _UPDATES[optimizer_kind(optimizer)](params)
 
 
+def _sparse_grad(spec: TensorSpec) -> torch.Tensor:
+    values = torch.empty((spec.nnz, *spec.shape[spec.sparse_dims:]),
+                         dtype=getattr(torch, spec.dtype), device="meta")
+    indices = torch.empty(spec.sparse_dims, spec.nnz, dtype=torch.long, device="meta")
+    return torch.sparse_coo_tensor(indices, values, spec.shape, check_invariants=False)
+
+
+def _densified(grad: torch.Tensor, out: Counter, sparse: dict) -> torch.Tensor:
+    """`grad.to_dense()` as the CPU runs it (one call), which the meta device has no kernel
+    for: recorded by hand (`sparse`: the spec of each sparse gradient, by id, since asking the
+    tensor would record the asking)."""
+    if id(grad) not in sparse:
+        return grad
+    out[OpCall("aten::_to_dense.default", (sparse[id(grad)],), ())] += 1
+    return torch.empty(grad.shape, dtype=grad.dtype, device="meta")
+
+
 def _sizes(tensors) -> list[int]:
     return [t.numel() * t.element_size() for t in tensors]
 
 
-def _dense_buckets(params, bucket_bytes: int, averaged: int, assign, checks: bool) -> None:
+def _dense_buckets(params, bucket_bytes: int, averaged: int, assign, checks: bool,
+                   out: Counter, sparse: dict) -> None:
     """parallel/data/dense.py: each bucket's gradients concatenated into its buffer (a bucket
-    of one parameter is reduced in place), checked by one sum (the last bucket carries the
-    input checks' words), divided by the ranks, and the gradients made views of it."""
+    of one parameter is reduced in place; a sparse gradient made dense first), checked by one
+    sum (the last bucket carries the input checks' words), divided by the ranks, and the
+    gradients made views of it."""
     from ..comm.wire import CHECK_WORDS
 
     buckets = assign(_sizes(params), bucket_bytes)
@@ -149,11 +173,12 @@ def _dense_buckets(params, bucket_bytes: int, averaged: int, assign, checks: boo
         bucket = [params[i] for i in members]
         carry = checks and k == len(buckets) - 1
         size = sum(p.numel() for p in bucket)
+        dense = [_densified(p.grad, out, sparse) for p in bucket]
         if len(bucket) == 1 and not carry:
-            buffer = grads = bucket[0].grad
+            buffer = grads = bucket[0].grad = dense[0]
         else:
-            buffer = bucket[0].grad.reshape(-1).new_empty(size + (CHECK_WORDS if carry else 0))
-            torch.cat([p.grad.reshape(-1) for p in bucket], out=buffer[:size])
+            buffer = dense[0].reshape(-1).new_empty(size + (CHECK_WORDS if carry else 0))
+            torch.cat([g.reshape(-1) for g in dense], out=buffer[:size])
             grads = buffer[:size]
         if checks:
             grads.sum()
@@ -166,7 +191,7 @@ def _dense_buckets(params, bucket_bytes: int, averaged: int, assign, checks: boo
             continue
         offset = 0
         for p in bucket:
-            buffer[offset:offset + p.numel()].view_as(p)
+            p.grad = buffer[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
 
