@@ -66,13 +66,9 @@ class CalibrationError(UserError):
 
 
 def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
-    """(alpha in s, beta in bytes/s) of `t = alpha + bytes / beta`, least squares on the
-    relative error (each point weighted by 1 / its time). A planner prices messages from a few
-    KB (a bucket of a small model's gradients, a step's rows) to tens of MB on one fit; plain
-    least squares let the largest sizes set alpha too (on loopback: 2.06 ms fitted over 4 KB to
-    16 MB, where the small all-reduces took 0.2-0.4 ms), and every small message was priced
-    at it. alpha is clamped at 0 (refitting beta alone, through the origin) since a latency
-    cannot be negative; times that do not grow with the size raise ValueError."""
+    """(alpha in s, beta in bytes/s) of `t = alpha + bytes / beta`, ordinary least squares.
+    alpha is clamped at 0 (refitting beta alone, through the origin) since a latency cannot be
+    negative; times that do not grow with the size raise ValueError."""
     x = np.asarray(sizes_bytes, dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64)
     if x.shape != t.shape or x.ndim != 1:
@@ -82,12 +78,11 @@ def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
         raise ValueError("need points at two or more distinct sizes")
     if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(np.isfinite(x)) and np.all(x >= 0)):
         raise ValueError("sizes must be finite and >= 0, seconds finite and > 0")
-    weight = 1.0 / t
-    design = np.stack([np.ones_like(x), x], axis=1) * weight[:, None]
-    (alpha, inv_beta), *_ = np.linalg.lstsq(design, t * weight, rcond=None)
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(design, t, rcond=None)
     if alpha < 0:
         alpha = 0.0
-        inv_beta = float(np.sum(x / t) / np.sum((x / t) ** 2))
+        inv_beta = float(np.sum(x * t) / np.sum(x * x))
     if not inv_beta > 0:
         raise ValueError("the times do not grow with the size, so they give no bandwidth "
                          f"(sizes {x.tolist()} bytes, seconds {t.tolist()}); use larger sizes")
