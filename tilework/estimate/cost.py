@@ -662,6 +662,39 @@ def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
     return Cost(sent, seconds(sent, link_for(topology, links), 3 * ALL_GATHER.messages(n)))
 
 
+def meeting_seconds(method: str, topology: Topology, links: Links,
+                    local_aggregation: bool) -> float:
+    """The latency of one step's exchange of the tables of `method` ("ps" or "allgather"), the
+    part of each table's own price (`ps_expected`, `sparse_allgather`) that does not grow with
+    its rows."""
+    n = topology.world_size
+    if n == 1:
+        return 0.0
+    if method == "allgather":
+        return 3 * ALL_GATHER.messages(n) * link_for(topology, links).latency_s
+    if not (local_aggregation and topology.can_aggregate_locally):
+        return 3 * (n - 1) * link_for(topology, links).latency_s
+    local, hosts = len(topology.hosts[0]), topology.num_hosts
+    return 3 * (local - 1) * links.intra.latency_s + 3 * (hosts - 1) * links.inter.latency_s
+
+
+def shared_meetings(plans: list[ParamPlan], traffic: dict, topology: Topology, links: Links,
+                    local_aggregation: bool) -> float:
+    """The seconds the tables' own prices charge more than the runtime spends: the servers'
+    tables are pulled and pushed together (parallel/rows/exchange.py, push.py) and the
+    gathered ones meet in the same three collectives (parallel/rows/gather.py), so k tables of
+    a method meet once, where k prices of their own charge k meetings (the recommender's three
+    tables were priced 3x the collectives of their all-gather)."""
+    out = 0.0
+    for method in ("ps", "allgather"):
+        priced = [p for p in plans if p.method == method and p.is_table
+                  and traffic.get(p.name) is not None]
+        if len(priced) > 1:
+            out += (len(priced) - 1) * meeting_seconds(method, topology, links,
+                                                       local_aggregation)
+    return out
+
+
 def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, links: Links,
             local_aggregation: bool, head_rides: bool = False) -> Cost | None:
     """One entry's expected step on its own (dense parameters unbucketed): what the planner

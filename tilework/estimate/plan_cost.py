@@ -27,6 +27,7 @@ from .cost import (
     outer_step_seconds,
     predict,
     ring_allreduce,
+    shared_meetings,
     zero_bucket_seconds,
 )
 from .memory import MemoryEstimate
@@ -92,12 +93,16 @@ def dense_seconds(plan: Plan, cluster: Cluster) -> float:
 
 def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> float:
     """Data-parallel communication per step (on a mesh: pp rank 0's part over its dp group):
-    dense parameters in their buckets (ZeRO's in its own), tables one by one."""
+    dense parameters in their buckets (ZeRO's in its own), tables by their own prices less the
+    meetings they share (`cost.shared_meetings`)."""
     part = plan.part(0)
     total = dense_seconds(plan, cluster)
     held = {p.name for p in part.params}
-    return total + sum(c.seconds for p, c in zip(plan.params, entry_costs(plan, cluster, traffic))
-                       if p.name in held and p.method != "allreduce")
+    tables = [p for p in plan.params if p.name in held and p.method != "allreduce"]
+    costs = dict(zip((p.name for p in plan.params), entry_costs(plan, cluster, traffic)))
+    return total + sum(costs[p.name].seconds for p in tables) - shared_meetings(
+        tables, traffic or {}, _dp_topology(plan, cluster), cluster.links,
+        plan.local_aggregation)
 
 
 def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | None = None,

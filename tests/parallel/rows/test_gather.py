@@ -106,3 +106,62 @@ def test_allgather_is_for_embedding_tables():
     with pytest.raises(PlanError, match="'allgather' gathers a sparse gradient's rows, and "
                                         "emb.weight's module makes a dense one"):
         tilework.plan(model, tilework.ParallelConfig(overrides={"emb.weight": "allgather"}))
+
+
+class TwoTables(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Embedding(ROWS, DIM, sparse=True)
+        self.b = nn.Embedding(ROWS, DIM, sparse=True)
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, ids):
+        return self.out((self.a(ids) + self.b(ids)).mean(1)).pow(2).mean()
+
+
+def _two_tables(rank, world_size, method):
+    torch.manual_seed(0)
+    model = TwoTables()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    tilework.parallelize(model, opt, overrides={"a.weight": method, "b.weight": method},
+                         log=False)
+    model(batch(0, rank, world_size)).backward()
+    opt.step()
+    return tilework.stats(model)["last_step"][method]["calls"]
+
+
+@pytest.mark.parametrize("method", ["allgather", "ps"])
+def test_tables_of_a_method_meet_once_and_are_priced_so(method):
+    """Two gathered tables meet in the same three collectives as one does, and the servers'
+    tables are pulled and pushed together: counted, the calls of two tables are one table's.
+    So the plan's communication charges their meetings once (estimate/cost.shared_meetings):
+    the two tables' own prices less one meeting."""
+    from tilework.cluster.topology import Cluster, Host
+    from tilework.estimate.cost import meeting_seconds
+    from tilework.estimate.plan_cost import comm_seconds, entry_costs
+
+    calls = spawn(_two_tables, 2, args=(method,), timeout=120)
+    one = spawn(_train_calls, 2, args=(method,), timeout=120)
+    assert calls[0] == one[0], (calls, one)
+    link = Link(1.0, 500.0)
+    cluster = Cluster([Host("a", 2)], links=Links(intra=link, inter=link))
+    traffic = {n: TableTraffic(per_rank=10.0, per_host=18.0, world=18.0)
+               for n in ("a.weight", "b.weight")}
+    plan = tilework.plan(TwoTables(), tilework.ParallelConfig(
+        overrides={"a.weight": method, "b.weight": method}), cluster, traffic=traffic)
+    own = sum(c.seconds for c in entry_costs(plan, cluster, traffic) if c.name != "out.weight"
+              and c.name != "out.bias")
+    dense = comm_seconds(plan, cluster, traffic) - own
+    assert dense == pytest.approx(
+        -meeting_seconds(method, cluster.topology(), cluster.links, True)
+        + ring_allreduce((DIM + 1) * 4, cluster.topology(), cluster.links).seconds)
+
+
+def _train_calls(rank, world_size, method):
+    torch.manual_seed(0)
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    tilework.parallelize(model, opt, overrides={"emb.weight": method}, log=False)
+    model(batch(0, rank, world_size)).backward()
+    opt.step()
+    return tilework.stats(model)["last_step"][method]["calls"]
