@@ -107,27 +107,17 @@ def _world(rank, world_size, configs, steps, calls, order, calibrate):
                                              False)
 
 
-def _worker(a) -> None:
-    """One rank of an emulated host's world (--hosts): the job from a file, rank 0's result to
-    one."""
-    import torch.distributed as dist
-
-    job = pickle.loads(Path(a.job).read_bytes())
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = _world(rank, world, job["configs"], job["steps"], job["calls"], job["order"], True)
-    if rank == 0:
-        Path(a.result).write_bytes(pickle.dumps(out))
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)   # past the last collective: no teardown to wait in
-
-
 def _round(world: int, configs, steps: int, calls, order, cluster) -> dict:
-    """One fresh world running every candidate in `order`: spawned on loopback, or one rank
-    per emulated host of `cluster`."""
+    """One fresh world running every candidate in `order`."""
+    return run_world(_world, world, (configs, steps, calls, order, True), cluster, __file__)
+
+
+def run_world(fn, world: int, args: tuple, cluster, script: str) -> dict:
+    """`fn(rank, world, *args)` on a fresh world of `world` ranks, rank 0's result: spawned on
+    loopback, or (a `cluster` of emulated hosts) one rank per host, each running `script
+    --worker`, which calls `worker_main(fn, args)`)."""
     if cluster is None:
-        return spawn(_world, world, args=(configs, steps, calls, order, True), timeout=3600)[0]
+        return spawn(fn, world, args=args, timeout=3600)[0]
     import tempfile
 
     from tilework.bench.suite import _free_port, launch_ranks
@@ -135,9 +125,8 @@ def _round(world: int, configs, steps: int, calls, order, cluster) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         job, result = Path(tmp) / "job.pickle", Path(tmp) / "result.pickle"
-        job.write_bytes(pickle.dumps({"configs": configs, "steps": steps, "calls": calls,
-                                      "order": order}))
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--job", str(job),
+        job.write_bytes(pickle.dumps(args))
+        argv = [sys.executable, str(Path(script).resolve()), "--worker", "--job", str(job),
                 "--result", str(result)]
         port = _free_port()
         base = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -147,6 +136,21 @@ def _round(world: int, configs, steps: int, calls, order, cluster) -> dict:
                  **cluster.gloo_env(r, port)} for r in range(world)]
         launch_ranks([cluster.command(r, argv) for r in range(world)], envs, timeout=3600)
         return pickle.loads(result.read_bytes())
+
+
+def worker_main(fn, a) -> None:
+    """One rank of an emulated host's world (`run_world`): `fn`'s arguments from the job file,
+    rank 0's result to the result file."""
+    import torch.distributed as dist
+
+    args = pickle.loads(Path(a.job).read_bytes())
+    dist.init_process_group("gloo")
+    out = fn(dist.get_rank(), dist.get_world_size(), *args)
+    if dist.get_rank() == 0:
+        Path(a.result).write_bytes(pickle.dumps(out))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)   # past the last collective: no teardown to wait in
 
 
 def _link(world_size: int, nbytes: int, tries: int = 3):
@@ -271,7 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        _worker(a)
+        worker_main(_world, a)
         return 0
     if not a.hosts:
         return _run(a, None)
