@@ -167,16 +167,16 @@ def _link(world_size: int, nbytes: int, tries: int = 3):
 
 
 def _exchange_factors(world_size: int, nbytes: int, link) -> dict:
-    """ZeRO's exchanges as the runtime makes them against `link` (the all-reduce's fit), as
-    `tilework calibrate` writes them into a link (cluster/calibration_file.exchange_factors),
-    on buffers of 1-16x the activations' size."""
+    """ZeRO's exchanges and ring attention's shift as the runtime makes them against `link`
+    (the all-reduce's fit), as `tilework calibrate` writes them into a link
+    (cluster/calibration_file.exchange_factors), on buffers of 1-16x the activations' size."""
     import torch.distributed as dist
 
     from tilework.cluster.calibrate import time_points
     from tilework.cluster.calibration_file import exchange_factors
 
     points = time_points(dist.group.WORLD, world_size, [nbytes, 4 * nbytes, 16 * nbytes],
-                         repeats=5, collectives=("reduce_scatter", "all_gather"))
+                         repeats=5, collectives=("reduce_scatter", "all_gather", "ring_shift"))
     return exchange_factors({c: [(w, t) for _, w, t in pts] for c, pts in points.items()},
                             link, world_size)
 
@@ -363,7 +363,8 @@ def _run(a, cluster) -> int:
     print(f"{a.world} ranks on {where}: FLOP/s per rank {got['flops']:.3g} (each world: "
           + ", ".join(f"{f:.3g}" for f in got["flops_by_round"]) + "), link "
           f"{link.bandwidth_gbps:.3g} Gb/s {link.latency_us:.0f} us (ZeRO's reduce-scatter "
-          f"{link.reduce_scatter_factor:.2f}x, all-gather {link.all_gather_factor:.2f}x), o "
+          f"{link.reduce_scatter_factor:.2f}x, all-gather {link.all_gather_factor:.2f}x, cp's "
+          f"shift {link.ring_shift_factor:.2f}x), o "
           f"{got['overhead_s'] * 1e3:.2f} ms")
     print(f"op model: {len(calls)} distinct calls, scale {scale:.2f}, framework per call "
           + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in got["framework"].items()))

@@ -69,12 +69,13 @@ def test_zero_exchange_factors_are_their_times_over_the_all_reduce_fits_price():
                                          tuple(alpha + w / beta for w in ar_wire), alpha, beta)}
     link = results["all_reduce"].link()
     points = {}
-    for name, factor in (("reduce_scatter", 2.0), ("all_gather", 1.5)):
+    for name, factor in (("reduce_scatter", 2.0), ("all_gather", 1.5), ("ring_shift", 1.8)):
         wire = tuple(b // 2 if name == "reduce_scatter" else b for b in buffers)
         messages = Measurement(name, n, buffers, wire, (), 0.0, 1.0).messages
         points[name] = [(w, factor * cost.seconds(w, link, messages)) for w in wire]
     assert exchange_factors(points, link, n) == pytest.approx({"reduce_scatter_factor": 2.0,
-                                                               "all_gather_factor": 1.5})
+                                                               "all_gather_factor": 1.5,
+                                                               "ring_shift_factor": 1.8})
     assert exchange_factors({}, link, n) == {}
 
 
@@ -159,7 +160,7 @@ def test_time_points_on_two_real_ranks_gives_every_rank_the_same_counted_points(
     out = spawn(_points_tiny, world_size=2, timeout=60)
     assert out[0] == out[1]   # every rank returns the same figures
     assert set(out[0]) == {"all_reduce", "all_to_all", "send_recv", "reduce_scatter",
-                           "all_gather"}
+                           "all_gather", "ring_shift"}
     for name, points in out[0].items():
         # ZeRO's exchanges as the runtime makes them: the reduce-scatter sends the other
         # rank's half of the buffer, the all-gather this rank's part (the buffer) once.
@@ -168,7 +169,9 @@ def test_time_points_on_two_real_ranks_gives_every_rank_the_same_counted_points(
             "all_to_all": [(4 << 10, 2 << 10), (4 << 20, 2 << 20)],
             "reduce_scatter": [(4 << 10, 2 << 10), (4 << 20, 2 << 20)],
             "all_gather": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)],
-            "send_recv": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)]}[name]
+            "send_recv": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)],
+            # ring attention's shift: the buffer to the next rank, the previous one's back
+            "ring_shift": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)]}[name]
         assert all(math.isfinite(s) and s > 0 for _, _, s in points), name
 
 

@@ -108,3 +108,27 @@ def test_many_small_parameters_are_priced_per_bucket_not_per_parameter():
     assert alone - bucketed == pytest.approx(9 * (2.0 * REDUCE_SCATTER.messages(n)
                                                   + 1.5 * ALL_GATHER.messages(n))
                                              * SLOW_EXCHANGES.latency_s)
+
+
+def test_ring_attention_s_shift_is_priced_at_its_measured_factor():
+    """cp's blocks cross the link both ways at once (every rank sends to the next while it
+    receives from the previous), which `tilework calibrate` times as "ring_shift": at a factor
+    of 2 the step model's cp exchange takes its transfer time once more."""
+    import torch
+
+    from tilework.cluster.topology import Cluster, Host, Links
+    from tilework.config.parallel import ParallelConfig
+    from tilework.estimate.step import predict
+    from tilework.models.gpt import TinyGPT
+
+    with torch.device("meta"):
+        model = TinyGPT(vocab=64, dim=32, heads=2, layers=2, seq_len=16)
+
+    def cp_seconds(link):
+        cluster = Cluster([Host("a", 2)], links=Links(intra=link, inter=link))
+        found = predict(model, ParallelConfig(cp=2), cluster, 2, 16, 1e10)
+        return found.parts["cp"], found.parts["bytes_per_rank"][0]["cp"]
+
+    plain, sent = cp_seconds(LINK)
+    shifted, _ = cp_seconds(Link(1.0, 100.0, ring_shift_factor=2.0))
+    assert sent > 0 and shifted - plain == pytest.approx(sent / LINK.bytes_per_s)

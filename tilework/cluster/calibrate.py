@@ -53,7 +53,8 @@ DEFAULT_SIZES = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
 DEFAULT_REPEATS = 5
 QUICK_SIZES = (4 * KB, 64 * KB, 1 * MB, 4 * MB)
 QUICK_REPEATS = 3
-COLLECTIVES = ("all_reduce", "all_to_all", "send_recv", "reduce_scatter", "all_gather")
+COLLECTIVES = ("all_reduce", "all_to_all", "send_recv", "reduce_scatter", "all_gather",
+               "ring_shift")
 
 
 # The collectives calibration times, by the wire table's definitions of bytes and messages (a
@@ -200,8 +201,10 @@ def _call_timer(group):
 
     from ..comm.counted import Stats, all_gather_async, reduce_scatter_async
 
-    me = dist.get_rank(group)
+    me, size = dist.get_rank(group), dist.get_world_size(group)
     peer = {0: dist.get_global_rank(group, 1), 1: dist.get_global_rank(group, 0)}.get(me)
+    following = dist.get_global_rank(group, (me + 1) % size)
+    preceding = dist.get_global_rank(group, (me - 1) % size)
 
     def call(name: str, send, recv) -> float:
         dist.barrier(group=group)
@@ -214,6 +217,11 @@ def _call_timer(group):
             reduce_scatter_async(send, group, Stats(), "calibrate").wait()
         elif name == "all_gather":   # `send` is this rank's part
             all_gather_async(send, group, Stats(), "calibrate").wait()
+        elif name == "ring_shift":   # as parallel/context/comm.py passes ring attention's blocks
+            works = [dist.isend(send, following, group=group),
+                     dist.irecv(recv, preceding, group=group)]
+            for work in works:
+                work.wait()
         elif me == 0:
             dist.send(send, dst=peer)
             dist.recv(recv, src=peer)

@@ -22,17 +22,18 @@ if TYPE_CHECKING:
     from .calibrate import Measurement
 
 
-# ZeRO's two exchanges, timed by calibrate as the runtime makes them (comm/counted.py).
-ZERO_EXCHANGES = ("reduce_scatter", "all_gather")
+# ZeRO's two exchanges, timed by calibrate as the runtime makes them (comm/counted.py), and
+# ring attention's shift (parallel/context/comm.py): each a Link's factor.
+EXCHANGES = ("reduce_scatter", "all_gather", "ring_shift")
 
 
 def exchange_factors(points: dict, link: Link, world_size: int) -> dict[str, float]:
-    """Each of ZeRO's exchanges timed in `points` (collective -> [(wire bytes, seconds)], as
+    """Each of the `EXCHANGES` timed in `points` (collective -> [(wire bytes, seconds)], as
     calibrate times them on `world_size` ranks): the median over its points of its time over
     what `link` (the all-reduce's fit) prices its bytes and messages at; a Link's
-    `reduce_scatter_factor` and `all_gather_factor`."""
+    `reduce_scatter_factor`, `all_gather_factor` and `ring_shift_factor`."""
     out = {}
-    for name in ZERO_EXCHANGES:
+    for name in EXCHANGES:
         if points.get(name):
             messages = COLLECTIVES[name].messages(world_size)
             out[f"{name}_factor"] = statistics.median(
@@ -101,7 +102,7 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     if not isinstance(links, dict):
         raise UserError(f"{path}: links: expected a table")
     link_table = links.setdefault(kind, {})
-    for stale in ("reduce_scatter_factor", "all_gather_factor"):   # measured against another fit
+    for stale in (f"{name}_factor" for name in EXCHANGES):   # measured against another fit
         link_table.pop(stale, None)
     link_table.update(values)
     hosts = data.get("hosts")

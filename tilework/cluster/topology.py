@@ -20,6 +20,7 @@ A cluster file (TOML) looks like:
     latency_us = 50.0
     reduce_scatter_factor = 1.0       # optional: ZeRO's exchanges against the fit (calibrate)
     all_gather_factor = 1.0
+    ring_shift_factor = 1.0           # optional: ring attention's shift against it
 
 `Topology` is the pure rank-to-host map every later layer (groups, planner, cost model) reads.
 Ranks are numbered host by host, as torchrun's agents number them.
@@ -45,17 +46,20 @@ class Link:
     all-to-all and a local sum). Measured by `tilework calibrate`, 1 where not: on 2 emulated
     hosts at 1 Gbit/s gloo's all-to-all took 1.7-2.0x and its all-gather 1.4-1.6x, a
     simultaneous exchange both ways through the shaped queues, where the ring all-reduce's
-    chunks kept both directions full."""
+    chunks kept both directions full. Likewise `ring_shift_factor`: ring attention's shift
+    (every rank sends to the next while it receives from the previous) against the fit's
+    price of its bytes."""
 
     bandwidth_gbps: float = 10.0
     latency_us: float = 50.0
     reduce_scatter_factor: float = 1.0
     all_gather_factor: float = 1.0
+    ring_shift_factor: float = 1.0
 
     def __post_init__(self):
         check(self.bandwidth_gbps > 0, "bandwidth_gbps", "a positive number of Gbit/s")
         check(self.latency_us >= 0, "latency_us", "a latency >= 0 microseconds")
-        for name in ("reduce_scatter_factor", "all_gather_factor"):
+        for name in ("reduce_scatter_factor", "all_gather_factor", "ring_shift_factor"):
             check(getattr(self, name) > 0, name, "a positive factor (1: as the all-reduce fit "
                                                  "prices its bytes)")
 

@@ -232,7 +232,10 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
                 # Every microbatch makes its exchanges (recorded: recompute's second run of
                 # the forward's included).
                 made = m * (ends[axis][k] if recorded is None else recorded[k].messages[axis])
-                took = seconds(sent[axis] / share, links[axis], 2 * (n - 1)) \
+                # Ring attention's blocks cross the link both ways at once: at its measured
+                # factor (Link.ring_shift_factor; 1 where not measured).
+                factor = links[axis].ring_shift_factor if axis == "cp" else 1.0
+                took = seconds(sent[axis] / share * factor, links[axis], 2 * (n - 1)) \
                     + message_overhead_s * made
                 comm[axis] = max(comm[axis], took)
                 extra += took

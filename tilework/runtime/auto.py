@@ -94,7 +94,8 @@ def _timed_links(groups: Groups) -> Links | None:
             continue
         try:
             points = time_points(group, size, sizes, repeats=5,
-                                 collectives=("all_reduce", "reduce_scatter", "all_gather"))
+                                 collectives=("all_reduce", "reduce_scatter", "all_gather",
+                                              "ring_shift"))
             ring = fit_points("all_reduce", size, points["all_reduce"]).link()
             raw = {c: [(w, t) for _, w, t in pts] for c, pts in points.items()}
             links[name] = Link(ring.bandwidth_gbps, ring.latency_us,
@@ -107,15 +108,16 @@ def _timed_links(groups: Groups) -> Links | None:
     values = []
     for link in links.values():
         values += [link.bandwidth_gbps, -link.latency_us, -link.reduce_scatter_factor,
-                   -link.all_gather_factor] if link is not None else [float("inf")] * 4
+                   -link.all_gather_factor, -link.ring_shift_factor] if link is not None \
+            else [float("inf")] * 5
     agreed = torch.tensor(values + [0.0 if failed else 1.0], dtype=torch.float64,
                           device=groups.device)
     all_reduce(agreed, groups.world, Stats(), "setup", op=dist.ReduceOp.MIN)
     *figures, fitted = agreed.tolist()
     if not fitted:
         return None
-    intra, inter = (Link(f[0], -f[1], -f[2], -f[3]) if f[0] != float("inf") else None
-                    for f in (figures[:4], figures[4:]))
+    intra, inter = (Link(f[0], -f[1], -f[2], -f[3], -f[4]) if f[0] != float("inf") else None
+                    for f in (figures[:5], figures[5:]))
     if intra is None and inter is None:
         return None
     return Links(intra=intra or inter, inter=inter or intra)
