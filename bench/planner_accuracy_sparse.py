@@ -10,7 +10,8 @@ tilework/bench/workloads.py's recommender (DLRM: tables of 200,000, 50,000 and 1
 Zipf ids, 256 samples a step) on `--world` gloo ranks: on loopback, or with `--hosts` (root)
 each rank an emulated host of its own with links shaped to `--mbit` Mbit/s. Each candidate's
 Plan, made by `tilework.plan` with the workload's Zipf traffic as the search makes it, is applied
-by `tilework.parallelize(plan=...)` and run `--steps` steps in each of `--rounds` fresh worlds
+by `tilework.parallelize(plan=...)` (the tables placed "by cost" at the search's default links:
+the worlds have not measured theirs yet) and run `--steps` steps in each of `--rounds` fresh worlds
 (each in its own shuffled order); its median step (barrier to the slowest rank's optimizer step,
 each world's first two dropped) is set beside `estimate(plan)`'s, priced from what each world
 measured first (the median over the worlds), never fitted to the steps:
@@ -216,16 +217,21 @@ def _run(a, emulated) -> int:
     measured_here = _cluster(a.world, hosts, link)
     inputs = WORKLOAD.batch(0, 0, a.world)
     rate = step_flops(meta, inputs).step / got["local_s"]
-    by_rate = {_label(n, c): c for n, c in candidates(meta, measured_here, rate)}
     unscaled = op_times(calls, got["op_seconds"], got["framework"])
     from tilework.estimate.op_stages import model_recording
+    from tilework.estimate.plan_cost import estimate
 
     scale = got["local_s"] / sum(unscaled.seconds(model_recording(meta, inputs, ())))
-    by_ops = {_label(n, c): c for n, c in candidates(
-        meta, measured_here, op_times(calls, got["op_seconds"], got["framework"], scale))}
+    by_ops = op_times(calls, got["op_seconds"], got["framework"], scale)
+    traffic = WORKLOAD.traffic(measured_here.topology())
+
+    def priced(plan, rate):   # the plan that ran, priced with what the worlds measured
+        return estimate(plan, measured_here, meta, inputs, traffic=traffic, optimizer="sgd",
+                        flops=rate, with_memory=False)
+
     rows = []
-    for name, taken in zip(labels, steps):
-        p, q = by_rate[name], by_ops[name]
+    for name, plan, taken in zip(labels, plans, steps):
+        p, q = priced(plan, rate), priced(plan, by_ops)
         measured = statistics.median(taken)
         rows.append({"plan": name, "predicted_ms": p.step_s * 1e3, "ops_ms": q.step_s * 1e3,
                      "measured_ms": measured * 1e3,

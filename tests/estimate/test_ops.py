@@ -115,6 +115,9 @@ def test_a_sparse_gradient_is_recorded_and_measured_as_its_touched_rows():
     sparse = [a for c in found.backward for a in c.args
               if isinstance(a, TensorSpec) and a.sparse_dims]
     assert sparse and all(a == TensorSpec((200_000, 16), "float32", 1, 128) for a in sparse)
+    assert found.params == (TensorSpec((200_000, 16), "float32", 1, 128),)
+    # Reading the arriving gradient's spec is not one of the step's calls.
+    assert not {"aten::_nnz.default", "aten::sparse_dim.default"} & {c.op for c in found.backward}
     from tilework.estimate.ops import _made
 
     made = _made(sparse[0], torch.device("cpu"))   # what `measure` times the call on

@@ -95,7 +95,7 @@ def test_many_small_parameters_are_priced_per_bucket_not_per_parameter():
     are one reduce-scatter and one all-gather of their chunks (a latency each), not ten of
     each (the recommender's dense part priced so came out 6-10 ms over its measured ZeRO
     step on loopback)."""
-    from tilework.estimate.cost import zero_bucket_seconds
+    from tilework.estimate.cost import zero_bucket_seconds, zero_exchanges
 
     n, small = 2, [ParamPlan(f"w{i}", (256,), "allreduce", zero=2) for i in range(10)]
     chunk = sum(p.numel * 4 // n for p in small)
@@ -104,6 +104,11 @@ def test_many_small_parameters_are_priced_per_bucket_not_per_parameter():
     gather = seconds(all_gather_bytes(chunk, n), SLOW_EXCHANGES, ALL_GATHER.messages(n))
     bucketed = zero_bucket_seconds(small, n, SLOW_EXCHANGES, 1, 25 << 20)
     assert bucketed == pytest.approx(2.0 * scatter + 1.5 * gather)
+    # Buckets fill by every rank's padded chunk, as parallel/data/zero.py fills them: two
+    # parameters of 511 floats take 2 x 256 floats each at 2 ranks, a 2 KB bucket each.
+    odd = [ParamPlan(f"o{i}", (511,), "allreduce", zero=2) for i in range(2)]
+    assert [kind for kind, _, _ in zero_exchanges(odd, 2, 1, 2048)] == \
+        ["reduce_scatter", "reduce_scatter", "all_gather", "all_gather"]
     alone = sum(zero_sync_seconds(p, n, SLOW_EXCHANGES) for p in small)
     assert alone - bucketed == pytest.approx(9 * (2.0 * REDUCE_SCATTER.messages(n)
                                                   + 1.5 * ALL_GATHER.messages(n))

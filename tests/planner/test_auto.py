@@ -187,6 +187,11 @@ def test_with_every_parameter_on_the_servers_zero_is_no_candidate():
     assert {c.config.zero for c in found} == {0}
     assert all(c.step_s is not None for c in found)
     assert {p.method for p in found[0].parts["plan"].params} == {"ps"}
+    # A mesh candidate runs hybrid (its dense parameters all-reduced): ZeRO stays a candidate.
+    meshed = configs(ParallelConfig(mode="ps"), Space(axes=("tp",)), Cluster([Host("a", 4)]),
+                     layers=4)
+    assert {c.zero for c in meshed if c.tp == 2} == {0, 1, 2, 3}
+    assert {c.zero for c in meshed if c.tp == 1} == {0}
 
 
 def test_price_refuses_what_cannot_run_and_says_why():

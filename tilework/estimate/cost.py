@@ -210,7 +210,7 @@ def dense_rides_push(plan, topology: Topology) -> bool:
     """Whether `plan`'s dense gradients, in one bucket with the input checks' words, ride the
     servers' push (`wire.bucket_rides_push`) on `topology`: for the step predictions
     (bench/comm_prediction.py), which cost them as bytes on the push's link, no meeting."""
-    dense = sum(pp.nbytes for pp in plan.of("allreduce") if not pp.zero)
+    dense = sum(pp.nbytes for pp in plan.of("allreduce") if pp.zero <= 1)
     return (any(pp.is_table for pp in plan.of("ps")) and 0 < dense <= plan.bucket_bytes
             and push_over_world(topology, plan.local_aggregation)
             and bucket_rides_push(dense + CHECK_WORDS * 4, topology.world_size))
@@ -292,13 +292,14 @@ def zero_exchanges(entries: list[ParamPlan], n: int, hosts: int,
     sharded = [p for p in reversed(entries) if p.zero]   # backward's order, as launched
     if n == 1 or not sharded:
         return []
+    scope = zero_shard(sharded[0], n, hosts)[0]
 
     def chunk(group):
         return sum(zero_shard(p, n, hosts)[1] for p in group)
 
-    def by_size(group):
-        return [[group[i] for i in b]
-                for b in assign_buckets([p.nbytes for p in group], bucket_bytes)]
+    def by_size(group):   # sized as zero._buckets sizes them: every rank's padded chunk
+        return [[group[i] for i in b] for b in assign_buckets(
+            [scope * zero_shard(p, n, hosts)[1] for p in group], bucket_bytes)]
 
     units: dict[str, list[ParamPlan]] = {}
     for p in sharded:
@@ -684,15 +685,17 @@ def shared_meetings(plans: list[ParamPlan], traffic: dict, topology: Topology, l
     tables are pulled and pushed together (parallel/rows/exchange.py, push.py) and the
     gathered ones meet in the same three collectives (parallel/rows/gather.py), so k tables of
     a method meet once, where k prices of their own charge k meetings (the recommender's three
-    tables were priced 3x the collectives of their all-gather)."""
-    out = 0.0
-    for method in ("ps", "allgather"):
-        priced = [p for p in plans if p.method == method and p.is_table
-                  and traffic.get(p.name) is not None]
-        if len(priced) > 1:
-            out += (len(priced) - 1) * meeting_seconds(method, topology, links,
-                                                       local_aggregation)
-    return out
+    tables were priced 3x the collectives of their all-gather). Tables of one dtype, as the
+    exchanges batch them; and the lookups of one forward pulled together, as the deferred
+    lookups (parallel/rows/lookups.py) do where nothing reads a table's rows before the next
+    is looked up."""
+    groups: dict[tuple, int] = {}
+    for p in plans:
+        if p.method in ("ps", "allgather") and p.is_table and traffic.get(p.name) is not None:
+            key = (p.method, p.dtype)   # each exchange batches the tables of one dtype
+            groups[key] = groups.get(key, 0) + 1
+    return sum((k - 1) * meeting_seconds(method, topology, links, local_aggregation)
+               for (method, _), k in groups.items())
 
 
 def predict(plan: ParamPlan, traffic: TableTraffic | None, topology: Topology, links: Links,

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
 class TensorSpec(NamedTuple):
@@ -159,7 +159,9 @@ def record(module: nn.Module, inputs: tuple, recompute=(), grad_of_output: bool 
 
 def _keep_sparse(arriving: dict, k: int, grad: torch.Tensor) -> None:
     if grad.layout == torch.sparse_coo:
-        arriving[k] = _spec(grad)
+        # Asked outside the recorder: its sparse_dim and nnz calls are not the step's.
+        with _disable_current_modes():
+            arriving[k] = _spec(grad)
 
 
 # The products a MatmulCurve prices, and how their (m, k, n, count) reads off the arguments.

@@ -200,7 +200,8 @@ def _runtime_seconds(model, example_inputs: tuple, plan: Plan, cluster: Cluster,
     # The recording's specs: each parameter's, or its gradient's where that arrives sparse.
     recorded = model_recording(model, example_inputs, plan.recompute).params
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
-    held = [(name, spec) for name, spec in zip(trained, recorded) if name in dense]
+    held = [(name, spec) for name, spec in zip(trained, recorded, strict=True)
+            if name in dense]
     specs = tuple(spec for _, spec in held)
     zero = max((p.zero for p in dense.values()), default=0)
     host_scope = any(p.zero and p.zero_scope == "host" for p in dense.values())

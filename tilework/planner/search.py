@@ -146,8 +146,10 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
         # nothing and only adds its gathers' copies (measured: a pp2 step at dp1 with ZeRO-3
         # 30% slower than without), so it is not a candidate there.
         alone = cluster.world_size // (tp * pp) == 1
-        # Nor where every parameter goes to the servers: ZeRO would have nothing to shard.
-        served = base.mode == "ps" and "allreduce" not in (base.overrides or {}).values()
+        # Nor where every parameter goes to the servers: ZeRO would have nothing to shard (a
+        # mesh candidate runs hybrid, below, whose dense parameters it does shard).
+        served = base.mode == "ps" and tp * pp * cp == 1 \
+            and "allreduce" not in (base.overrides or {}).values()
         for zero in (space.zero or (base.zero,)) if not (alone or served) or not space.zero \
                 else (0,):
             scopes = (space.zero_scopes or (base.zero_scope,)) if zero and hosts > 1 \
