@@ -260,9 +260,16 @@ def _priced(meta, cluster, world: int, rate: float, o: float = 0.0) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    return bench_main(__doc__, _world, _run, argv, steps=5)
+
+
+def bench_main(doc: str, world_fn, run, argv=None, steps: int = 5) -> int:
+    """The accuracy benchmarks' command line (this one's and planner_accuracy_sparse.py's):
+    `run(args, cluster)` on loopback (cluster None) or, with --hosts, on emulated hosts; with
+    --worker, one rank of an emulated host's world running `world_fn`."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hosts", action="store_true",
                     help="each rank an emulated host of its own (root)")
@@ -275,18 +282,18 @@ def main(argv=None) -> int:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        worker_main(_world, a)
+        worker_main(world_fn, a)
         return 0
     if not a.hosts:
-        return _run(a, None)
+        return run(a, None)
     from tilework.bench.netns import LinkShape, available, emulated_cluster
 
     link = LinkShape(rate_mbit=a.mbit)
     ok, why = available(link)
     if not ok:
-        sys.exit(f"planner_accuracy: cannot emulate hosts here: {why}")
+        sys.exit(f"{Path(sys.argv[0]).stem}: cannot emulate hosts here: {why}")
     with emulated_cluster(a.world, link) as cluster:
-        return _run(a, cluster)
+        return run(a, cluster)
 
 
 def _hosts(world: int, cluster, link=None) -> Cluster:
@@ -374,16 +381,21 @@ def _run(a, cluster) -> int:
         print(f"| {r['plan']} | {r['predicted_ms']:.1f} | {r['curve_ms']:.1f} | "
               f"{r['ops_ms']:.1f} | {r['measured_ms']:.1f} | {r['error'] * 100:.0f}% | "
               f"{r['curve_error'] * 100:.0f}% | {r['ops_error'] * 100:.0f}% |")
-    for name, m in (("one rate", summary), ("curve", summary["curve"]),
-                    ("ops", summary["ops"])):
-        print(f"{name}: {m['plans']} plans, median error {m['median_error'] * 100:.1f}%, "
-              f"Kendall's tau {m['kendall_tau']:.2f}; chosen {m['chosen']} measured "
-              f"{(m['chosen_over_fastest'] - 1) * 100:.1f}% over the fastest ({m['fastest']})")
+    print_summaries((("one rate", summary), ("curve", summary["curve"]),
+                     ("ops", summary["ops"])))
     if a.out:
         a.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if a.png:
         _plot(rows, summary, a.png)
     return 0
+
+
+def print_summaries(pricings) -> None:
+    """Each pricing's (name, `_summary`) in one line."""
+    for name, m in pricings:
+        print(f"{name}: {m['plans']} plans, median error {m['median_error'] * 100:.1f}%, "
+              f"Kendall's tau {m['kendall_tau']:.2f}; chosen {m['chosen']} measured "
+              f"{(m['chosen_over_fastest'] - 1) * 100:.1f}% over the fastest ({m['fastest']})")
 
 
 def _summary(rows: list[dict], predicted: str, error: str) -> dict:

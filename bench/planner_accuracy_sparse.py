@@ -29,7 +29,6 @@ the search chooses lands among the measured (bench/planner_accuracy.py's summary
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -44,9 +43,10 @@ import torch  # noqa: E402
 from planner_accuracy import (  # noqa: E402
     _op_times,
     _summary,
+    bench_main,
     op_times,
+    print_summaries,
     run_world,
-    worker_main,
 )
 
 from tilework.bench.workloads import WORKLOADS  # noqa: E402
@@ -162,32 +162,7 @@ def _label(name: str, c) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--hosts", action="store_true",
-                    help="each rank an emulated host of its own (root)")
-    ap.add_argument("--mbit", type=float, default=1000.0)
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--png", type=Path)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--job", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.worker:
-        worker_main(_world, a)
-        return 0
-    if not a.hosts:
-        return _run(a, None)
-    from tilework.bench.netns import LinkShape, available, emulated_cluster
-
-    shape = LinkShape(rate_mbit=a.mbit)
-    ok, why = available(shape)
-    if not ok:
-        sys.exit(f"planner_accuracy_sparse: cannot emulate hosts here: {why}")
-    with emulated_cluster(a.world, shape) as emulated:
-        return _run(a, emulated)
+    return bench_main(__doc__, _world, _run, argv, steps=20)
 
 
 def _run(a, emulated) -> int:
@@ -258,10 +233,7 @@ def _run(a, emulated) -> int:
         print(f"| {r['plan']} | {r['predicted_ms']:.2f} | {r['ops_ms']:.2f} | "
               f"{r['measured_ms']:.2f} | {r['error'] * 100:.0f}% | "
               f"{r['ops_error'] * 100:.0f}% |")
-    for name, m in (("one rate", summary), ("ops", summary["ops"])):
-        print(f"{name}: {m['plans']} plans, median error {m['median_error'] * 100:.1f}%, "
-              f"Kendall's tau {m['kendall_tau']:.2f}; chosen {m['chosen']} measured "
-              f"{(m['chosen_over_fastest'] - 1) * 100:.1f}% over the fastest ({m['fastest']})")
+    print_summaries((("one rate", summary), ("ops", summary["ops"])))
     if a.out:
         a.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if a.png:

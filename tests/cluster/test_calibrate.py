@@ -270,3 +270,15 @@ def test_measured_speeds_see_a_slow_host():
         for q in quotas:
             q.remove()
     assert speeds[0] == 1.0 and 0.05 <= speeds[1] <= 0.5, speeds
+
+
+def test_a_fit_without_latency_is_called_out_in_the_summary():
+    """Alpha clamped at 0 prices every message as free: the summary says so in one line."""
+    from tilework.cluster.calibration_file import summary
+
+    buffers = (1 << 20, 4 << 20)
+    wire = tuple(ring_allreduce_bytes(b, 2) for b in buffers)
+    free = Measurement("all_reduce", 2, buffers, wire, (1e-3, 4e-3), 0.0, 1e9)
+    timed = Measurement("all_reduce", 2, buffers, wire, (1e-3, 4e-3), 1e-4, 1e9)
+    assert "gave no latency" in summary({"all_reduce": free})
+    assert "gave no latency" not in summary({"all_reduce": timed})

@@ -143,4 +143,12 @@ def summary(results: dict[str, Measurement]) -> str:
     for name, m in results.items():
         pts = ", ".join(f"{w / 1024:g}: {s * 1e3:.3g}" for w, s in m.points)
         lines.append(f"{name:<11} {m.alpha_us:>9.1f} {m.bandwidth_gbps:>14.3f}  {pts}")
+    ring = results.get("all_reduce")
+    if ring is not None and ring.alpha_s == 0:
+        # Measured: a loopback fit with alpha 0 priced every message of a recommender's step
+        # free, and the plan sending the most of them was chosen at 2.35x the fastest.
+        lines.append("note: the all_reduce fit gave no latency (alpha clamped at 0: its small "
+                     "sizes were not slower than its large ones predict), so the planner will "
+                     "price every message as free; calibrate again on a quieter machine, or set "
+                     "latency_us by hand")
     return "\n".join(lines)
