@@ -82,7 +82,9 @@ REDUCE_SCATTER = Collective("reduce_scatter", all_to_all_bytes, lambda n: n - 1)
 SEND_RECV = Collective("send_recv", lambda nbytes, n: nbytes, lambda n: 1)
 # Every rank sends its buffer to the next and receives the previous one's at once: a step of
 # ring attention's exchange (parallel/context/comm.py), the link crossed both ways together.
-RING_SHIFT = Collective("ring_shift", lambda nbytes, n: nbytes, lambda n: 1)
+# One rank passes its buffer to itself: nothing moves (as the ring counts it).
+RING_SHIFT = Collective("ring_shift", lambda nbytes, n: nbytes if n > 1 else 0,
+                        lambda n: 1 if n > 1 else 0)
 
 COLLECTIVES: dict[str, Collective] = {c.name: c for c in (ALL_REDUCE, ALL_TO_ALL, ALL_GATHER,
                                                           REDUCE_SCATTER, SEND_RECV, RING_SHIFT)}
