@@ -149,11 +149,11 @@ def _recommender_inputs(rank: int = 0):
             torch.randint(0, 2, (BATCH,), generator=g).float())
 
 
-def _real_all_reduced_tables(rank, world_size):
+def _real_all_reduced_tables(rank, world_size, zero):
     model = _recommender()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tilework.parallelize(model, opt, mode="allreduce", bucket_mb=BUCKET_BYTES / 2**20,
-                         log=False)
+                         log=False, zero=zero)
     inputs = _recommender_inputs(rank)
 
     def step():
@@ -168,13 +168,15 @@ def _real_all_reduced_tables(rank, world_size):
     return calls
 
 
-def test_sparse_gradients_all_reduced_are_made_dense_as_recorded():
+@pytest.mark.parametrize("zero", [0, 2])
+def test_sparse_gradients_all_reduced_are_made_dense_as_recorded(zero):
     """Tables with sparse gradients, all-reduced (mode="allreduce"): the runtime makes each
-    gradient dense in its bucket, which the recorded calls do too, from the recording's
-    sparse gradient specs (the touched rows), where they used to take it dense already."""
+    gradient dense in its bucket (ZeRO-2: as it packs it), which the recorded calls do too,
+    from the recording's sparse gradient specs (the touched rows), where they used to take it
+    dense already."""
     from tilework.estimate.ops import record
 
-    real = spawn(_real_all_reduced_tables, 2)[0]
+    real = spawn(_real_all_reduced_tables, 2, args=(zero,))[0]
     model, own = _recommender(), Counter()
     with _Recorder(own, Counter(), "step", ["none"]):
         model(*_recommender_inputs()).backward()
@@ -183,7 +185,7 @@ def test_sparse_gradients_all_reduced_are_made_dense_as_recorded():
         meta = _recommender()
     specs = record(meta, tuple(x.to("meta") for x in _recommender_inputs())).params
     assert [s.sparse_dims for s in specs[:2]] == [1, 1] and specs[0].nnz == BATCH
-    predicted = large(runtime_calls(specs, 0, 2, 2, BUCKET_BYTES, "sgd"))
+    predicted = large(runtime_calls(specs, zero, 2, 2, BUCKET_BYTES, "sgd"))
     assert any(op == "aten::_to_dense.default" for op, _ in predicted)
     assert {k: (around[k], predicted[k]) for k in around | predicted
             if around[k] != predicted[k]} == {}

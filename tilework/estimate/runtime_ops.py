@@ -69,9 +69,9 @@ def _calls(params, zero, shards, averaged, bucket_bytes, optimizer, checks, unit
     opt = _optimizer(optimizer, stepped)
     opt.step()   # the first step makes the state: recorded from the second on
     with _Recorder(out, regions, "step", ["none"]):
+        for p in ps:   # as backward leaves them: sparse where they arrive sparse
+            p.grad = arriving.get(id(p), p.grad)
         if averaged > 1 and zero <= 1:
-            for p in ps:
-                p.grad = arriving.get(id(p), p.grad)
             _dense_buckets(backward, bucket_bytes, averaged, assign_buckets, checks, out, sparse)
         if sharded:
             by_param = {id(s.param): s for s in owned}
@@ -81,11 +81,12 @@ def _calls(params, zero, shards, averaged, bucket_bytes, optimizer, checks, unit
                 for s in order:   # ZeroSync.before_step: the chunk of the averaged gradient
                     s.take(s.param.grad)
             elif by_unit is None:
-                _reduce_scatter_buckets(order, bucket_bytes, assign_buckets, checks, averaged)
+                _reduce_scatter_buckets(order, bucket_bytes, assign_buckets, checks, averaged,
+                                        out, sparse)
             else:   # one bucket per unit, the model's own last (zero3.Units)
                 _reduce_scatter_buckets([s for _, unit in by_unit[::-1] for s in unit], 0,
                                         _as_given([len(u) for _, u in by_unit[::-1]]), checks,
-                                        averaged)
+                                        averaged, out, sparse)
             if by_unit is not None:
                 # Before the forward every unit is gathered, and again before the backward but
                 # the model's own, which stays whole through both.
@@ -196,14 +197,15 @@ def _dense_buckets(params, bucket_bytes: int, averaged: int, assign, checks: boo
 
 
 def _reduce_scatter_buckets(shards, bucket_bytes: int, assign, checks: bool,
-                            averaged: int) -> None:
-    """parallel/data/zero.py's `_pack` and `_finish`: each gradient as (n, chunk) rows, the
-    rows concatenated rank-major, checked by one sum; the received chunks summed and divided
-    by the `averaged` ranks."""
+                            averaged: int, out: Counter, sparse: dict) -> None:
+    """parallel/data/zero.py's `_pack` and `_finish`: each gradient (a sparse one made dense)
+    as (n, chunk) rows, the rows concatenated rank-major, checked by one sum; the received
+    chunks summed and divided by the `averaged` ranks."""
     for members in assign([s.n * s.chunk * s.param.element_size() for s in shards],
                           bucket_bytes):
         bucket = [shards[i] for i in members]
-        flat = torch.cat([s.rows(s.param.grad) for s in bucket], dim=1).reshape(-1)
+        flat = torch.cat([s.rows(_densified(s.param.grad, out, sparse)) for s in bucket],
+                         dim=1).reshape(-1)
         if checks:
             flat.sum()
         n = bucket[0].n
