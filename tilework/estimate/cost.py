@@ -621,6 +621,18 @@ def _exchange(requests: float, requesters: int, servers: int, row_bytes: int,
     return sent, received
 
 
+def ps_messages(n: int) -> int:
+    """Messages a rank sends in one step's server exchange over `n` ranks, every table's
+    together: the ids, the pulled rows and the pushed gradients, one to each peer."""
+    return 3 * (n - 1)
+
+
+def allgather_messages(n: int) -> int:
+    """Messages of one step's "allgather" exchange, every table's together: the counts, the
+    ids and the rows (parallel/rows/gather.py)."""
+    return 3 * ALL_GATHER.messages(n)
+
+
 def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, links: Links,
                 local_aggregation: bool) -> Cost:
     """Expected bytes and seconds of one pull and one push of a table, at its busiest server.
@@ -637,14 +649,15 @@ def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, link
     if not (local_aggregation and topology.can_aggregate_locally):
         share = traffic.busiest_share(plan.partitions, servers, plan.row_map, plan.servers)
         sent, received = _exchange(traffic.per_rank, n, servers, row_bytes, share)
-        return Cost(sent, seconds(max(sent, received), link_for(topology, links), 3 * (n - 1)))
+        return Cost(sent, seconds(max(sent, received), link_for(topology, links),
+                                  ps_messages(n)))
     forwarders = min(servers, local)
     s1, r1 = _exchange(traffic.per_rank, local, forwarders, row_bytes)
     # Across hosts: each host's forwarders hold what the host merged; a server hears every host.
     s2, r2 = _exchange(traffic.per_host / forwarders, hosts, max(1, servers // forwarders),
                        row_bytes)
-    t = seconds(max(s1, r1), links.intra, 3 * (local - 1)) + \
-        seconds(max(s2, r2), links.inter, 3 * (hosts - 1))
+    t = seconds(max(s1, r1), links.intra, ps_messages(local)) + \
+        seconds(max(s2, r2), links.inter, ps_messages(hosts))
     return Cost(s1 + s2, t)
 
 
@@ -660,7 +673,7 @@ def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
     if n == 1:
         return Cost(0, 0.0)
     sent = allgather_bytes(traffic.per_rank, row_bytes, n)
-    return Cost(sent, seconds(sent, link_for(topology, links), 3 * ALL_GATHER.messages(n)))
+    return Cost(sent, seconds(sent, link_for(topology, links), allgather_messages(n)))
 
 
 def meeting_seconds(method: str, topology: Topology, links: Links,
@@ -672,11 +685,11 @@ def meeting_seconds(method: str, topology: Topology, links: Links,
     if n == 1:
         return 0.0
     if method == "allgather":
-        return 3 * ALL_GATHER.messages(n) * link_for(topology, links).latency_s
+        return allgather_messages(n) * link_for(topology, links).latency_s
     if not (local_aggregation and topology.can_aggregate_locally):
-        return 3 * (n - 1) * link_for(topology, links).latency_s
+        return ps_messages(n) * link_for(topology, links).latency_s
     local, hosts = len(topology.hosts[0]), topology.num_hosts
-    return 3 * (local - 1) * links.intra.latency_s + 3 * (hosts - 1) * links.inter.latency_s
+    return ps_messages(local) * links.intra.latency_s + ps_messages(hosts) * links.inter.latency_s
 
 
 def shared_meetings(plans: list[ParamPlan], traffic: dict, topology: Topology, links: Links,
