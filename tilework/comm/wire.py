@@ -94,3 +94,41 @@ def input_check_bytes(n: int) -> int:
     """The per-step input check when it travels alone (no float bucket to ride): its 16 bytes
     all-gathered."""
     return all_gather_bytes(CHECK_BYTES, n)
+
+
+# PowerSGD (grad_compress="powersgd", parallel/data/powersgd.py): which gradients go as rank-r
+# factors, by torch's rule (powerSGD_hook._should_compress with its default min_compression_rate),
+# so a job moved from DDP's hook compresses the same tensors.
+LOW_RANK_MIN_RATE = 2
+
+
+def low_rank_view(shape: tuple[int, ...], rank: int) -> tuple[int, int, int] | None:
+    """PowerSGD's matrix of a gradient of `shape` (its first dimension by the rest) and the
+    rank of its factors, (rows, cols, r), where the factors P (rows x r) and Q (cols x r) take
+    under 1/LOW_RANK_MIN_RATE of its values; None where it is sent as it is (vectors, scalars,
+    small or thin matrices)."""
+    if not shape:
+        return None
+    rows, cols = shape[0], 1
+    for d in shape[1:]:
+        cols *= d
+    r = min(rows, cols, rank)
+    return (rows, cols, r) if (rows + cols) * r * LOW_RANK_MIN_RATE < rows * cols else None
+
+
+def low_rank_values(shapes: list[tuple[int, ...]], rank: int) -> tuple[int, int]:
+    """The values of a PowerSGD bucket's two all-reduces: the first carries the gradients sent
+    as they are and every P, the second every Q."""
+    first = second = 0
+    for shape in shapes:
+        view = low_rank_view(shape, rank)
+        if view is None:
+            numel = 1
+            for d in shape:
+                numel *= d
+            first += numel
+        else:
+            rows, cols, r = view
+            first += rows * r
+            second += cols * r
+    return first, second

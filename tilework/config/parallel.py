@@ -30,7 +30,7 @@ Sync = Literal["every_step", "diloco", "auto"]
 OuterOptimizer = Literal["nesterov", "sgd"]
 OuterWorker = Literal["rank", "host"]
 OuterCompress = Literal["none", "bf16", "int8", "int4"]
-GradCompress = Literal["none", "bf16", "fp16", "auto"]
+GradCompress = Literal["none", "bf16", "fp16", "powersgd", "auto"]
 
 
 @dataclass(kw_only=True)
@@ -183,13 +183,25 @@ class ParallelConfig:
     encoding loses is added to the next sync's (docs/slow-links.md)."""
 
     grad_compress: GradCompress = "none"
-    """The dense gradients' width on the wire under every-step sync: "none", or "bf16" /
-    "fp16", as DDP's bf16_compress_hook and fp16_compress_hook send them (each bucket cast,
-    divided by the ranks, summed in that width, cast back): half the bytes, and the rounding
-    of that width. The servers' rows stay as they are; not with ZeRO, tp/pp/cp or local SGD.
+    """The dense gradients on the wire under every-step sync: "none"; "bf16" / "fp16", as
+    DDP's bf16_compress_hook and fp16_compress_hook send them (each bucket cast, divided by the
+    ranks, summed in that width, cast back): half the bytes, and the rounding of that width;
+    or "powersgd", as DDP's powerSGD_hook (each gradient matrix worth it as two rank-r factors,
+    with error feedback and warm start; `powersgd_rank`, `powersgd_start`). The servers' rows
+    stay as they are; not with ZeRO, tp/pp/cp or local SGD.
     "auto" (with plan="auto"): the search prices each plain data-parallel candidate also with
     bf16 buckets and takes them only where the step is predicted at least
     planner/search.COMPRESS_GAIN shorter (so not on a fast link)."""
+
+    powersgd_rank: int = 1
+    """grad_compress="powersgd": the rank of each matrix's factors (torch's
+    matrix_approximation_rank). A matrix goes as factors only where they take under half its
+    values (torch's min_compression_rate 2)."""
+
+    powersgd_start: int = 1000
+    """grad_compress="powersgd": synchronised backward passes all-reduced plainly before the
+    factors start (torch's start_powerSGD_iter): early training is the most sensitive to
+    approximate gradients."""
 
     outer_fragments: int = 1
     """Streaming DiLoCo under sync="diloco": the dense parameters cut into this many fragments
@@ -283,8 +295,14 @@ class ParallelConfig:
               f"'rank' or 'host', got {self.outer_worker!r}")
         check(self.outer_compress in ("none", "bf16", "int8", "int4"), "outer_compress",
               f"'none', 'bf16', 'int8' or 'int4', got {self.outer_compress!r}")
-        check(self.grad_compress in ("none", "bf16", "fp16", "auto"), "grad_compress",
-              f"'none', 'bf16', 'fp16' or 'auto', got {self.grad_compress!r}")
+        check(self.grad_compress in ("none", "bf16", "fp16", "powersgd", "auto"), "grad_compress",
+              f"'none', 'bf16', 'fp16', 'powersgd' or 'auto', got {self.grad_compress!r}")
+        check(isinstance(self.powersgd_rank, int) and not isinstance(self.powersgd_rank, bool)
+              and self.powersgd_rank >= 1, "powersgd_rank",
+              f"a whole number of at least 1, got {self.powersgd_rank!r}")
+        check(isinstance(self.powersgd_start, int) and not isinstance(self.powersgd_start, bool)
+              and self.powersgd_start >= 0, "powersgd_start",
+              f"a whole number of steps, 0 or more, got {self.powersgd_start!r}")
         check(self.grad_compress != "auto" or self.plan == "auto", "grad_compress",
               "'auto' with plan='auto' (the search weighs the bytes saved against the step)")
         if self.grad_compress not in ("none", "auto"):

@@ -30,6 +30,7 @@ from ..comm.wire import (
     all_to_all_bytes,
     bucket_rides_push,
     id_block_capacity,
+    low_rank_values,
     ring_allreduce_bytes,
 )
 from ..plans.plan import Cost, ParamPlan, assign_buckets, dtype_bytes, fragments_of
@@ -51,21 +52,33 @@ def seconds(nbytes: float, link: Link, messages: int) -> float:
 GRAD_WIDTH = 2   # bytes a value of a compressed bucket (bf16, fp16) takes on the wire
 
 
-def grad_wire(nbytes: int, grad_compress: str, item: int = 4) -> int:
+def grad_wire(nbytes: int, grad_compress: str, item: int = 4, shape: tuple[int, ...] = (),
+              powersgd_rank: int = 1) -> int:
     """An all-reduced gradient's bytes (values of `item` bytes) as its bucket sends it: as they
-    are, or at GRAD_WIDTH a value under `grad_compress`."""
+    are, at GRAD_WIDTH a value under "bf16" / "fp16", or as PowerSGD's factors of a gradient
+    of `shape` (both of its bucket's all-reduces)."""
+    if grad_compress == "powersgd":
+        return sum(low_rank_values([shape], powersgd_rank)) * item
     return nbytes if grad_compress == "none" else nbytes // item * GRAD_WIDTH
 
 def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
                      carried_bytes: int = 0, push: bool = False,
-                     grad_compress: str = "none", item: int = 4) -> int:
+                     grad_compress: str = "none", item: int = 4,
+                     shapes: list[tuple[int, ...]] | None = None, powersgd_rank: int = 1) -> int:
     """Exact: what `parallel.data.dense.DenseSync` counts per step for parameters in registration
     order; `carried_bytes` ride the last bucket (the input check's words: CHECK_WORDS elements, hot
     heads). `push`: a server push over the world happens that step, which the last bucket
     rides where `wire.bucket_rides_push` says so, whole to every peer. `grad_compress`
-    (parameters of `item` bytes): each bucket crosses in that width, alone."""
+    (parameters of `item` bytes): each bucket crosses in that width, alone; "powersgd" (each
+    parameter's `shapes` given): each bucket in two all-reduces, its plain gradients and Ps,
+    then its Qs (none where nothing is factored)."""
     order = list(reversed(param_nbytes))
     buckets = assign_buckets(order, bucket_bytes)
+    if grad_compress == "powersgd":
+        shaped = list(reversed(shapes))
+        return sum(ring_allreduce_bytes(values * item, n)
+                   for b in buckets
+                   for values in low_rank_values([shaped[i] for i in b], powersgd_rank))
     if grad_compress != "none":   # nothing rides a compressed bucket
         return sum(ring_allreduce_bytes(grad_wire(sum(order[i] for i in b), grad_compress,
                                                   item), n) for b in buckets)

@@ -62,8 +62,8 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
         if plan.outer is not None and p.method == "allreduce":
             c = outer_entry(p, plan.outer, topo, links)
         elif plan.grad_compress != "none" and p.method == "allreduce" and not p.zero:
-            c = ring_allreduce(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype)),
-                               topo, links)
+            c = ring_allreduce(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype),
+                                         p.shape, plan.powersgd_rank), topo, links)
         else:
             c = predict(p, traffic.get(p.name), topo, links, plan.local_aggregation) \
                 or dense_served(p, topo, links)
@@ -86,9 +86,12 @@ def dense_seconds(plan: Plan, cluster: Cluster) -> float:
                                   link_for(topo, links), topo.num_hosts, part.bucket_bytes)
     if not dense:
         return sharded
-    wire = sum(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype)) for p in bucketed)
-    return ring_allreduce(wire, topo, links, math.ceil(dense / part.bucket_bytes)).seconds \
-        + sharded
+    wire = sum(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype), p.shape,
+                         plan.powersgd_rank) for p in bucketed)
+    # PowerSGD: a second all-reduce a bucket, its Qs.
+    rounds = 2 if plan.grad_compress == "powersgd" else 1
+    return ring_allreduce(wire, topo, links,
+                          rounds * math.ceil(dense / part.bucket_bytes)).seconds + sharded
 
 
 def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> float:

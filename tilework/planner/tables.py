@@ -18,6 +18,7 @@ import dataclasses
 
 from ..cluster.mesh import Mesh
 from ..cluster.topology import Cluster, Links, Topology
+from ..comm.wire import low_rank_view
 from ..config.parallel import Method, Mode, ParallelConfig, RowMap, RowMapChoice, SparseReduce
 from ..errors import ConfigError, PlanError
 from ..estimate.cost import (
@@ -74,7 +75,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      # Compressed buckets and local SGD's carry nothing (parallel/data/dense.py).
                      riders=config.grad_compress == "none" and config.sync != "diloco")
     if config.grad_compress != "none":
-        made = with_grad_compress(made, config.grad_compress, topology, links)
+        made = with_grad_compress(made, config.grad_compress, topology, links,
+                                  config.powersgd_rank, config.powersgd_start)
     if config.sync == "diloco":
         made = with_outer_sync(made, OuterSync(config.sync_every, config.outer_optimizer,
                                                config.outer_lr, config.outer_momentum,
@@ -88,18 +90,29 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
 
 
 def with_grad_compress(plan: Plan, compress: str, topology: Topology | None = None,
-                       links: Links | None = None) -> Plan:
-    """`plan` with its bucketed gradients sent at half width (`grad_compress`): each
-    all-reduced entry's ring all-reduce priced at its compressed bytes, its reason saying so."""
+                       links: Links | None = None, powersgd_rank: int = 1,
+                       powersgd_start: int = 1000) -> Plan:
+    """`plan` with its bucketed gradients compressed (`grad_compress`: at half width, or as
+    PowerSGD's factors): each all-reduced entry's ring all-reduce priced at its compressed
+    bytes (PowerSGD's once its factors start), its reason saying so."""
     topology = topology or Topology.from_sizes([plan.world_size])
     links = links or Links()
-    said = f"its gradient in {compress} on the wire"
+
+    def said(p: ParamPlan) -> str:
+        if compress != "powersgd":
+            return f"its gradient in {compress} on the wire"
+        if low_rank_view(p.shape, powersgd_rank) is None:
+            return "its gradient as it is beside PowerSGD's factors (too small to factor)"
+        return f"its gradient as PowerSGD's rank-{powersgd_rank} factors"
+
     params = tuple(dataclasses.replace(
         p, predicted=None if p.predicted is None else ring_allreduce(
-            grad_wire(p.nbytes, compress, dtype_bytes(p.dtype)), topology, links),
-        reason=f"{p.reason}; {said}" if p.reason else said)
+            grad_wire(p.nbytes, compress, dtype_bytes(p.dtype), p.shape, powersgd_rank),
+            topology, links),
+        reason=f"{p.reason}; {said(p)}" if p.reason else said(p))
         if p.method == "allreduce" and not p.zero else p for p in plan.params)
-    return dataclasses.replace(plan, params=params, grad_compress=compress)
+    return dataclasses.replace(plan, params=params, grad_compress=compress,
+                               powersgd_rank=powersgd_rank, powersgd_start=powersgd_start)
 
 
 def with_outer_sync(plan: Plan, outer: OuterSync, topology: Topology | None = None,

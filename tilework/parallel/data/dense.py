@@ -33,32 +33,36 @@ from ...runtime.hooks import PicklesAsNoop
 
 
 class _Bucket:
-    def __init__(self, params: list[tuple[str, nn.Parameter]]):
-        self.params = params
+    def __init__(self, index: int, params: list[tuple[str, nn.Parameter]]):
+        self.index, self.params = index, params
         self.numel = sum(p.numel() for _, p in params)
         self.ready: set[int] = set()
         self.buffer: torch.Tensor | None = None
         self.work = None
         self.riders: list[tuple[object, int, int]] = []   # (rider, offset, numel) in `buffer`
         self.wire: torch.Tensor | None = None   # the compressed copy on the wire
+        self.round = None   # PowerSGD's compression in flight (parallel/data/powersgd.py)
 
 
 class DenseSync:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group, world_size: int,
                  stats: Stats, bucket_bytes: int, successor_remote: bool = False,
                  checks=None, on_grad=None, rider_dtype: torch.dtype | None = None,
-                 push_dtype: torch.dtype | None = None, wire_dtype: torch.dtype | None = None):
+                 push_dtype: torch.dtype | None = None, wire_dtype: torch.dtype | None = None,
+                 powersgd=None):
         self.group, self.world_size, self.stats = group, world_size, stats
         # Compressed buckets (`grad_compress`): cast, divided, summed and cast back as DDP's
-        # bf16/fp16 compress hooks do. Nothing rides them: the checks' words and the heads'
-        # sums must add up exactly, and a push carries its own width.
-        self.wire_dtype = wire_dtype
+        # bf16/fp16 compress hooks do, or as PowerSGD's factors (`powersgd`: a PowerSGD).
+        # Nothing rides them: the checks' words and the heads' sums must add up exactly, and a
+        # push carries its own width.
+        self.wire_dtype, self.powersgd = wire_dtype, powersgd
+        compressed = wire_dtype is not None or powersgd is not None
         self.checks = checks  # sees each bucket's local gradients before they leave
         self.successor_remote = successor_remote
         order = list(reversed(params))
-        self.buckets = [_Bucket([order[i] for i in members]) for members in
-                        assign_buckets([p.numel() * p.element_size() for _, p in order],
-                                       bucket_bytes)]
+        self.buckets = [_Bucket(k, [order[i] for i in members]) for k, members in
+                        enumerate(assign_buckets([p.numel() * p.element_size() for _, p in order],
+                                       bucket_bytes))]
         self.where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
                       for i, (_, p) in enumerate(bucket.params)}
         self.next_bucket = 0
@@ -68,15 +72,15 @@ class DenseSync:
         # it holds the first-registered parameters, whose gradients come last anyway. Only in
         # float32/float64, where the words' sums stay exact.
         last_dtype = self.buckets[-1].params[0][1].dtype if self.buckets else None
-        self.carry = (checks is not None and world_size > 1 and wire_dtype is None
+        self.carry = (checks is not None and world_size > 1 and not compressed
                       and last_dtype in (torch.float32, torch.float64))
         # Hot heads' sums (`rider_dtype`: theirs, None without heads) ride it as well: one
         # meeting of all ranks fewer per step. Same dtype only (a sum of flags and rows).
-        self.rideable = (world_size > 1 and rider_dtype is not None and wire_dtype is None
+        self.rideable = (world_size > 1 and rider_dtype is not None and not compressed
                          and last_dtype == rider_dtype)
         # And the last bucket itself may ride the server push (`push_dtype`: the dtype of a push
         # over this group, None without one), whole to every peer: wire.bucket_rides_push.
-        self.push_ride = (world_size > 1 and push_dtype is not None and wire_dtype is None
+        self.push_ride = (world_size > 1 and push_dtype is not None and not compressed
                           and last_dtype == push_dtype)
         self.riding: _Bucket | None = None
         self.hold_last = self.carry or self.rideable or self.push_ride
@@ -106,7 +110,7 @@ class DenseSync:
         its checks dirty: its peers read the words, it exchanged them again, and the step
         hung). With `push`, a bucket small enough is filled and left for the push to carry."""
         if len(bucket.params) == 1 and not carry and not riders and not push \
-                and self.wire_dtype is None:
+                and self.wire_dtype is None and self.powersgd is None:
             # A parameter that fills a bucket alone (a large table) is reduced in place: copying
             # hundreds of MB into a buffer and back cost more than the all-reduce on loopback.
             # Safe since nothing reads `.grad` before backward returns, when the reduce is done.
@@ -145,6 +149,11 @@ class DenseSync:
         if push and bucket_rides_push(bucket.buffer.numel() * bucket.buffer.element_size(),
                                       self.world_size):
             self.riding = bucket
+            return
+        if self.powersgd is not None and self.powersgd.compressing:
+            bucket.round = self.powersgd.launch(bucket.index, bucket.buffer, bucket.params)
+            bucket.work = all_reduce_async(bucket.round.first, self.group, self.stats,
+                                           "allreduce", self.successor_remote)
             return
         if self.wire_dtype is not None:
             bucket.wire = bucket.buffer.to(self.wire_dtype).div_(self.world_size)
@@ -192,6 +201,12 @@ class DenseSync:
             self.riding.work = all_reduce_async(self.riding.buffer, self.group, self.stats,
                                                 "allreduce", self.successor_remote)
             self.riding = None
+        for bucket in self.buckets:   # PowerSGD's Qs, each launched as its Ps arrive
+            if bucket.round is not None:
+                bucket.work.wait()
+                qs = self.powersgd.second(bucket.round, self.world_size)
+                bucket.work = None if qs is None else all_reduce_async(
+                    qs, self.group, self.stats, "allreduce", self.successor_remote)
         for k, bucket in enumerate(self.buckets):
             if bucket.work is not None:
                 bucket.work.wait()
@@ -203,6 +218,9 @@ class DenseSync:
             if bucket.wire is not None:   # already divided, in its width
                 bucket.buffer.copy_(bucket.wire)
                 bucket.wire = None
+            elif bucket.round is not None:   # the averaged approximation, in place
+                self.powersgd.finish(bucket.round, self.world_size)
+                bucket.round = None
             else:
                 bucket.buffer[:bucket.numel].div_(self.world_size)
             offset = 0
@@ -219,6 +237,8 @@ class DenseSync:
             bucket.ready.clear()
             bucket.buffer = bucket.work = None
         self.next_bucket = 0
+        if self.powersgd is not None:
+            self.powersgd.steps += 1
 
 
 class PushRide:

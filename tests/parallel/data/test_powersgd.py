@@ -1,0 +1,116 @@
+"""PowerSGD on the dense buckets (ParallelConfig(grad_compress="powersgd")) against PyTorch's
+own: DDP with its powerSGD_hook, on the same two ranks, model and batches. Both factor the same
+matrices from the same seeds, keep error feedback and warm start, and all-reduce plainly for the
+first steps; on two ranks (a sum of two is the same in any order) the parameters agree bit for
+bit, although the hook sums the plain gradients and the Ps in two all-reduces where tilework
+sends them in one. The bytes counted are the cost model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tilework
+from tests.equivalence import LR, job
+from tilework import ParallelConfig
+from tilework.cluster.topology import Topology
+from tilework.comm.wire import low_rank_values, low_rank_view
+from tilework.data import ShardedBatches
+from tilework.errors import ConfigError
+from tilework.estimate.cost import dense_sync_bytes
+from tilework.planner import plan
+from tilework.testing import spawn
+from tilework.train.workloads import build
+
+BATCH, STEPS, START = 8, 6, 2
+
+
+def trained(rank, world_size, system, powersgd_rank):
+    work = build(job("cnn"))
+    opt = torch.optim.SGD(work.model.parameters(), lr=LR["sgd"])
+    model = work.model
+    if system == "ddp":
+        model = DDP(work.model)
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                   start_powerSGD_iter=START)
+        model.register_comm_hook(state, psgd.powerSGD_hook)
+    else:
+        tilework.parallelize(model, opt, mode="allreduce", log=False, grad_compress="powersgd",
+                             powersgd_rank=powersgd_rank, powersgd_start=START)
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    losses = []
+    for step in range(STEPS):
+        loss = work.loss(model, work.train_set.collate(sampler.indices(step)), step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    dist.barrier()
+    stats = tilework.stats(model) if system != "ddp" else None
+    return {k: v.detach().clone() for k, v in work.model.state_dict().items()}, losses, stats
+
+
+@pytest.mark.parametrize("powersgd_rank", [1, 3])   # Gram-Schmidt, and QR above rank 2
+def test_powersgd_buckets_train_as_ddps_powersgd_hook(powersgd_rank):
+    ours = spawn(trained, 2, args=("tilework", powersgd_rank), timeout=180)
+    theirs = spawn(trained, 2, args=("ddp", powersgd_rank), timeout=180)
+    for r in range(2):   # every rank ends with the same model as torch's
+        for k, v in theirs[r][0].items():
+            assert torch.equal(ours[r][0][k], v), k
+        assert ours[r][1] == theirs[r][1]
+    # The bytes: START plain steps, then the factors (so neither side passed on plain
+    # all-reduce), as the cost model counts them.
+    model = build(job("cnn")).model
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    nbytes = [p.numel() * p.element_size() for p in model.parameters()]
+    factored = dense_sync_bytes(nbytes, 25 * 2**20, 2, grad_compress="powersgd", shapes=shapes,
+                                powersgd_rank=powersgd_rank)
+    assert ours[0][2]["total"]["allreduce"]["sent"] == \
+        START * dense_sync_bytes(nbytes, 25 * 2**20, 2) + (STEPS - START) * factored
+    assert factored < dense_sync_bytes(nbytes, 25 * 2**20, 2)
+
+
+def test_which_gradients_powersgd_factors_and_what_it_sends():
+    """torch's rule: a matrix (first dimension by the rest) whose rank-r factors take under
+    half its values; the first all-reduce carries the rest and the Ps, the second the Qs."""
+    assert low_rank_view((64, 256), 4) == (64, 256, 4)
+    assert low_rank_view((8, 4, 3, 3), 1) == (8, 36, 1)
+    assert low_rank_view((8, 4, 3, 3), 3) == (8, 36, 3)      # 264 < 288 values
+    assert low_rank_view((4, 3, 3, 3), 3) is None            # 186 >= 108
+    assert low_rank_view((256,), 1) is None and low_rank_view((), 1) is None
+    assert low_rank_view((2, 2), 8) is None                  # the rank is capped by the shape
+    assert low_rank_values([(64, 256), (256,), (64,)], 2) == (64 * 2 + 256 + 64, 256 * 2)
+    assert low_rank_values([(256,)], 2) == (256, 0)
+
+
+def test_a_plan_prices_powersgd_factors_and_says_so():
+    model = build(job("lm")).model
+    made = plan(model, ParallelConfig(mode="allreduce", grad_compress="powersgd",
+                                      powersgd_rank=2, powersgd_start=10),
+                topology=Topology.from_sizes([2]))
+    assert (made.grad_compress, made.powersgd_rank, made.powersgd_start) == ("powersgd", 2, 10)
+    entries = made.by_name()
+    factored = [p for p in made.of("allreduce") if low_rank_view(p.shape, 2) is not None]
+    assert factored and all("rank-2 factors" in p.reason for p in factored)
+    bias = next(p for p in made.of("allreduce") if len(p.shape) == 1)
+    assert "as it is" in bias.reason
+    table = next(p for p in factored if p.shape == (400, 8))
+    assert entries[table.name].predicted.bytes_sent == (400 + 8) * 2 * 4   # two ranks: 2(n-1)/n
+    # The plan round-trips through plan.json, and its config is the one it came from.
+    from tilework.plans.plan import Plan, config_of
+    assert Plan.from_dict(made.as_dict()) == made
+    assert (config_of(made).powersgd_rank, config_of(made).powersgd_start) == (2, 10)
+
+
+def test_what_powersgd_refuses_in_one_line():
+    for bad, field in (({"powersgd_rank": 0}, "powersgd_rank"),
+                       ({"powersgd_rank": True}, "powersgd_rank"),
+                       ({"powersgd_start": -1}, "powersgd_start")):
+        with pytest.raises(ConfigError, match=f"{field}: expected"):
+            ParallelConfig(grad_compress="powersgd", **bad)
+    for bad in ({"zero": 2}, {"sync": "diloco"}, {"tp": 2}):
+        with pytest.raises(ConfigError, match="grad_compress: expected 'none' with sync="):
+            ParallelConfig(grad_compress="powersgd", **bad)

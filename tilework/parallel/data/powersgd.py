@@ -1,0 +1,153 @@
+"""PowerSGD (Vogels et al., NeurIPS 2019) on the dense buckets: `grad_compress="powersgd"`.
+
+A bucket's gradient matrices (each parameter's first dimension by the rest) that are worth it
+(`comm/wire.low_rank_view`) cross as two thin factors instead of themselves: P = M Q is summed
+over the ranks and orthogonalised, Q = M^T P is summed, and every rank takes P Q^T / world as
+the averaged gradient. Two all-reduces a bucket: the first carries the gradients sent as they
+are beside every P, the second every Q; the first of a later bucket is in flight while a
+bucket's Qs are computed.
+
+As torch's `powerSGD_hook` (DDP's communication hook, what a user would otherwise pick), so a
+job moved from it trains the same model (tests/parallel/data/test_powersgd.py runs both):
+- error feedback: what the averaged approximation left out of this rank's gradient (the whole
+  bucket's difference) is added to its next gradient;
+- warm start: a bucket's Q starts from its last step's, orthogonalised;
+- plain all-reduce for the first `start` synchronised backward passes;
+- a bucket's first Q drawn from the same seeds in the same order (numpy's RandomState(0), one
+  draw per bucket, the factors grouped by shape).
+One difference: a factor column that is all zeros (a matrix no rank's gradient touched) stays
+zeros, where torch's Gram-Schmidt divides it by its zero norm and the step goes NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ...comm.wire import low_rank_view
+
+SEED = 0   # torch's PowerSGDState(random_seed=0)
+
+
+def orthogonalize(factors: torch.Tensor) -> None:
+    """Orthonormal columns, in place, for a (1, rows, r) factor: Gram-Schmidt up to rank 2
+    and QR above it, as torch's hook chooses."""
+    r = factors.shape[2]
+    if r > 2 and factors.dtype not in (torch.float16, torch.bfloat16):
+        torch.linalg.qr(factors, out=(factors, factors.new_empty(1, r, r)))
+        return
+    for i in range(r):
+        col = factors[:, :, i:i + 1]
+        norm = torch.norm(col, dim=1, keepdim=True)
+        col /= torch.where(norm > 0, norm, torch.ones_like(norm))
+        if i + 1 < r:
+            rest = factors[:, :, i + 1:]
+            rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+
+
+@dataclass
+class Round:
+    """One bucket's compression in flight."""
+
+    index: int
+    bucket: torch.Tensor          # this rank's gradients, error added; the average when done
+    first: torch.Tensor           # gradients sent as they are, then every P: all-reduced first
+    plain: list[torch.Tensor]     # their places in the bucket
+    factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #                               (M, P, Q), each (1, rows or cols, ...); M a view of the bucket
+    sent: torch.Tensor | None = None   # the bucket as this rank sent it (error added)
+
+
+class PowerSGD:
+    """The compression state of one engine's buckets: each bucket's error and warm Q, the
+    synchronised backward passes so far, the seeds."""
+
+    def __init__(self, rank: int, start: int):
+        self.rank, self.start = rank, start
+        self.steps = 0
+        self.rng = np.random.RandomState(SEED)
+        self.errors: dict[int, torch.Tensor] = {}
+        self.qs: dict[int, torch.Tensor] = {}
+
+    @property
+    def compressing(self) -> bool:
+        return self.steps >= self.start
+
+    def launch(self, index: int, buffer: torch.Tensor, params) -> Round:
+        """The bucket `buffer` (this rank's gradients of `params`, in order) with its error
+        added: returns the round whose `first` is to be summed over the ranks."""
+        error = self.errors.get(index)
+        if error is None:
+            self.errors[index] = torch.zeros_like(buffer)
+        else:
+            buffer.add_(error)
+        plain, by_shape, offset = [], {}, 0
+        for _, p in params:
+            view = buffer[offset:offset + p.numel()]
+            offset += p.numel()
+            low = low_rank_view(tuple(p.shape), self.rank)
+            if low is None:
+                plain.append(view)
+            else:
+                by_shape.setdefault(low, []).append(view.view(1, low[0], low[1]))
+        matrices = [(m, r) for (_, _, r), ms in by_shape.items() for m in ms]
+        sent_plain = sum(v.numel() for v in plain)
+        first = buffer.new_empty(sent_plain + sum(m.shape[1] * r for m, r in matrices))
+        if plain:
+            torch.cat(plain, out=first[:sent_plain])
+        fresh = index not in self.qs
+        if fresh:
+            self.qs[index] = buffer.new_empty(sum(m.shape[2] * r for m, r in matrices))
+        round_ = Round(index, buffer, first, plain, sent=buffer.clone())
+        p_at, q_at, qs = sent_plain, 0, self.qs[index]
+        for m, r in matrices:
+            rows, cols = m.shape[1], m.shape[2]
+            p = first[p_at:p_at + rows * r].view(1, rows, r)
+            q = qs[q_at:q_at + cols * r].view(1, cols, r)
+            p_at, q_at = p_at + rows * r, q_at + cols * r
+            round_.factors.append((m, p, q))
+        if fresh:   # one draw per bucket, the same on every rank
+            generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+            for _, _, q in round_.factors:
+                q.copy_(torch.randn(q.shape, generator=generator, dtype=q.dtype))
+        for m, p, q in round_.factors:
+            orthogonalize(q)
+            torch.bmm(m, q, out=p)
+        return round_
+
+    def second(self, round_: Round, world: int) -> torch.Tensor | None:
+        """After `first` was summed: the plain gradients averaged into the bucket, the Ps
+        orthogonalised, the Qs computed; returns them to be summed (None: nothing compressed)."""
+        sent_plain = sum(v.numel() for v in round_.plain)
+        summed = round_.first[:sent_plain].div_(world)
+        at = 0
+        for view in round_.plain:
+            view.copy_(summed[at:at + view.numel()])
+            at += view.numel()
+        for m, p, q in round_.factors:
+            orthogonalize(p)
+            torch.bmm(m.transpose(1, 2), p, out=q)
+        return self.qs[round_.index] if round_.factors else None
+
+    def finish(self, round_: Round, world: int) -> None:
+        """After the Qs were summed: the bucket holds the averaged approximation, and this
+        rank's error is what it left out of what this rank sent."""
+        self.qs[round_.index].div_(world)
+        for m, p, q in round_.factors:
+            torch.bmm(p, q.transpose(1, 2), out=m)
+        torch.sub(round_.sent, round_.bucket, out=self.errors[round_.index])
+
+    def state_dict(self) -> dict:
+        """This rank's state: its errors are its own, the warm Qs and the seeds every rank's."""
+        return {"steps": self.steps, "rng": self.rng.get_state(),
+                "errors": {k: v.clone() for k, v in self.errors.items()},
+                "qs": {k: v.clone() for k, v in self.qs.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self.rng.set_state(state["rng"])
+        self.errors = {int(k): v.clone() for k, v in state["errors"].items()}
+        self.qs = {int(k): v.clone() for k, v in state["qs"].items()}
+
