@@ -36,7 +36,6 @@ from ..parallel.data.checks import InputChecks
 from ..parallel.data.dense import DenseSync
 from ..parallel.data.offload import Offload
 from ..parallel.data.outer import LocalSGD, workers_of
-from ..parallel.data.powersgd import PowerSGD
 from ..parallel.data.zero import ZeroSync
 from ..parallel.rows.exchange import pull_tables
 from ..parallel.rows.gather import GatheredTable, sync_tables
@@ -216,7 +215,7 @@ class Engine:
                                self.plan.bucket_bytes, successor_remote, self.checks, self._touched,
                                rider_dtype=rider_dtype, push_dtype=push_dtype,
                                wire_dtype=wire[self.plan.grad_compress],
-                               powersgd=PowerSGD(self.plan.powersgd_rank, self.plan.powersgd_start)
+                               powersgd=(self.plan.powersgd_rank, self.plan.powersgd_start)
                                if self.plan.grad_compress == "powersgd" else None)
         self.changes.record("dense parameters: post-accumulate-grad hooks (all-reduce buckets)",
                             lambda: [handle.remove() for handle in self.dense.handles])

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import tilework
 from tests.equivalence import LR, job
 from tilework import ParallelConfig
+from tilework.checkpoint import file as checkpoint_file
 from tilework.cluster.topology import Topology
 from tilework.comm.wire import low_rank_values, low_rank_view
 from tilework.data import ShardedBatches
@@ -28,7 +29,7 @@ from tilework.train.workloads import build
 BATCH, STEPS, START = 8, 6, 2
 
 
-def trained(rank, world_size, system, powersgd_rank):
+def trained(rank, world_size, system, powersgd_rank, accumulate=False):
     work = build(job("cnn"))
     opt = torch.optim.SGD(work.model.parameters(), lr=LR["sgd"])
     model = work.model
@@ -43,6 +44,10 @@ def trained(rank, world_size, system, powersgd_rank):
     sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
     losses = []
     for step in range(STEPS):
+        if accumulate:   # a micro-batch under no_sync first: its gradient rides the next
+            with model.no_sync():
+                work.loss(model, work.train_set.collate(sampler.indices(STEPS + step)),
+                          step).backward()
         loss = work.loss(model, work.train_set.collate(sampler.indices(step)), step)
         loss.backward()
         opt.step()
@@ -51,6 +56,15 @@ def trained(rank, world_size, system, powersgd_rank):
     dist.barrier()
     stats = tilework.stats(model) if system != "ddp" else None
     return {k: v.detach().clone() for k, v in work.model.state_dict().items()}, losses, stats
+
+
+def test_accumulated_gradients_are_compressed_as_ddps_powersgd_hook_does():
+    """Micro-batches under no_sync leave local sums; the synchronised backward compresses
+    the whole accumulated gradient, in DDP with the hook as here."""
+    ours = spawn(trained, 2, args=("tilework", 2, True), timeout=180)
+    theirs = spawn(trained, 2, args=("ddp", 2, True), timeout=180)
+    for k, v in theirs[1][0].items():
+        assert torch.equal(ours[1][0][k], v), k
 
 
 @pytest.mark.parametrize("powersgd_rank", [1, 3])   # Gram-Schmidt, and QR above rank 2
@@ -114,3 +128,54 @@ def test_what_powersgd_refuses_in_one_line():
     for bad in ({"zero": 2}, {"sync": "diloco"}, {"tp": 2}):
         with pytest.raises(ConfigError, match="grad_compress: expected 'none' with sync="):
             ParallelConfig(grad_compress="powersgd", **bad)
+
+
+def resumed(rank, world_size, path, stop, steps, saved_at):
+    """PowerSGD (rank 2, factors from step 2) with Adam: train to `stop` and save
+    (tilework.save), or, when `stop` is None, load what was saved at `saved_at` and train to
+    `steps`. Returns every rank's final parameters."""
+    work = build(job("cnn"))
+    opt = torch.optim.Adam(work.model.parameters(), lr=LR["adam"])
+    tilework.parallelize(work.model, opt, mode="allreduce", log=False, grad_compress="powersgd",
+                         powersgd_rank=2, powersgd_start=START)
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    start = 0
+    if stop is None:
+        tilework.load(path, work.model, opt)
+        start = saved_at
+    for step in range(start, stop if stop is not None else steps):
+        work.loss(work.model, work.train_set.collate(sampler.indices(step)), step).backward()
+        opt.step()
+        opt.zero_grad()
+    if stop is not None:
+        tilework.save(path, work.model, opt)
+    return {k: v.detach().clone() for k, v in work.model.state_dict().items()}
+
+
+def test_a_powersgd_run_resumes_bit_for_bit(tmp_path):
+    """The checkpoint holds the warm Qs, the seeds, the steps so far and each rank's error:
+    saved after the factors started and resumed, the run equals one never stopped."""
+    whole = spawn(resumed, 2, args=(str(tmp_path / "a.pt"), STEPS, STEPS, 0), timeout=180)
+    spawn(resumed, 2, args=(str(tmp_path / "b.pt"), 4, STEPS, 0), timeout=180)
+    again = spawn(resumed, 2, args=(str(tmp_path / "b.pt"), None, STEPS, 4), timeout=180)
+    for r in range(2):
+        for k, v in whole[r].items():
+            assert torch.equal(again[r][k], v), k
+    saved = checkpoint_file.load(tmp_path / "b.pt")["state"]   # weights-only, as tilework.load
+    assert set(saved["powersgd"]) >= {"steps", "qs", "errors", "rng_keys"}
+    assert saved["powersgd"]["steps"] == 4 and len(saved["powersgd"]["errors"]) == 2
+
+
+def test_a_saved_powersgd_state_that_does_not_fit_is_named():
+    from tilework.parallel.data.powersgd import PowerSGD
+
+    here = PowerSGD(2, 0, [[(64, 32), (64,)], [(8,)]])
+    assert here.sizes == {0: (64 * 32 + 64, 32 * 2), 1: (8, 0)}
+    saved = PowerSGD(2, 0, [[(64, 32), (64,)], [(8,)]])
+    state = saved.state_dict() | {"qs": {"0": torch.zeros(64)}}
+    assert here.misfit(state, {"0": torch.zeros(64 * 32 + 64), "1": torch.zeros(8)}) is None
+    assert here.misfit(state, {"1": torch.zeros(9)}) == "PowerSGD's error of bucket 1"
+    assert here.misfit(state | {"qs": {"0": torch.zeros(96)}}, None) == \
+        "PowerSGD's factors of bucket 0"
+    here.load_state_dict(state, None)   # seeds and steps carried across, exactly
+    assert here.rng.randint(1_000_000_000) == saved.rng.randint(1_000_000_000)

@@ -30,6 +30,7 @@ from ...comm.counted import Stats, all_reduce_async, all_to_all_v
 from ...comm.wire import CHECK_WORDS, bucket_rides_push
 from ...plans.plan import assign_buckets
 from ...runtime.hooks import PicklesAsNoop
+from .powersgd import PowerSGD
 
 
 class _Bucket:
@@ -52,10 +53,11 @@ class DenseSync:
                  powersgd=None):
         self.group, self.world_size, self.stats = group, world_size, stats
         # Compressed buckets (`grad_compress`): cast, divided, summed and cast back as DDP's
-        # bf16/fp16 compress hooks do, or as PowerSGD's factors (`powersgd`: a PowerSGD).
+        # bf16/fp16 compress hooks do, or as PowerSGD's factors (`powersgd`: its rank and
+        # start).
         # Nothing rides them: the checks' words and the heads' sums must add up exactly, and a
         # push carries its own width.
-        self.wire_dtype, self.powersgd = wire_dtype, powersgd
+        self.wire_dtype = wire_dtype
         compressed = wire_dtype is not None or powersgd is not None
         self.checks = checks  # sees each bucket's local gradients before they leave
         self.successor_remote = successor_remote
@@ -63,6 +65,8 @@ class DenseSync:
         self.buckets = [_Bucket(k, [order[i] for i in members]) for k, members in
                         enumerate(assign_buckets([p.numel() * p.element_size() for _, p in order],
                                        bucket_bytes))]
+        self.powersgd = None if powersgd is None else PowerSGD(
+            *powersgd, [[tuple(p.shape) for _, p in b.params] for b in self.buckets])
         self.where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
                       for i, (_, p) in enumerate(bucket.params)}
         self.next_bucket = 0

@@ -21,12 +21,13 @@ zeros, where torch's Gram-Schmidt divides it by its zero norm and the step goes 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ...comm.wire import low_rank_view
+from ...comm.wire import low_rank_values, low_rank_view
 
 SEED = 0   # torch's PowerSGDState(random_seed=0)
 
@@ -64,8 +65,11 @@ class PowerSGD:
     """The compression state of one engine's buckets: each bucket's error and warm Q, the
     synchronised backward passes so far, the seeds."""
 
-    def __init__(self, rank: int, start: int):
+    def __init__(self, rank: int, start: int, buckets: list[list[tuple[int, ...]]]):
         self.rank, self.start = rank, start
+        # Each bucket's values and its Qs' (what a loaded state must fit).
+        self.sizes = {k: (sum(math.prod(s) for s in shapes), low_rank_values(shapes, rank)[1])
+                      for k, shapes in enumerate(buckets)}
         self.steps = 0
         self.rng = np.random.RandomState(SEED)
         self.errors: dict[int, torch.Tensor] = {}
@@ -140,14 +144,34 @@ class PowerSGD:
         torch.sub(round_.sent, round_.bucket, out=self.errors[round_.index])
 
     def state_dict(self) -> dict:
-        """This rank's state: its errors are its own, the warm Qs and the seeds every rank's."""
-        return {"steps": self.steps, "rng": self.rng.get_state(),
-                "errors": {k: v.clone() for k, v in self.errors.items()},
-                "qs": {k: v.clone() for k, v in self.qs.items()}}
+        """What every rank holds alike: the steps, the seeds' state (as tensors, which a
+        weights-only load reads) and the warm Qs, by bucket."""
+        kind, keys, pos, has_gauss, cached = self.rng.get_state()
+        return {"steps": self.steps, "rng_keys": torch.from_numpy(keys.astype(np.int64)),
+                "rng_pos": int(pos), "rng_gauss": (int(has_gauss), float(cached)),
+                "qs": {str(k): v.clone() for k, v in self.qs.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def own_state(self) -> dict:
+        """This rank's own: what each bucket's approximation left out of its gradient."""
+        return {str(k): v.clone() for k, v in self.errors.items()}
+
+    def misfit(self, state: dict, own: dict | None) -> str | None:
+        """What of a saved state does not fit these buckets (None: it all does)."""
+        for kind, saved, at in (("factors", state["qs"], 1), ("error", own or {}, 0)):
+            for index, value in saved.items():
+                if int(index) not in self.sizes or value.numel() != self.sizes[int(index)][at]:
+                    return f"PowerSGD's {kind} of bucket {index}"
+        return None
+
+    def load_state_dict(self, state: dict, own: dict | None) -> None:
+        """`state_dict`'s and this rank's `own_state` (None: errors start at zero, at most one
+        step's approximation lost, as at another world size); `misfit` checked first."""
+        qs = {int(k): v for k, v in state["qs"].items()}
+        errors = {int(k): v for k, v in (own or {}).items()}
         self.steps = int(state["steps"])
-        self.rng.set_state(state["rng"])
-        self.errors = {int(k): v.clone() for k, v in state["errors"].items()}
-        self.qs = {int(k): v.clone() for k, v in state["qs"].items()}
+        has_gauss, cached = state["rng_gauss"]
+        self.rng.set_state(("MT19937", state["rng_keys"].numpy().astype(np.uint32),
+                            int(state["rng_pos"]), int(has_gauss), float(cached)))
+        self.qs = {k: v.clone() for k, v in qs.items()}
+        self.errors = {k: v.clone() for k, v in errors.items()}
 
