@@ -14,6 +14,10 @@ the same seed on the same global batches (AdamW inside); DDP runs `--steps`, the
 - ddp-powersgd: DDP with torch's PowerSGD communication hook (rank 2, error feedback, warm
   start, from step 2);
 - sync-bf16, sync-fp16: synchronous tilework, the buckets in that width (grad_compress);
+- sync-powersgd: synchronous tilework, the buckets as PowerSGD's factors (grad_compress=
+  "powersgd", rank 2, from step 2: the hook's settings above);
+- sync-topk: synchronous tilework, each rank's `--topk-ratio` largest values of each bucket
+  with error feedback (grad_compress="topk");
 - diloco-H[-codec][-F<f>d<tau>]: tilework.parallelize(sync="diloco", sync_every=H,
   outer_fragments=f, outer_delay=tau), the outer step
   Nesterov (lr 0.7, momentum 0.9), every parameter in the outer sync (mode="allreduce"), the
@@ -48,6 +52,7 @@ SIZES = {  # small enough for 4 ranks on 2 cores, large enough that the wire mat
     "lm": {"vocab": 5000, "embed_dim": 64, "hidden": 128, "seq_len": 32},
 }
 BATCH, LR = 32, 3e-3
+TOPK_RATIO = 0.01   # --topk-ratio
 
 
 def _job(workload: str, steps: int):
@@ -100,8 +105,11 @@ def _wrap(system: str, model, opt):
         return model, model.module
     import tilework
 
-    if system.startswith("sync-"):   # synchronous, the buckets in that width
-        tilework.parallelize(model, opt, mode="allreduce", grad_compress=system[5:], log=False)
+    if system.startswith("sync-"):   # synchronous, the buckets in that width or factored
+        factors = {"powersgd_rank": 2, "powersgd_start": 2} if system == "sync-powersgd" else \
+            {"topk_ratio": TOPK_RATIO} if system == "sync-topk" else {}
+        tilework.parallelize(model, opt, mode="allreduce", grad_compress=system[5:], log=False,
+                             **factors)
         return model, model
     tilework.parallelize(model, opt, mode="allreduce", sync="diloco",
                          outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
@@ -165,11 +173,11 @@ def run_system(cluster, workload: str, system: str, a) -> dict:
         out = Path(tmp) / "result.json"
         # The others may go on past DDP's steps: how long they take to reach its loss is the
         # measure (their loss at its step count is in their curves too).
-        steps = a.steps * (1 if system == "ddp" else 2 if system.startswith("sync-")
+        steps = a.steps * (1 if system == "ddp" else 2 if system in ("sync-bf16", "sync-fp16")
                            else a.longer)
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--workload",
                 workload, "--system", system, "--steps", str(steps), "--eval-every",
-                str(a.eval_every), "--out", str(out)]
+                str(a.eval_every), "--topk-ratio", str(a.topk_ratio), "--out", str(out)]
         port, n = _free_port(), a.hosts
         base = {**os.environ, "OMP_NUM_THREADS": "1"}
         # All on this one machine, as tilework bench's emulated hosts are.
@@ -218,7 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rtt-ms", type=float, default=50.0,
                     help="round trip to emulate (netem; 0 where the kernel lacks netem)")
     ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--every", type=int, nargs="+", default=[20, 40])
+    ap.add_argument("--every", type=int, nargs="*", default=[20, 40],
+                    help="local SGD's periods H to run (none: no local SGD)")
     ap.add_argument("--compress", nargs="+", default=["none"],
                     choices=["none", "bf16", "int8", "int4"],
                     help="the outer sync's encodings to run at every H (outer_compress)")
@@ -226,9 +235,13 @@ def main(argv=None) -> int:
                     help="also run each H and encoding streamed: F fragments, each exchange "
                          "beside TAU inner steps (outer_fragments, outer_delay)")
     ap.add_argument("--no-powersgd", action="store_true", help="leave out DDP + PowerSGD")
-    ap.add_argument("--grad-compress", nargs="*", default=[], choices=["bf16", "fp16"],
-                    help="also synchronous tilework with its buckets in that width "
-                         "(grad_compress), run to twice DDP's steps")
+    ap.add_argument("--grad-compress", nargs="*", default=[],
+                    choices=["bf16", "fp16", "powersgd", "topk"],
+                    help="also synchronous tilework with its buckets in that width, run to "
+                         "twice DDP's steps, or as PowerSGD's factors or top-k, run as long as "
+                         "DDP + PowerSGD (grad_compress)")
+    ap.add_argument("--topk-ratio", type=float, default=0.01,
+                    help="the share of each bucket a rank sends under --grad-compress topk")
     ap.add_argument("--eval-every", type=int, default=40)
     ap.add_argument("--longer", type=int, default=4,
                     help="the systems other than DDP run this many times its steps (to find "
@@ -237,6 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--png")
     a = ap.parse_args(argv)
+    global TOPK_RATIO
+    TOPK_RATIO = a.topk_ratio
     if a.worker:
         worker(a)
         return 0
@@ -255,6 +270,7 @@ def main(argv=None) -> int:
                *[f"diloco-H{h}" + ("" if c == "none" else f"-{c}") + st
                  for h in a.every for c in a.compress for st in streams]]
     report: dict = {"hosts": a.hosts, "mbit": a.mbit, "rtt_ms": a.rtt_ms, "steps": a.steps,
+                    "topk_ratio": a.topk_ratio,
                     "batch": BATCH, "lr": LR, "sizes": SIZES, "workloads": {}}
     with emulated_cluster(a.hosts, link) as cluster:
         for w in a.workloads:

@@ -108,17 +108,17 @@ def _over_dp(engine, dst: int | None) -> dict:
            "optimizer": {"dense": dense_state, "groups": groups, "rows": rows}}
     if engine.outer is not None:
         out["outer"] = _outer_state(engine, dense_state, dst)
-    if engine.dense.powersgd is not None:
-        out["powersgd"] = _powersgd_state(engine, dst)
+    if engine.dense.compressor is not None:
+        out["grad_compress"] = _compressor_state(engine, dst)
     return out
 
 
-def _powersgd_state(engine, dst: int | None) -> dict:
-    """PowerSGD's state (parallel/data/powersgd.py): what every rank holds alike, and each
-    rank's own error feedback in rank order, gathered to `dst` (None elsewhere)."""
-    powersgd = engine.dense.powersgd
+def _compressor_state(engine, dst: int | None) -> dict:
+    """The compressed buckets' state (PowerSGD's, top-k's): what every rank holds alike, and
+    each rank's own error feedback in rank order, gathered to `dst` (None elsewhere)."""
+    compressor = engine.dense.compressor
     group, n = engine.groups.world, engine.groups.world_size
-    mine = powersgd.own_state()
+    mine = compressor.own_state()
     if n == 1:
         every = [mine]
     elif dst is None:
@@ -127,7 +127,7 @@ def _powersgd_state(engine, dst: int | None) -> dict:
     else:
         every = [None] * n if engine.groups.rank == dst else None
         dist.gather_object(mine, every, dst=dist.get_global_rank(group, dst), group=group)
-    return {**powersgd.state_dict(), "errors": every}
+    return {"kind": engine.plan.grad_compress, **compressor.state_dict(), "errors": every}
 
 
 def _outer_state(engine, dense_state: dict, dst: int | None) -> dict | None:

@@ -62,9 +62,9 @@ def check_state(engine, state: dict) -> None:
             if tuple(value.shape)[:1] != (part.layout.rows,):
                 problem = (f"optimizer {key} of {name} has {tuple(value.shape)[:1]} rows, "
                            f"the table {part.layout.rows}")
-    saved, own = _powersgd_parts(engine, state)
+    saved, own = _compressor_parts(engine, state)
     if not problem and saved is not None:
-        misfit = engine.dense.powersgd.misfit(saved, own)
+        misfit = engine.dense.compressor.misfit(saved, own)
         if misfit:
             problem = f"{misfit} has another size here (another bucket_mb, powersgd_rank)"
     here = engine.optimizer.param_groups if engine.optimizer is not None else []
@@ -100,26 +100,28 @@ def load_state(engine, state: dict) -> None:
             _load_rows(part, step, saved.get("state", {}) if _own(part) else saved)
         if engine.outer is not None:
             _load_outer(engine, state.get("outer"))
-        _load_powersgd(engine, state)
+        _load_compressor(engine, state)
 
 
-def _powersgd_parts(engine, state: dict) -> tuple[dict | None, dict | None]:
-    """The saved PowerSGD state (None: the checkpoint has none) and this rank's own errors
-    in it (None at another world size: they start at zero, at most one step's approximation)."""
-    saved = state.get("powersgd") if isinstance(state, dict) else None
-    if engine.dense.powersgd is None or saved is None:
+def _compressor_parts(engine, state: dict) -> tuple[dict | None, dict | None]:
+    """The saved state of the compressed buckets (None: the checkpoint has none of this
+    `grad_compress`: they start afresh) and this rank's own errors in it (None at another
+    world size: they start at zero, at most one step's approximation)."""
+    saved = state.get("grad_compress") if isinstance(state, dict) else None
+    if engine.dense.compressor is None or not isinstance(saved, dict) \
+            or saved.get("kind") != engine.plan.grad_compress:
         return None, None
     errors = saved.get("errors")
     same_world = bool(errors) and len(errors) == engine.groups.world_size
     return saved, errors[engine.groups.rank] if same_world else None
 
 
-def _load_powersgd(engine, state: dict) -> None:
-    """PowerSGD's state, checked by `check_state`; from a checkpoint without it, a fresh
-    start (plain steps first)."""
-    saved, own = _powersgd_parts(engine, state)
+def _load_compressor(engine, state: dict) -> None:
+    """The compressed buckets' state, checked by `check_state`; from a checkpoint without it,
+    a fresh start (PowerSGD's plain steps first)."""
+    saved, own = _compressor_parts(engine, state)
     if saved is not None:
-        engine.dense.powersgd.load_state_dict(saved, own)
+        engine.dense.compressor.load_state_dict(saved, own)
 
 
 def _load_outer(engine, saved: dict | None) -> None:

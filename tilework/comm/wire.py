@@ -9,6 +9,7 @@ the whole buffer for all-reduce and all-to-all, one rank's part for all-gather.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -132,3 +133,13 @@ def low_rank_values(shapes: list[tuple[int, ...]], rank: int) -> tuple[int, int]
             first += rows * r
             second += cols * r
     return first, second
+
+
+# Top-k (grad_compress="topk", parallel/data/topk.py): each rank's k largest values of a bucket
+# go as int32 positions and the values, all-gathered.
+TOPK_INDEX_BYTES = 4
+
+
+def topk_count(numel: int, ratio: float) -> int:
+    """Values a rank sends of a bucket of `numel`: the `ratio` share, at least one."""
+    return min(numel, max(1, math.ceil(ratio * numel)))

@@ -30,7 +30,7 @@ Sync = Literal["every_step", "diloco", "auto"]
 OuterOptimizer = Literal["nesterov", "sgd"]
 OuterWorker = Literal["rank", "host"]
 OuterCompress = Literal["none", "bf16", "int8", "int4"]
-GradCompress = Literal["none", "bf16", "fp16", "powersgd", "auto"]
+GradCompress = Literal["none", "bf16", "fp16", "powersgd", "topk", "auto"]
 
 
 @dataclass(kw_only=True)
@@ -186,8 +186,9 @@ class ParallelConfig:
     """The dense gradients on the wire under every-step sync: "none"; "bf16" / "fp16", as
     DDP's bf16_compress_hook and fp16_compress_hook send them (each bucket cast, divided by the
     ranks, summed in that width, cast back): half the bytes, and the rounding of that width;
-    or "powersgd", as DDP's powerSGD_hook (each gradient matrix worth it as two rank-r factors,
-    with error feedback and warm start; `powersgd_rank`, `powersgd_start`). The servers' rows
+    "powersgd", as DDP's powerSGD_hook (each gradient matrix worth it as two rank-r factors,
+    with error feedback and warm start; `powersgd_rank`, `powersgd_start`); or "topk", each
+    rank's `topk_ratio` largest values of each bucket with error feedback. The servers' rows
     stay as they are; not with ZeRO, tp/pp/cp or local SGD.
     "auto" (with plan="auto"): the search prices each plain data-parallel candidate also with
     bf16 buckets and takes them only where the step is predicted at least
@@ -202,6 +203,10 @@ class ParallelConfig:
     """grad_compress="powersgd": synchronised backward passes all-reduced plainly before the
     factors start (torch's start_powerSGD_iter): early training is the most sensitive to
     approximate gradients."""
+
+    topk_ratio: float = 0.01
+    """grad_compress="topk": the share of each bucket's values a rank sends each step (its
+    largest in magnitude, with what it left out before added back: error feedback)."""
 
     outer_fragments: int = 1
     """Streaming DiLoCo under sync="diloco": the dense parameters cut into this many fragments
@@ -295,8 +300,12 @@ class ParallelConfig:
               f"'rank' or 'host', got {self.outer_worker!r}")
         check(self.outer_compress in ("none", "bf16", "int8", "int4"), "outer_compress",
               f"'none', 'bf16', 'int8' or 'int4', got {self.outer_compress!r}")
-        check(self.grad_compress in ("none", "bf16", "fp16", "powersgd", "auto"), "grad_compress",
-              f"'none', 'bf16', 'fp16', 'powersgd' or 'auto', got {self.grad_compress!r}")
+        check(self.grad_compress in ("none", "bf16", "fp16", "powersgd", "topk", "auto"),
+              "grad_compress", "'none', 'bf16', 'fp16', 'powersgd', 'topk' or 'auto', got "
+              f"{self.grad_compress!r}")
+        check(isinstance(self.topk_ratio, (int, float)) and not isinstance(self.topk_ratio, bool)
+              and 0 < self.topk_ratio <= 1, "topk_ratio",
+              f"a share above 0 and at most 1, got {self.topk_ratio!r}")
         check(isinstance(self.powersgd_rank, int) and not isinstance(self.powersgd_rank, bool)
               and self.powersgd_rank >= 1, "powersgd_rank",
               f"a whole number of at least 1, got {self.powersgd_rank!r}")

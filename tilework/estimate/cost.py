@@ -12,6 +12,7 @@ No process group is needed: everything here runs at world size 1,000 on a laptop
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,12 +27,14 @@ from ..comm.wire import (
     CHECK_WORDS,
     ID_BYTES,
     REDUCE_SCATTER,
+    TOPK_INDEX_BYTES,
     all_gather_bytes,
     all_to_all_bytes,
     bucket_rides_push,
     id_block_capacity,
     low_rank_values,
     ring_allreduce_bytes,
+    topk_count,
 )
 from ..plans.plan import Cost, ParamPlan, assign_buckets, dtype_bytes, fragments_of
 from ..plans.rows import TableLayout, routes
@@ -56,24 +59,44 @@ def grad_wire(nbytes: int, grad_compress: str, item: int = 4, shape: tuple[int, 
               powersgd_rank: int = 1) -> int:
     """An all-reduced gradient's bytes (values of `item` bytes) as its bucket sends it: as they
     are, at GRAD_WIDTH a value under "bf16" / "fp16", or as PowerSGD's factors of a gradient
-    of `shape` (both of its bucket's all-reduces)."""
+    of `shape` (both of its bucket's all-reduces). Not for "topk" (`compressed_entry`)."""
     if grad_compress == "powersgd":
         return sum(low_rank_values([shape], powersgd_rank)) * item
     return nbytes if grad_compress == "none" else nbytes // item * GRAD_WIDTH
 
+
+def compressed_entry(p: ParamPlan, grad_compress: str, topology: Topology, links: Links,
+                     powersgd_rank: int = 1, topk_ratio: float = 0.01) -> Cost:
+    """An all-reduced entry's share of its bucket's exchange under `grad_compress`: an
+    all-reduce of its compressed bytes, or under "topk" an all-gather of its share of the
+    positions and values."""
+    item = dtype_bytes(p.dtype)
+    if grad_compress == "topk":
+        n = topology.world_size
+        sent = all_gather_bytes(math.ceil(topk_ratio * p.numel) * (TOPK_INDEX_BYTES + item), n)
+        return Cost(sent, seconds(sent, link_for(topology, links), ALL_GATHER.messages(n))
+                    if n > 1 else 0.0)
+    return ring_allreduce(grad_wire(p.nbytes, grad_compress, item, p.shape, powersgd_rank),
+                          topology, links)
+
 def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
                      carried_bytes: int = 0, push: bool = False,
                      grad_compress: str = "none", item: int = 4,
-                     shapes: list[tuple[int, ...]] | None = None, powersgd_rank: int = 1) -> int:
+                     shapes: list[tuple[int, ...]] | None = None, powersgd_rank: int = 1,
+                     topk_ratio: float = 0.01) -> int:
     """Exact: what `parallel.data.dense.DenseSync` counts per step for parameters in registration
     order; `carried_bytes` ride the last bucket (the input check's words: CHECK_WORDS elements, hot
     heads). `push`: a server push over the world happens that step, which the last bucket
     rides where `wire.bucket_rides_push` says so, whole to every peer. `grad_compress`
     (parameters of `item` bytes): each bucket crosses in that width, alone; "powersgd" (each
     parameter's `shapes` given): each bucket in two all-reduces, its plain gradients and Ps,
-    then its Qs (none where nothing is factored)."""
+    then its Qs (none where nothing is factored); "topk": each bucket's share of positions and
+    values, all-gathered."""
     order = list(reversed(param_nbytes))
     buckets = assign_buckets(order, bucket_bytes)
+    if grad_compress == "topk":
+        return sum(all_gather_bytes(topk_count(sum(order[i] for i in b) // item, topk_ratio)
+                                    * (TOPK_INDEX_BYTES + item), n) for b in buckets)
     if grad_compress == "powersgd":
         shaped = list(reversed(shapes))
         return sum(ring_allreduce_bytes(values * item, n)

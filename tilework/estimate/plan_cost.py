@@ -16,17 +16,21 @@ import math
 from dataclasses import dataclass, field
 
 from ..cluster.topology import Cluster
+from ..comm.wire import ALL_GATHER
 from ..errors import PlanError
-from ..plans.plan import Plan, config_of, dtype_bytes
+from ..plans.plan import Plan, assign_buckets, config_of, dtype_bytes
 from .compute import step_flops
 from .cost import (
+    compressed_entry,
     dense_served,
+    dense_sync_bytes,
     grad_wire,
     link_for,
     outer_entry,
     outer_step_seconds,
     predict,
     ring_allreduce,
+    seconds,
     shared_meetings,
     zero_bucket_seconds,
 )
@@ -62,8 +66,8 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
         if plan.outer is not None and p.method == "allreduce":
             c = outer_entry(p, plan.outer, topo, links)
         elif plan.grad_compress != "none" and p.method == "allreduce" and not p.zero:
-            c = ring_allreduce(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype),
-                                         p.shape, plan.powersgd_rank), topo, links)
+            c = compressed_entry(p, plan.grad_compress, topo, links, plan.powersgd_rank,
+                                 plan.topk_ratio)
         else:
             c = predict(p, traffic.get(p.name), topo, links, plan.local_aggregation) \
                 or dense_served(p, topo, links)
@@ -86,6 +90,15 @@ def dense_seconds(plan: Plan, cluster: Cluster) -> float:
                                   link_for(topo, links), topo.num_hosts, part.bucket_bytes)
     if not dense:
         return sharded
+    if plan.grad_compress == "topk":   # an all-gather a bucket
+        order = list(reversed(bucketed))
+        buckets = assign_buckets([p.nbytes for p in order], part.bucket_bytes)
+        n = topo.world_size
+        sent = dense_sync_bytes([p.nbytes for p in bucketed], part.bucket_bytes, n, 0,
+                                grad_compress="topk", item=dtype_bytes(bucketed[0].dtype),
+                                topk_ratio=plan.topk_ratio)
+        return seconds(sent, link_for(topo, links), ALL_GATHER.messages(n) * len(buckets)) \
+            + sharded
     wire = sum(grad_wire(p.nbytes, plan.grad_compress, dtype_bytes(p.dtype), p.shape,
                          plan.powersgd_rank) for p in bucketed)
     # PowerSGD: a second all-reduce a bucket, its Qs.

@@ -23,7 +23,7 @@ from ..config.parallel import Method, Mode, ParallelConfig, RowMap, RowMapChoice
 from ..errors import ConfigError, PlanError
 from ..estimate.cost import (
     TableTraffic,
-    grad_wire,
+    compressed_entry,
     outer_entry,
     predict,
     ps_expected,
@@ -32,7 +32,7 @@ from ..estimate.cost import (
     sparse_allgather,
 )
 from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
-from ..plans.plan import OuterSync, ParamPlan, Plan, bucket_bytes, dtype_bytes
+from ..plans.plan import OuterSync, ParamPlan, Plan, bucket_bytes
 from .shares import server_map, server_partitions
 
 
@@ -76,7 +76,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      riders=config.grad_compress == "none" and config.sync != "diloco")
     if config.grad_compress != "none":
         made = with_grad_compress(made, config.grad_compress, topology, links,
-                                  config.powersgd_rank, config.powersgd_start)
+                                  config.powersgd_rank, config.powersgd_start,
+                                  config.topk_ratio)
     if config.sync == "diloco":
         made = with_outer_sync(made, OuterSync(config.sync_every, config.outer_optimizer,
                                                config.outer_lr, config.outer_momentum,
@@ -91,7 +92,7 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
 
 def with_grad_compress(plan: Plan, compress: str, topology: Topology | None = None,
                        links: Links | None = None, powersgd_rank: int = 1,
-                       powersgd_start: int = 1000) -> Plan:
+                       powersgd_start: int = 1000, topk_ratio: float = 0.01) -> Plan:
     """`plan` with its bucketed gradients compressed (`grad_compress`: at half width, or as
     PowerSGD's factors): each all-reduced entry's ring all-reduce priced at its compressed
     bytes (PowerSGD's once its factors start), its reason saying so."""
@@ -99,6 +100,8 @@ def with_grad_compress(plan: Plan, compress: str, topology: Topology | None = No
     links = links or Links()
 
     def said(p: ParamPlan) -> str:
+        if compress == "topk":
+            return f"its bucket's largest {topk_ratio:.2%} of values on the wire (top-k)"
         if compress != "powersgd":
             return f"its gradient in {compress} on the wire"
         if low_rank_view(p.shape, powersgd_rank) is None:
@@ -106,13 +109,13 @@ def with_grad_compress(plan: Plan, compress: str, topology: Topology | None = No
         return f"its gradient as PowerSGD's rank-{powersgd_rank} factors"
 
     params = tuple(dataclasses.replace(
-        p, predicted=None if p.predicted is None else ring_allreduce(
-            grad_wire(p.nbytes, compress, dtype_bytes(p.dtype), p.shape, powersgd_rank),
-            topology, links),
+        p, predicted=None if p.predicted is None else compressed_entry(
+            p, compress, topology, links, powersgd_rank, topk_ratio),
         reason=f"{p.reason}; {said(p)}" if p.reason else said(p))
         if p.method == "allreduce" and not p.zero else p for p in plan.params)
     return dataclasses.replace(plan, params=params, grad_compress=compress,
-                               powersgd_rank=powersgd_rank, powersgd_start=powersgd_start)
+                               powersgd_rank=powersgd_rank, powersgd_start=powersgd_start,
+                               topk_ratio=topk_ratio)
 
 
 def with_outer_sync(plan: Plan, outer: OuterSync, topology: Topology | None = None,

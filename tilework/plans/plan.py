@@ -235,12 +235,14 @@ class Plan:
     batch_shares: tuple[int, ...] | None = None
     # Local SGD: the dense parameters synchronised every few steps (None: every step).
     outer: OuterSync | None = None
-    # The dense buckets on the wire: "none", "bf16" / "fp16" as DDP's compress hooks, or
+    # The dense buckets on the wire: "none", "bf16" / "fp16" as DDP's compress hooks,
     # "powersgd" as its PowerSGD hook, at rank `powersgd_rank` after `powersgd_start` steps
-    # (parallel/data/powersgd.py).
+    # (parallel/data/powersgd.py), or "topk", each rank's `topk_ratio` largest values
+    # (parallel/data/topk.py).
     grad_compress: str = "none"
     powersgd_rank: int = 1
     powersgd_start: int = 1000
+    topk_ratio: float = 0.01
 
     def __post_init__(self):
         if isinstance(self.outer, dict):   # from JSON
@@ -414,7 +416,7 @@ def config_of(plan: Plan) -> ParallelConfig:
         stages_per_rank=par.stages_per_rank if par.schedule == "interleaved" else 2,
         batch_shares=list(plan.batch_shares) if plan.batch_shares else None,
         grad_compress=plan.grad_compress, powersgd_rank=plan.powersgd_rank,
-        powersgd_start=plan.powersgd_start,
+        powersgd_start=plan.powersgd_start, topk_ratio=plan.topk_ratio,
         **({} if plan.outer is None else {
             "sync": "diloco", "sync_every": plan.outer.every,
             "outer_optimizer": plan.outer.optimizer, "outer_lr": plan.outer.lr,

@@ -210,13 +210,16 @@ class Engine:
             if size == 1:
                 dense = []
                 self._densify_sparse_gradients()
-        wire = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "powersgd": None}
+        wire = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "powersgd": None,
+                "topk": None}
         self.dense = DenseSync(dense, group, size, self.stats,
                                self.plan.bucket_bytes, successor_remote, self.checks, self._touched,
                                rider_dtype=rider_dtype, push_dtype=push_dtype,
                                wire_dtype=wire[self.plan.grad_compress],
                                powersgd=(self.plan.powersgd_rank, self.plan.powersgd_start)
-                               if self.plan.grad_compress == "powersgd" else None)
+                               if self.plan.grad_compress == "powersgd" else None,
+                               topk=self.plan.topk_ratio
+                               if self.plan.grad_compress == "topk" else None)
         self.changes.record("dense parameters: post-accumulate-grad hooks (all-reduce buckets)",
                             lambda: [handle.remove() for handle in self.dense.handles])
         self.early = EarlyPush(self.tables, self.push_route, self.checks, self._touched)

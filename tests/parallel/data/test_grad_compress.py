@@ -77,7 +77,7 @@ def test_compressed_buckets_are_ddps_compress_hook_bit_for_bit(codec):
 
 def test_what_compressed_buckets_refuse_in_one_line():
     with pytest.raises(ConfigError, match="grad_compress: expected 'none', 'bf16', 'fp16', "
-                                          "'powersgd' or 'auto'"):
+                                          "'powersgd', 'topk' or 'auto'"):
         ParallelConfig(grad_compress="int8")
     for bad in ({"zero": 2}, {"sync": "diloco"}, {"tp": 2}):
         with pytest.raises(ConfigError, match="grad_compress: expected 'none' with sync="):

@@ -162,8 +162,9 @@ def test_a_powersgd_run_resumes_bit_for_bit(tmp_path):
         for k, v in whole[r].items():
             assert torch.equal(again[r][k], v), k
     saved = checkpoint_file.load(tmp_path / "b.pt")["state"]   # weights-only, as tilework.load
-    assert set(saved["powersgd"]) >= {"steps", "qs", "errors", "rng_keys"}
-    assert saved["powersgd"]["steps"] == 4 and len(saved["powersgd"]["errors"]) == 2
+    assert saved["grad_compress"]["kind"] == "powersgd"
+    assert set(saved["grad_compress"]) >= {"steps", "qs", "errors", "rng_keys"}
+    assert saved["grad_compress"]["steps"] == 4 and len(saved["grad_compress"]["errors"]) == 2
 
 
 def test_a_saved_powersgd_state_that_does_not_fit_is_named():

@@ -26,11 +26,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...comm.counted import Stats, all_reduce_async, all_to_all_v
+from ...comm.counted import Stats, all_gather_async, all_reduce_async, all_to_all_v
 from ...comm.wire import CHECK_WORDS, bucket_rides_push
 from ...plans.plan import assign_buckets
 from ...runtime.hooks import PicklesAsNoop
 from .powersgd import PowerSGD
+from .topk import TopK
 
 
 class _Bucket:
@@ -50,15 +51,15 @@ class DenseSync:
                  stats: Stats, bucket_bytes: int, successor_remote: bool = False,
                  checks=None, on_grad=None, rider_dtype: torch.dtype | None = None,
                  push_dtype: torch.dtype | None = None, wire_dtype: torch.dtype | None = None,
-                 powersgd=None):
+                 powersgd=None, topk: float | None = None):
         self.group, self.world_size, self.stats = group, world_size, stats
         # Compressed buckets (`grad_compress`): cast, divided, summed and cast back as DDP's
-        # bf16/fp16 compress hooks do, or as PowerSGD's factors (`powersgd`: its rank and
-        # start).
+        # bf16/fp16 compress hooks do, as PowerSGD's factors (`powersgd`: its rank and start)
+        # or as each rank's largest values (`topk`: their share).
         # Nothing rides them: the checks' words and the heads' sums must add up exactly, and a
         # push carries its own width.
         self.wire_dtype = wire_dtype
-        compressed = wire_dtype is not None or powersgd is not None
+        compressed = wire_dtype is not None or powersgd is not None or topk is not None
         self.checks = checks  # sees each bucket's local gradients before they leave
         self.successor_remote = successor_remote
         order = list(reversed(params))
@@ -67,6 +68,9 @@ class DenseSync:
                                        bucket_bytes))]
         self.powersgd = None if powersgd is None else PowerSGD(
             *powersgd, [[tuple(p.shape) for _, p in b.params] for b in self.buckets])
+        self.topk = None if topk is None else TopK(topk, [b.numel for b in self.buckets])
+        # What a checkpoint keeps of the compression (each rank's error feedback), or None.
+        self.compressor = self.powersgd or self.topk
         self.where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
                       for i, (_, p) in enumerate(bucket.params)}
         self.next_bucket = 0
@@ -114,7 +118,7 @@ class DenseSync:
         its checks dirty: its peers read the words, it exchanged them again, and the step
         hung). With `push`, a bucket small enough is filled and left for the push to carry."""
         if len(bucket.params) == 1 and not carry and not riders and not push \
-                and self.wire_dtype is None and self.powersgd is None:
+                and self.compressor is None and self.wire_dtype is None:
             # A parameter that fills a bucket alone (a large table) is reduced in place: copying
             # hundreds of MB into a buffer and back cost more than the all-reduce on loopback.
             # Safe since nothing reads `.grad` before backward returns, when the reduce is done.
@@ -153,6 +157,11 @@ class DenseSync:
         if push and bucket_rides_push(bucket.buffer.numel() * bucket.buffer.element_size(),
                                       self.world_size):
             self.riding = bucket
+            return
+        if self.topk is not None:
+            bucket.work = all_gather_async(self.topk.launch(bucket.index, bucket.buffer),
+                                           self.group, self.stats, "allreduce",
+                                           self.successor_remote)
             return
         if self.powersgd is not None and self.powersgd.compressing:
             bucket.round = self.powersgd.launch(bucket.index, bucket.buffer, bucket.params)
@@ -212,8 +221,7 @@ class DenseSync:
                 bucket.work = None if qs is None else all_reduce_async(
                     qs, self.group, self.stats, "allreduce", self.successor_remote)
         for k, bucket in enumerate(self.buckets):
-            if bucket.work is not None:
-                bucket.work.wait()
+            gathered = bucket.work.wait() if bucket.work is not None else None
             if self.carry and k == len(self.buckets) - 1:
                 self.checks.settle(bucket.buffer[-CHECK_WORDS:].double())
             for rider, offset, numel in bucket.riders:
@@ -225,6 +233,8 @@ class DenseSync:
             elif bucket.round is not None:   # the averaged approximation, in place
                 self.powersgd.finish(bucket.round, self.world_size)
                 bucket.round = None
+            elif self.topk is not None:   # every rank's largest values, averaged
+                self.topk.land(gathered, bucket.buffer, self.world_size)
             else:
                 bucket.buffer[:bucket.numel].div_(self.world_size)
             offset = 0
