@@ -15,7 +15,16 @@ from tilework import ParallelConfig
 from tilework.cluster.topology import Cluster, Host, Link, Links
 from tilework.estimate import estimate_memory
 from tilework.models.gpt import TinyGPT
-from tilework.planner.search import Space, auto, choose, configs, label, price, search
+from tilework.planner.search import (
+    Space,
+    auto,
+    choose,
+    configs,
+    label,
+    options_of,
+    price,
+    search,
+)
 
 RATE = 1e10   # FLOP/s per rank: the same for every candidate, so only the plans differ
 
@@ -418,15 +427,27 @@ def test_a_search_keeps_the_users_grad_compress_and_skips_what_refuses_it():
         found.chosen.config)
 
 
-def test_grad_compress_auto_takes_half_width_buckets_on_a_slow_link_and_not_on_a_fast_one():
+def test_grad_compress_auto_compresses_more_as_the_link_gets_slower_and_not_on_a_fast_one():
+    """No compression on a fast link; bf16 buckets where the wire is half the step; PowerSGD's
+    factors (30x fewer bytes here, weighed at twice the steps to a loss) where it is most."""
     model, inputs = gpt(layers=2, dim=128, vocab=2000), tokens(batch=8)
     config = ParallelConfig(plan="auto", grad_compress="auto")
-    fast = auto(model, config, Cluster([Host("a", 2), Host("b", 2)],
-                                       links=Links(inter=Link(100.0, 5.0))), inputs, RATE)
+
+    def chosen(gbit, latency_us):
+        return auto(model, config, Cluster([Host("a", 2), Host("b", 2)],
+                                           links=Links(inter=Link(gbit, latency_us))),
+                    inputs, RATE)
+
+    fast = chosen(100.0, 5.0)
     assert fast.chosen.config.grad_compress == "none", fast.why()
-    slow = auto(model, config, Cluster([Host("a", 2), Host("b", 2)],
-                                       links=Links(inter=Link(0.1, 500.0))), inputs, RATE)
-    assert slow.chosen.config.grad_compress == "bf16", slow.why()
-    assert "bf16 buckets" in slow.why()
+    assert {c.config.grad_compress for c in fast.candidates} == \
+        {"none", "bf16", "powersgd", "topk"}
+    middling = chosen(0.5, 100.0)
+    assert middling.chosen.config.grad_compress == "bf16", middling.why()
+    assert "bf16 buckets" in middling.why()
+    slow = chosen(0.1, 500.0)
+    assert slow.chosen.config.grad_compress == "powersgd", slow.why()
+    assert "PowerSGD rank 1 (weighed at x2 steps to a loss)" in slow.why()
+    assert options_of(slow.chosen.config)["powersgd_start"] == 1000
     with pytest.raises(tilework.errors.ConfigError, match="grad_compress: expected 'auto' with"):
         ParallelConfig(grad_compress="auto")

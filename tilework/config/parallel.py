@@ -191,8 +191,9 @@ class ParallelConfig:
     rank's `topk_ratio` largest values of each bucket with error feedback. The servers' rows
     stay as they are; not with ZeRO, tp/pp/cp or local SGD.
     "auto" (with plan="auto"): the search prices each plain data-parallel candidate also with
-    bf16 buckets and takes them only where the step is predicted at least
-    planner/search.COMPRESS_GAIN shorter (so not on a fast link)."""
+    bf16 buckets (taken only where the step is predicted at least planner/search.COMPRESS_GAIN
+    shorter), PowerSGD's factors and top-k (their steps weighed by the steps to a loss they
+    measured: POWERSGD_STEPS, TOPK_STEPS), so on a fast link none of them."""
 
     powersgd_rank: int = 1
     """grad_compress="powersgd": the rank of each matrix's factors (torch's

@@ -103,18 +103,26 @@ AUTO_SYNC_EVERY = 40   # sync="auto" with sync_every left at 1: DiLoCo's H as me
 # grad_compress="auto" takes bf16 buckets only where they shorten the predicted step by this
 # much: their casts are not priced, and their rounding is a cost of its own.
 COMPRESS_GAIN = 0.10
+# PowerSGD (rank 2, from step 2) needed 1.5x (word LM) and 2.0-2.1x (GPT) DDP's steps to reach
+# DDP's final loss, as torch's hook did, and top-k of 1% 1.7x and 2.1x (docs/slow-links.md, 4
+# ranks). grad_compress="auto" weighs their steps by these.
+POWERSGD_STEPS = 2.0
+TOPK_STEPS = 2.0
 
 
 def with_compression(found: list[ParallelConfig], base: ParallelConfig) -> list[ParallelConfig]:
     """grad_compress="auto": every candidate as it is, and, where compressed buckets can run
-    (plain data parallelism, every step), also with bf16 buckets."""
+    (plain data parallelism, every step), also with bf16 buckets, PowerSGD's factors and
+    top-k (at `base`'s powersgd_rank, powersgd_start and topk_ratio)."""
     if base.grad_compress != "auto":
         return found
     out = []
     for c in found:
         out.append(c)
         if c.sync == "every_step" and not c.zero and c.tp * c.pp * c.cp == 1:
-            out += _allowed(lambda c=c: dataclasses.replace(c, grad_compress="bf16"))
+            for kind in ("bf16", "powersgd", "topk"):
+                out += _allowed(lambda c=c, kind=kind: dataclasses.replace(
+                    c, grad_compress=kind))
     return out
 
 
@@ -355,11 +363,12 @@ def _order(c: Candidate) -> tuple:
 
 def _steps_to_a_loss(c: Candidate) -> float:
     """Steps to a given loss relative to synchronous training, which the search weighs each
-    candidate's step by: local SGD's are more (`LOCAL_SGD_STEPS`); compressed buckets must
-    win by `COMPRESS_GAIN`."""
+    candidate's step by: local SGD's, PowerSGD's and top-k's are more (`LOCAL_SGD_STEPS`,
+    `POWERSGD_STEPS`, `TOPK_STEPS`); bf16 buckets must win by `COMPRESS_GAIN`."""
     if c.config.sync == "diloco":
         return LOCAL_SGD_STEPS
-    return 1.0 / (1.0 - COMPRESS_GAIN) if c.config.grad_compress != "none" else 1.0
+    return {"none": 1.0, "powersgd": POWERSGD_STEPS, "topk": TOPK_STEPS}.get(
+        c.config.grad_compress, 1.0 / (1.0 - COMPRESS_GAIN))
 
 
 def _complexity(c: Candidate) -> tuple:
@@ -434,6 +443,10 @@ def options_of(config: ParallelConfig) -> dict:
         out["batch_shares"] = list(config.batch_shares)
     if config.grad_compress != "none":
         out["grad_compress"] = config.grad_compress
+    if config.grad_compress == "powersgd":
+        out |= {"powersgd_rank": config.powersgd_rank, "powersgd_start": config.powersgd_start}
+    if config.grad_compress == "topk":
+        out["topk_ratio"] = config.topk_ratio
     if config.sync == "diloco":
         out |= {k: getattr(config, k) for k in (
             "sync", "sync_every", "outer_optimizer", "outer_lr", "outer_momentum",
@@ -458,8 +471,13 @@ def label(c: Candidate) -> str:
         out += f", {cfg.microbatches} microbatches {cfg.schedule}"
     if cfg.batch_shares is not None:
         out += f", shares {'/'.join(map(str, cfg.batch_shares))}"
-    if cfg.grad_compress != "none":
+    if cfg.grad_compress in ("bf16", "fp16"):
         out += f", {cfg.grad_compress} buckets"
+    elif cfg.grad_compress == "powersgd":
+        out += f", PowerSGD rank {cfg.powersgd_rank} (weighed at x{POWERSGD_STEPS:g} steps " \
+            "to a loss)"
+    elif cfg.grad_compress == "topk":
+        out += f", top-{cfg.topk_ratio:.2%} (weighed at x{TOPK_STEPS:g} steps to a loss)"
     if cfg.sync == "diloco":
         out += f", local SGD every {cfg.sync_every} steps" + (
             f" in {cfg.outer_compress}" if cfg.outer_compress != "none" else "") + (
