@@ -106,7 +106,7 @@ def load_state(engine, state: dict) -> None:
 def _compressor_parts(engine, state: dict) -> tuple[dict | None, dict | None]:
     """The saved state of the compressed buckets (None: the checkpoint has none of this
     `grad_compress`: they start afresh) and this rank's own errors in it (None at another
-    world size: they start at zero, at most one step's approximation)."""
+    world size: they start at zero; what a rank had not sent yet is dropped)."""
     saved = state.get("grad_compress") if isinstance(state, dict) else None
     if engine.dense.compressor is None or not isinstance(saved, dict) \
             or saved.get("kind") != engine.plan.grad_compress:
@@ -122,6 +122,8 @@ def _load_compressor(engine, state: dict) -> None:
     saved, own = _compressor_parts(engine, state)
     if saved is not None:
         engine.dense.compressor.load_state_dict(saved, own)
+    elif engine.dense.compressor is not None:
+        engine.dense.compressor.reset()
 
 
 def _load_outer(engine, saved: dict | None) -> None:

@@ -108,7 +108,7 @@ def low_rank_view(shape: tuple[int, ...], rank: int) -> tuple[int, int, int] | N
     rank of its factors, (rows, cols, r), where the factors P (rows x r) and Q (cols x r) take
     under 1/LOW_RANK_MIN_RATE of its values; None where it is sent as it is (vectors, scalars,
     small or thin matrices)."""
-    if not shape:
+    if not shape or rank < 1:
         return None
     rows, cols = shape[0], 1
     for d in shape[1:]:
@@ -136,8 +136,10 @@ def low_rank_values(shapes: list[tuple[int, ...]], rank: int) -> tuple[int, int]
 
 
 # Top-k (grad_compress="topk", parallel/data/topk.py): each rank's k largest values of a bucket
-# go as int32 positions and the values, all-gathered.
-TOPK_INDEX_BYTES = 4
+# go as their positions (int32, int64 in a bucket past int32's range) and the values,
+# all-gathered.
+def topk_index_bytes(numel: int) -> int:
+    return 4 if numel < 2**31 else 8
 
 
 def topk_count(numel: int, ratio: float) -> int:

@@ -27,7 +27,6 @@ from ..comm.wire import (
     CHECK_WORDS,
     ID_BYTES,
     REDUCE_SCATTER,
-    TOPK_INDEX_BYTES,
     all_gather_bytes,
     all_to_all_bytes,
     bucket_rides_push,
@@ -35,6 +34,7 @@ from ..comm.wire import (
     low_rank_values,
     ring_allreduce_bytes,
     topk_count,
+    topk_index_bytes,
 )
 from ..plans.plan import Cost, ParamPlan, assign_buckets, dtype_bytes, fragments_of
 from ..plans.rows import TableLayout, routes
@@ -73,7 +73,8 @@ def compressed_entry(p: ParamPlan, grad_compress: str, topology: Topology, links
     item = dtype_bytes(p.dtype)
     if grad_compress == "topk":
         n = topology.world_size
-        sent = all_gather_bytes(math.ceil(topk_ratio * p.numel) * (TOPK_INDEX_BYTES + item), n)
+        sent = all_gather_bytes(math.ceil(topk_ratio * p.numel)
+                                * (topk_index_bytes(p.numel) + item), n)
         return Cost(sent, seconds(sent, link_for(topology, links), ALL_GATHER.messages(n))
                     if n > 1 else 0.0)
     return ring_allreduce(grad_wire(p.nbytes, grad_compress, item, p.shape, powersgd_rank),
@@ -95,9 +96,13 @@ def dense_sync_bytes(param_nbytes: list[int], bucket_bytes: int, n: int,
     order = list(reversed(param_nbytes))
     buckets = assign_buckets(order, bucket_bytes)
     if grad_compress == "topk":
-        return sum(all_gather_bytes(topk_count(sum(order[i] for i in b) // item, topk_ratio)
-                                    * (TOPK_INDEX_BYTES + item), n) for b in buckets)
+        numels = [sum(order[i] for i in b) // item for b in buckets]
+        return sum(all_gather_bytes(topk_count(m, topk_ratio) * (topk_index_bytes(m) + item), n)
+                   for m in numels)
     if grad_compress == "powersgd":
+        if shapes is None:
+            raise ValueError("dense_sync_bytes: grad_compress='powersgd' prices each "
+                             "parameter's factors from `shapes`")
         shaped = list(reversed(shapes))
         return sum(ring_allreduce_bytes(values * item, n)
                    for b in buckets
@@ -247,7 +252,8 @@ def dense_rides_push(plan, topology: Topology) -> bool:
     servers' push (`wire.bucket_rides_push`) on `topology`: for the step predictions
     (bench/comm_prediction.py), which cost them as bytes on the push's link, no meeting."""
     dense = sum(pp.nbytes for pp in plan.of("allreduce") if pp.zero <= 1)
-    return (any(pp.is_table for pp in plan.of("ps")) and 0 < dense <= plan.bucket_bytes
+    return (plan.grad_compress == "none"   # nothing rides a compressed bucket
+            and any(pp.is_table for pp in plan.of("ps")) and 0 < dense <= plan.bucket_bytes
             and push_over_world(topology, plan.local_aggregation)
             and bucket_rides_push(dense + CHECK_WORDS * 4, topology.world_size))
 

@@ -307,8 +307,17 @@ def zero_figures(plan, per_element: int, counter_bytes: int,
         state += 0 if (pp.zero and files) else held
         offloaded += (held if pp.zero and files else 0) + (shard if plan.offload == "all" else 0)
     replicated = [pp.nbytes for pp in dense if pp.zero <= 1 and pp.method == "allreduce"]
-    # Flat all-reduce copies (a lone large parameter is reduced in place, parallel/data/dense.py).
-    buckets = sum(replicated) if n > 1 and len(replicated) > 1 else 0
+    # Flat all-reduce copies (a lone large parameter is reduced in place, parallel/data/dense.py,
+    # but not when compressed). PowerSGD and top-k also keep each rank's error, a copy of every
+    # bucket; PowerSGD holds what it sent until the Qs land; top-k ranks a bucket's magnitudes
+    # (a copy of one bucket) and receives every rank's positions and values.
+    compressed = plan.grad_compress in ("powersgd", "topk") and n > 1
+    buckets = sum(replicated) if n > 1 and (len(replicated) > 1 or compressed) else 0
+    if compressed and plan.grad_compress == "powersgd":
+        buckets += 2 * sum(replicated)
+    elif compressed:
+        buckets += sum(replicated) + min(sum(replicated), plan.bucket_bytes) \
+            + int(2 * n * plan.topk_ratio * sum(replicated))
     scattered = [pp for pp in reversed(dense) if pp.zero == 2]
     sizes = [chunk[pp.name] * over[pp.name] for pp in scattered]
     flat = [sum(sizes[i] for i in b) for b in assign_buckets(sizes, plan.bucket_bytes)]

@@ -262,6 +262,19 @@ class Plan:
         if self.mesh.size != self.world_size:
             raise ValueError(f"mesh {self.mesh} has {self.mesh.size} ranks, the plan "
                              f"{self.world_size}")
+        # A plan read from plan.json is not a checked ParallelConfig: a rank of 0 would zero
+        # every factored gradient, silently.
+        if self.grad_compress not in ("none", "bf16", "fp16", "powersgd", "topk"):
+            raise ValueError(f"grad_compress: 'none', 'bf16', 'fp16', 'powersgd' or 'topk', got "
+                             f"{self.grad_compress!r}")
+        if type(self.powersgd_rank) is not int or self.powersgd_rank < 1 \
+                or type(self.powersgd_start) is not int or self.powersgd_start < 0:
+            raise ValueError(f"powersgd_rank (a whole number, 1 or more) and powersgd_start (0 "
+                             f"or more): got {self.powersgd_rank!r}, {self.powersgd_start!r}")
+        if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) \
+                or not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"topk_ratio: a share above 0 and at most 1, got "
+                             f"{self.topk_ratio!r}")
 
     def part(self, pp_rank: int = 0) -> "Plan":
         """The data-parallel plan of the part a rank at pipeline coordinate `pp_rank` holds,

@@ -23,6 +23,7 @@ from tilework.data import ShardedBatches
 from tilework.errors import ConfigError
 from tilework.estimate.cost import dense_sync_bytes
 from tilework.planner import plan
+from tilework.plans.plan import Plan
 from tilework.testing import spawn
 from tilework.train.workloads import build
 
@@ -114,7 +115,7 @@ def test_a_plan_prices_powersgd_factors_and_says_so():
     table = next(p for p in factored if p.shape == (400, 8))
     assert entries[table.name].predicted.bytes_sent == (400 + 8) * 2 * 4   # two ranks: 2(n-1)/n
     # The plan round-trips through plan.json, and its config is the one it came from.
-    from tilework.plans.plan import Plan, config_of
+    from tilework.plans.plan import config_of
     assert Plan.from_dict(made.as_dict()) == made
     assert (config_of(made).powersgd_rank, config_of(made).powersgd_start) == (2, 10)
 
@@ -180,3 +181,37 @@ def test_a_saved_powersgd_state_that_does_not_fit_is_named():
         "PowerSGD's factors of bucket 0"
     here.load_state_dict(state, None)   # seeds and steps carried across, exactly
     assert here.rng.randint(1_000_000_000) == saved.rng.randint(1_000_000_000)
+    here.steps, here.errors[0] = 7, torch.ones(3)
+    here.reset()   # a load without this state: as new, plain steps first
+    assert (here.steps, here.errors, here.qs) == (0, {}, {})
+    assert here.rng.randint(1_000_000_000) == PowerSGD(2, 0, []).rng.randint(1_000_000_000)
+
+
+def test_a_plan_file_with_a_bad_compressor_setting_is_refused():
+    """plan.json is not a checked ParallelConfig: a rank of 0 would zero every factored
+    gradient silently, so the Plan itself refuses it."""
+    made = plan(build(job("cnn")).model, ParallelConfig(mode="allreduce", grad_compress="powersgd"),
+                topology=Topology.from_sizes([2]))
+    for bad, field in (({"powersgd_rank": 0}, "powersgd_rank"), ({"powersgd_rank": 2.0},
+                       "powersgd_rank"), ({"topk_ratio": 0}, "topk_ratio"),
+                       ({"grad_compress": "int8"}, "grad_compress")):
+        with pytest.raises(ValueError, match=field):
+            Plan.from_dict(made.as_dict() | bad)
+    assert low_rank_view((64, 256), 0) is None
+
+
+def test_the_memory_estimate_holds_the_compressors_buffers():
+    """Each rank's error (a copy of every bucket), PowerSGD's sent copy; top-k's ranking copy
+    and the gathered pairs."""
+    from tilework.estimate.memory import zero_figures
+
+    model = build(job("cnn")).model
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    figures = {}
+    for kind in ("none", "powersgd", "topk"):
+        made = plan(model, ParallelConfig(mode="allreduce", grad_compress=kind),
+                    topology=Topology.from_sizes([4]))
+        figures[kind] = zero_figures(made, 1, 0).buckets
+    assert figures["none"] == nbytes
+    assert figures["powersgd"] == 3 * nbytes
+    assert figures["topk"] == 3 * nbytes + int(2 * 4 * 0.01 * nbytes)

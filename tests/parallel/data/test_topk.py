@@ -13,7 +13,7 @@ from torch import nn
 import tilework
 from tilework import ParallelConfig
 from tilework.cluster.topology import Topology
-from tilework.comm.wire import topk_count
+from tilework.comm.wire import topk_count, topk_index_bytes
 from tilework.errors import ConfigError
 from tilework.estimate.cost import dense_sync_bytes
 from tilework.planner import plan
@@ -118,6 +118,10 @@ def test_a_plan_prices_topk_as_an_all_gather_and_refuses_bad_ratios():
     weight = made.by_name()["2.weight"]   # 48 values: 3 of them, 8 bytes each, to 3 peers
     assert weight.predicted.bytes_sent == 3 * 3 * 8
     assert "largest 5.00% of values" in weight.reason
+    # Positions go as int32, as int64 in a bucket past int32's range (a lone huge table).
+    assert (topk_index_bytes(2**31 - 1), topk_index_bytes(2**31)) == (4, 8)
+    assert dense_sync_bytes([2**31 * 4], 2**40, 2, grad_compress="topk", topk_ratio=1e-6) == \
+        topk_count(2**31, 1e-6) * (8 + 4)
     for bad in (0, 1.5, True, "0.1"):
         with pytest.raises(ConfigError, match="topk_ratio: expected a share above 0"):
             ParallelConfig(grad_compress="topk", topk_ratio=bad)

@@ -44,6 +44,7 @@ class _Bucket:
         self.riders: list[tuple[object, int, int]] = []   # (rider, offset, numel) in `buffer`
         self.wire: torch.Tensor | None = None   # the compressed copy on the wire
         self.round = None   # PowerSGD's compression in flight (parallel/data/powersgd.py)
+        self.divided = False   # summed already divided by the ranks (PowerSGD's plain steps)
 
 
 class DenseSync:
@@ -168,6 +169,12 @@ class DenseSync:
             bucket.work = all_reduce_async(bucket.round.first, self.group, self.stats,
                                            "allreduce", self.successor_remote)
             return
+        if self.powersgd is not None:   # its plain steps: divided first, as torch's hook does
+            bucket.buffer.div_(self.world_size)
+            bucket.work = all_reduce_async(bucket.buffer, self.group, self.stats, "allreduce",
+                                           self.successor_remote)
+            bucket.divided = True
+            return
         if self.wire_dtype is not None:
             bucket.wire = bucket.buffer.to(self.wire_dtype).div_(self.world_size)
             bucket.work = all_reduce_async(bucket.wire, self.group, self.stats, "allreduce",
@@ -235,6 +242,8 @@ class DenseSync:
                 bucket.round = None
             elif self.topk is not None:   # every rank's largest values, averaged
                 self.topk.land(gathered, bucket.buffer, self.world_size)
+            elif bucket.divided:
+                bucket.divided = False
             else:
                 bucket.buffer[:bucket.numel].div_(self.world_size)
             offset = 0

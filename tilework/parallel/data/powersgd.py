@@ -14,7 +14,9 @@ job moved from it trains the same model (tests/parallel/data/test_powersgd.py ru
 - warm start: a bucket's Q starts from its last step's, orthogonalised;
 - plain all-reduce for the first `start` synchronised backward passes;
 - a bucket's first Q drawn from the same seeds in the same order (numpy's RandomState(0), one
-  draw per bucket, the factors grouped by shape).
+  draw per bucket, the factors grouped by shape): the same model where the buckets are DDP's
+  (DDP caps its first at 1 MB and rebuilds them after a step; tilework fills `bucket_mb`);
+- plain steps divided by the ranks before the sum, as the hook's `_allreduce_fut`.
 One difference: a factor column that is all zeros (a matrix no rank's gradient touched) stays
 zeros, where torch's Gram-Schmidt divides it by its zero norm and the step goes NaN.
 """
@@ -70,10 +72,7 @@ class PowerSGD:
         # Each bucket's values and its Qs' (what a loaded state must fit).
         self.sizes = {k: (sum(math.prod(s) for s in shapes), low_rank_values(shapes, rank)[1])
                       for k, shapes in enumerate(buckets)}
-        self.steps = 0
-        self.rng = np.random.RandomState(SEED)
-        self.errors: dict[int, torch.Tensor] = {}
-        self.qs: dict[int, torch.Tensor] = {}
+        self.reset()
 
     @property
     def compressing(self) -> bool:
@@ -86,7 +85,11 @@ class PowerSGD:
         if error is None:
             self.errors[index] = torch.zeros_like(buffer)
         else:
+            if error.device != buffer.device:   # loaded from a checkpoint, on the CPU
+                self.errors[index] = error = error.to(buffer)
             buffer.add_(error)
+        if index in self.qs and self.qs[index].device != buffer.device:
+            self.qs[index] = self.qs[index].to(buffer)
         plain, by_shape, offset = [], {}, 0
         for _, p in params:
             view = buffer[offset:offset + p.numel()]
@@ -149,11 +152,19 @@ class PowerSGD:
         kind, keys, pos, has_gauss, cached = self.rng.get_state()
         return {"steps": self.steps, "rng_keys": torch.from_numpy(keys.astype(np.int64)),
                 "rng_pos": int(pos), "rng_gauss": (int(has_gauss), float(cached)),
-                "qs": {str(k): v.clone() for k, v in self.qs.items()}}
+                "qs": {str(k): v.cpu().clone() for k, v in self.qs.items()}}
 
     def own_state(self) -> dict:
         """This rank's own: what each bucket's approximation left out of its gradient."""
-        return {str(k): v.clone() for k, v in self.errors.items()}
+        return {str(k): v.cpu().clone() for k, v in self.errors.items()}
+
+    def reset(self) -> None:
+        """As new: plain steps first, the seeds from the start, no errors, no warm Qs (after a
+        load of a checkpoint without this state)."""
+        self.steps = 0
+        self.rng = np.random.RandomState(SEED)
+        self.errors: dict[int, torch.Tensor] = {}
+        self.qs: dict[int, torch.Tensor] = {}
 
     def misfit(self, state: dict, own: dict | None) -> str | None:
         """What of a saved state does not fit these buckets (None: it all does)."""

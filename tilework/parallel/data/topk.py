@@ -8,15 +8,18 @@ each rank adds them into a zeroed bucket in rank order (the same bits on every r
 divides by the ranks: the average of what was sent, when `backward()` returns. What a rank did
 not send stays in its error for its next step, so every value is sent eventually.
 
-The wire: k int32 positions and k values per rank and bucket (`comm/wire.topk_count`), one
-all-gather of their bytes; `estimate.cost.dense_sync_bytes` counts it exactly.
+The wire: k int32 positions (int64 past int32's range) and k values per rank and bucket
+(`comm/wire.topk_count`), one all-gather of their bytes; `estimate.cost.dense_sync_bytes`
+counts it exactly.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...comm.wire import topk_count
+from ...comm.wire import topk_count, topk_index_bytes
+
+_INDEX = {4: torch.int32, 8: torch.int64}
 
 
 class TopK:
@@ -32,21 +35,22 @@ class TopK:
         bytes to all-gather (positions, then values) and keeps the rest as the error."""
         error = self.errors.get(index)
         if error is not None:
-            buffer.add_(error)
+            buffer.add_(error.to(buffer))   # loaded from a checkpoint: on the CPU
         k = topk_count(buffer.numel(), self.ratio)
         _, at = torch.topk(buffer.abs(), k, sorted=False)
         values = buffer[at]
         buffer[at] = 0
         self.errors[index] = buffer.clone()
-        return torch.cat([at.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
+        index = _INDEX[topk_index_bytes(buffer.numel())]
+        return torch.cat([at.to(index).view(torch.uint8), values.view(torch.uint8)])
 
     def land(self, gathered: torch.Tensor, buffer: torch.Tensor, world: int) -> None:
         """Every rank's pairs (`gathered`, in rank order) summed into `buffer` and averaged."""
-        k = topk_count(buffer.numel(), self.ratio)
+        k, width = topk_count(buffer.numel(), self.ratio), topk_index_bytes(buffer.numel())
         buffer.zero_()
         for part in gathered.view(world, -1):
-            at = part[:4 * k].clone().view(torch.int32).long()
-            buffer.index_add_(0, at, part[4 * k:].clone().view(buffer.dtype))
+            at = part[:width * k].clone().view(_INDEX[width]).long()
+            buffer.index_add_(0, at, part[width * k:].clone().view(buffer.dtype))
         buffer.div_(world)
 
     def state_dict(self) -> dict:
@@ -54,7 +58,11 @@ class TopK:
 
     def own_state(self) -> dict:
         """This rank's own: what it has not sent yet, by bucket."""
-        return {str(k): v.clone() for k, v in self.errors.items()}
+        return {str(k): v.cpu().clone() for k, v in self.errors.items()}
+
+    def reset(self) -> None:
+        """Nothing owed (after a load of a checkpoint without this state)."""
+        self.errors = {}
 
     def misfit(self, state: dict, own: dict | None) -> str | None:
         for index, value in (own or {}).items():
