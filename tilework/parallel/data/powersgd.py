@@ -115,10 +115,11 @@ class PowerSGD:
             q = qs[q_at:q_at + cols * r].view(1, cols, r)
             p_at, q_at = p_at + rows * r, q_at + cols * r
             round_.factors.append((m, p, q))
-        if fresh:   # one draw per bucket, the same on every rank
+        if fresh:   # one draw per bucket, the same on every rank; on the CPU, as the hook
+            #         draws (the same values whatever the device)
             generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
             for _, _, q in round_.factors:
-                q.copy_(torch.randn(q.shape, generator=generator, dtype=q.dtype))
+                q.copy_(torch.randn(q.shape, generator=generator, dtype=q.dtype, device="cpu"))
         for m, p, q in round_.factors:
             orthogonalize(q)
             torch.bmm(m, q, out=p)
