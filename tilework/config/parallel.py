@@ -30,6 +30,7 @@ Sync = Literal["every_step", "diloco", "auto"]
 OuterOptimizer = Literal["nesterov", "sgd"]
 OuterWorker = Literal["rank", "host"]
 OuterCompress = Literal["none", "bf16", "int8", "int4"]
+PushCompress = Literal["none", "bf16", "fp16"]
 GradCompress = Literal["none", "bf16", "fp16", "powersgd", "topk", "auto"]
 
 
@@ -205,6 +206,12 @@ class ParallelConfig:
     factors start (torch's start_powerSGD_iter): early training is the most sensitive to
     approximate gradients."""
 
+    push_compress: PushCompress = "none"
+    """The servers' push on the wire: "none", or "bf16" / "fp16": each server table's gradient
+    rows cast to that width to cross to their owners, cast back there and summed in the
+    table's dtype (half the push's bytes and that width's rounding of each rank's rows; the
+    pulled rows stay as they are)."""
+
     topk_ratio: float = 0.01
     """grad_compress="topk": the share of each bucket's values a rank sends each step (its
     largest in magnitude, with what it left out before added back: error feedback)."""
@@ -304,6 +311,8 @@ class ParallelConfig:
         check(self.grad_compress in ("none", "bf16", "fp16", "powersgd", "topk", "auto"),
               "grad_compress", "'none', 'bf16', 'fp16', 'powersgd', 'topk' or 'auto', got "
               f"{self.grad_compress!r}")
+        check(self.push_compress in ("none", "bf16", "fp16"), "push_compress",
+              f"'none', 'bf16' or 'fp16', got {self.push_compress!r}")
         check(isinstance(self.topk_ratio, (int, float)) and not isinstance(self.topk_ratio, bool)
               and 0 < self.topk_ratio <= 1, "topk_ratio",
               f"a share above 0 and at most 1, got {self.topk_ratio!r}")

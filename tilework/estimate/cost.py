@@ -252,7 +252,8 @@ def dense_rides_push(plan, topology: Topology) -> bool:
     servers' push (`wire.bucket_rides_push`) on `topology`: for the step predictions
     (bench/comm_prediction.py), which cost them as bytes on the push's link, no meeting."""
     dense = sum(pp.nbytes for pp in plan.of("allreduce") if pp.zero <= 1)
-    return (plan.grad_compress == "none"   # nothing rides a compressed bucket
+    return (plan.grad_compress == "none"   # nothing rides a compressed bucket or push
+            and not any(pp.push_dtype for pp in plan.of("ps"))
             and any(pp.is_table for pp in plan.of("ps")) and 0 < dense <= plan.bucket_bytes
             and push_over_world(topology, plan.local_aggregation)
             and bucket_rides_push(dense + CHECK_WORDS * 4, topology.world_size))
@@ -431,10 +432,12 @@ def ps_step_bytes(plans: list[ParamPlan], ids_per_table: list[list[torch.Tensor]
                 sent[rank] += ID_BYTES * (width + capacity + max(0, count - capacity))
                 id_blocks[(h, rank, peer)] = id_block_capacity(count, capacity)
             for plan, table in zip(plans, per_table):
-                # the push: a gradient row for each id sent; the answers: a row for each asked
+                # the push: a gradient row for each id sent (in its push width); the answers:
+                # a row for each asked
                 asked = sum(table[h][src][1][me] for src in members if src != rank)
-                sent[rank] += plan.row_bytes * (sum(table[h][rank][1]) - table[h][rank][1][me]
-                                                + asked)
+                sent[rank] += plan.push_row_bytes * (sum(table[h][rank][1])
+                                                     - table[h][rank][1][me]) \
+                    + plan.row_bytes * asked
     return sent
 
 
@@ -650,12 +653,14 @@ _TOUCH_PROBABILITIES = (0.95, 0.8, 0.5, 0.3, 0.1, 0.03)
 
 
 def _exchange(requests: float, requesters: int, servers: int, row_bytes: int,
-              mine: float | None = None):
+              mine: float | None = None, push_bytes: int | None = None):
     """Sent and received bytes of the busiest server when `requesters` ranks each ask for
     `requests` distinct rows spread over `servers` ranks, `mine` of them its own (default an
     even 1/servers): requests carry an id for the pull and a gradient row for the push (which
-    retraces the pull, so no id); answers carry a row."""
-    ask, answer = ID_BYTES + row_bytes, row_bytes
+    retraces the pull, so no id; `push_bytes` a row, default `row_bytes`); answers carry a
+    row."""
+    ask = ID_BYTES + (row_bytes if push_bytes is None else push_bytes)
+    answer = row_bytes
     mine = 1 / servers if mine is None else mine
     load = (requesters - 1) * requests * mine          # rows other ranks bring to this server
     sent = requests * (1 - mine) * ask + load * answer
@@ -683,21 +688,21 @@ def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, link
     load is even. (Our exchange sends one message per pair of ranks however many partitions a
     rank serves, so partitions beyond the world size add no per-message cost here.)
     """
-    n, row_bytes = topology.world_size, plan.row_bytes
+    n, row_bytes, push = topology.world_size, plan.row_bytes, plan.push_row_bytes
     if n == 1:
         return Cost(0, 0.0)
     servers = min(plan.partitions, n)
     local, hosts = len(topology.hosts[0]), topology.num_hosts
     if not (local_aggregation and topology.can_aggregate_locally):
         share = traffic.busiest_share(plan.partitions, servers, plan.row_map, plan.servers)
-        sent, received = _exchange(traffic.per_rank, n, servers, row_bytes, share)
+        sent, received = _exchange(traffic.per_rank, n, servers, row_bytes, share, push)
         return Cost(sent, seconds(max(sent, received), link_for(topology, links),
                                   ps_messages(n)))
     forwarders = min(servers, local)
-    s1, r1 = _exchange(traffic.per_rank, local, forwarders, row_bytes)
+    s1, r1 = _exchange(traffic.per_rank, local, forwarders, row_bytes, push_bytes=push)
     # Across hosts: each host's forwarders hold what the host merged; a server hears every host.
     s2, r2 = _exchange(traffic.per_host / forwarders, hosts, max(1, servers // forwarders),
-                       row_bytes)
+                       row_bytes, push_bytes=push)
     t = seconds(max(s1, r1), links.intra, ps_messages(local)) + \
         seconds(max(s2, r2), links.inter, ps_messages(hosts))
     return Cost(s1 + s2, t)

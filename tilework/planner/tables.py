@@ -73,7 +73,8 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope,
                      server_weights=config.server_weights,
                      # Compressed buckets and local SGD's carry nothing (parallel/data/dense.py).
-                     riders=config.grad_compress == "none" and config.sync != "diloco")
+                     riders=config.grad_compress == "none" and config.sync != "diloco",
+                     push_dtype=PUSH_DTYPES[config.push_compress])
     if config.grad_compress != "none":
         made = with_grad_compress(made, config.grad_compress, topology, links,
                                   config.powersgd_rank, config.powersgd_start,
@@ -88,6 +89,9 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
     if config.batch_shares is None:
         return made
     return dataclasses.replace(made, batch_shares=tuple(config.batch_shares))
+
+
+PUSH_DTYPES = {"none": "", "bf16": "bfloat16", "fp16": "float16"}   # push_compress: the rows'
 
 
 def with_grad_compress(plan: Plan, compress: str, topology: Topology | None = None,
@@ -156,7 +160,7 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               units: dict[str, str] | None = None,
               offload: tuple[str, str | None] = ("none", None),
               zero_scope: str = "world", server_weights: list[float] | None = None,
-              riders: bool = True) -> Plan:
+              riders: bool = True, push_dtype: str = "") -> Plan:
     overrides = _checked(infos, mode, sparse_reduce, overrides)
     topology = topology or Topology.from_sizes([world_size])
     if topology.world_size != world_size:
@@ -183,7 +187,7 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
         if mode == "hybrid" and info.is_table and info.name in traffic and world_size > 1 \
                 and not info.tied:
             searched = search(info, traffic[info.name], topology, links, local_aggregation,
-                              row_map, head_rides=info.dtype in bucketed)
+                              row_map, head_rides=info.dtype in bucketed, push_dtype=push_dtype)
             method, reason = searched.method, searched.reason
         if info.name in overrides:
             method, reason = overrides[info.name], "set by the user"
@@ -216,7 +220,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                           unit=(units or {}).get(info.name, "")
                           if zero == 3 and method == "allreduce" else None,
                           zero_scope=zero_scope if zero and method == "allreduce" else "world",
-                          servers=servers)
+                          servers=servers,
+                          push_dtype=push_dtype if method == "ps" and info.is_table else "")
         params.append(dataclasses.replace(entry, predicted=predict(
             entry, traffic.get(info.name), topology, links, local_aggregation,
             head_rides=info.dtype in bucketed)))
@@ -323,7 +328,7 @@ def partition_candidates(world_size: int, rows: int) -> list[int]:
 
 def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Links,
            local_aggregation: bool, row_map: RowMapChoice = "auto",
-           head_rides: bool = False) -> ParamPlan:
+           head_rides: bool = False, push_dtype: str = "") -> ParamPlan:
     """The cheapest way to synchronise one table: all-reduce, the servers with P partitions
     of contiguous or hashed rows ("auto": both costed; a tie goes to hashed), each either alone
     or with the head of a Zipf table replicated (`hot_rows`: the rows every rank touches with
@@ -335,7 +340,8 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
     maps = ("hashed", "contiguous") if row_map == "auto" else (row_map,)
     for p in partition_candidates(topology.world_size, info.shape[0]):
         for how in maps:
-            candidate = ParamPlan(info.name, info.shape, "ps", p, how, "", info.dtype, info.kind)
+            candidate = ParamPlan(info.name, info.shape, "ps", p, how, "", info.dtype, info.kind,
+                                  push_dtype=push_dtype)
             cost = ps_expected(candidate, traffic, topology, links, local_aggregation)
             if best_ps is None or cost.seconds < best_ps[1].seconds:
                 best_ps = (candidate, cost)

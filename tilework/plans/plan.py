@@ -86,6 +86,13 @@ class TensorFacts:
     def is_table(self) -> bool:
         return self.kind in ("sparse", "embedding")
 
+    @property
+    def push_row_bytes(self) -> int:
+        """A gradient row as the servers' push sends it (ParamPlan.push_dtype)."""
+        width = getattr(self, "push_dtype", "")
+        return self.row_bytes if not width else \
+            self.row_bytes // dtype_bytes(self.dtype) * dtype_bytes(width)
+
 
 ZERO_PLACEMENTS = {1: "zero-1 (optimizer state sharded)",
                    2: "zero-2 (optimizer state, gradients sharded)",
@@ -117,10 +124,17 @@ class ParamPlan(TensorFacts):
     # ps tables: the rank serving each partition, where ranks serve unevenly (by their memory:
     # planner/shares.server_map); () is partition p on rank p % world size.
     servers: tuple[int, ...] = ()
+    # ps tables: the dtype its gradient rows cross in on the push ("": its own; "bfloat16" or
+    # "float16" under ParallelConfig.push_compress, parallel/rows/push.py).
+    push_dtype: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "servers", tuple(int(r) for r in self.servers))
         dtype_bytes(self.dtype)
+        if self.push_dtype and (self.push_dtype not in ("bfloat16", "float16")
+                                or self.method != "ps" or not self.is_table):
+            raise ValueError(f"{self.name}: push_dtype is a server table's push width, "
+                             f"'bfloat16' or 'float16', got {self.push_dtype!r}")
         if self.servers and (self.method != "ps" or len(self.servers) != self.partitions
                              or min(self.servers) < 0):
             raise ValueError(f"{self.name}: servers names the rank of each partition of a "
@@ -430,6 +444,8 @@ def config_of(plan: Plan) -> ParallelConfig:
         batch_shares=list(plan.batch_shares) if plan.batch_shares else None,
         grad_compress=plan.grad_compress, powersgd_rank=plan.powersgd_rank,
         powersgd_start=plan.powersgd_start, topk_ratio=plan.topk_ratio,
+        push_compress={"": "none", "bfloat16": "bf16", "float16": "fp16"}[
+            next((p.push_dtype for p in plan.params if p.push_dtype), "")],
         **({} if plan.outer is None else {
             "sync": "diloco", "sync_every": plan.outer.every,
             "outer_optimizer": plan.outer.optimizer, "outer_lr": plan.outer.lr,

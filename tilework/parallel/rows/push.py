@@ -22,8 +22,8 @@ from .sparse import PSTable
 def push_route(tables: list[PSTable], groups) -> PushRide:
     """How this engine's pushes go (parallel/data/dense.py's PushRide). Where every table's push is
     one all-to-all over the world, it runs on a group of its own (made here: collective), and the
-    last dense bucket may ride it where the tables' rows are all of one dtype."""
-    dtypes = {table.shard.dtype for table in tables}
+    last dense bucket may ride it where the tables' rows all cross in one dtype (their push's)."""
+    dtypes = {table.push_dtype for table in tables}
     one_hop = bool(tables) and all(len(t.hops) == 1 and t.hops[0].group is groups.world
                                    for t in tables)
     return PushRide(dtypes.pop() if len(dtypes) == 1 and one_hop else None, groups.world,
@@ -71,30 +71,32 @@ def _retraceable(table: PSTable) -> bool:
 def _retrace_hop(tables, h, steps, grads, ride: PushRide):
     """Gradient rows the way the pull's ids went: sorted and split as then, summed where the
     ids were merged. Both sides know every length."""
-    parts, sizes, widths = _retrace_parts(tables[0].hops[h], steps, grads)
+    parts, sizes, widths = _retrace_parts(tables[0].hops[h], steps, grads, tables[0].push_dtype)
     got = ride.all_to_all(parts, tables[0].hops[h], tables[0].stats, [sum(s) for s in sizes])
-    return _retrace_land(steps, widths, got, sizes)
+    return _retrace_land(steps, widths, got, sizes, grads[0].dtype)
 
 
-def _retrace_parts(hop, steps, grads):
-    """What each peer gets of the gradient rows `grads` retracing the pull's `steps` at `hop`:
-    (each peer's flat part, the element counts that arrive from each peer per table, widths)."""
+def _retrace_parts(hop, steps, grads, wire: torch.dtype):
+    """What each peer gets of the gradient rows `grads` retracing the pull's `steps` at `hop`,
+    in the push's width `wire`: (each peer's flat part, the element counts that arrive from
+    each peer per table, widths)."""
     widths = [g.shape[1] for g in grads]
     to_peer: list[list[torch.Tensor]] = [[] for _ in range(group_size(hop.group))]
     for (order, per_peer, _, _, _), g in zip(steps, grads):
-        for j, part in enumerate(torch.split(g[order], per_peer)):
+        for j, part in enumerate(torch.split(g[order].to(wire), per_peer)):
             to_peer[j].append(part.reshape(-1))
     sizes = [[a * w for a, w in zip(arrivals, widths)]
              for arrivals in zip(*[step[2] for step in steps])]
     return [torch.cat(parts) for parts in to_peer], sizes, widths
 
 
-def _retrace_land(steps, widths, got, sizes) -> list[torch.Tensor]:
-    """The rows that arrived (`got`, per peer), summed per table by the ids the pull merged."""
+def _retrace_land(steps, widths, got, sizes, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The rows that arrived (`got`, per peer), summed in the tables' `dtype` per table by the
+    ids the pull merged."""
     out = []
     for (_, _, _, inverse, merged), w, rows in zip(steps, widths, _per_table(got, sizes, widths)):
-        summed = rows.new_zeros(len(merged), w)
-        summed.index_add_(0, inverse, rows)
+        summed = rows.new_zeros(len(merged), w, dtype=dtype)
+        summed.index_add_(0, inverse, rows.to(dtype))
         out.append(summed)
     return out
 
@@ -104,11 +106,11 @@ def _carry_hop(tables: list[PSTable], h: int, items, ride: PushRide):
     dtype, a bit-exact round trip), after the lengths; what arrives is merged by id per table."""
     hop = tables[0].hops[h]
     n, stats = group_size(hop.group), tables[0].stats
-    dtype = items[0][1].dtype
-    id_width = 8 // items[0][1].element_size()
+    dtype, kept = tables[0].push_dtype, items[0][1].dtype   # on the wire; summed in
+    id_width = 8 // dtype.itemsize
     widths = [id_width + grads.shape[1] for _, grads in items]
-    packed = [torch.cat([ids.contiguous().view(dtype).reshape(len(ids), id_width), grads], 1)
-              for ids, grads in items]
+    packed = [torch.cat([ids.contiguous().view(dtype).reshape(len(ids), id_width),
+                         grads.to(dtype)], 1) for ids, grads in items]
     _, counts, to_peer = _to_owners(tables, h, [ids for ids, _ in items], packed, n)
     heard = _lengths(tables, h, counts, ride.group_of(hop))
     arriving = [[int(c) * w for c, w in zip(from_peer.tolist(), widths)] for from_peer in heard]
@@ -118,8 +120,8 @@ def _carry_hop(tables: list[PSTable], h: int, items, ride: PushRide):
     for width, rows in zip(widths, _per_table(got, arriving, widths)):
         ids = rows[:, :id_width].reshape(-1).view(torch.int64)
         merged, inverse = torch.unique(ids, return_inverse=True)
-        summed = rows.new_zeros(len(merged), width - id_width)
-        summed.index_add_(0, inverse, rows[:, id_width:])
+        summed = rows.new_zeros(len(merged), width - id_width, dtype=kept)
+        summed.index_add_(0, inverse, rows[:, id_width:].to(kept))
         out.append((merged, summed))
     return out
 
@@ -155,7 +157,8 @@ class EarlyPush:
             self.checks.on_tables(batch)
         hop, routes = batch[0].hops[0], [t.pulls[0] for t in batch]
         steps = [route.hops[0] for route in routes]
-        parts, sizes, widths = _retrace_parts(hop, steps, [t.take_pending()[1] for t in batch])
+        parts, sizes, widths = _retrace_parts(hop, steps, [t.take_pending()[1] for t in batch],
+                                              batch[0].push_dtype)
         work = all_to_all_v(parts, self.ride.group_of(hop), batch[0].stats, "ps", hop.remote,
                             recv_lengths=[sum(s) for s in sizes], async_op=True)
         for t in batch:
@@ -170,6 +173,7 @@ class EarlyPush:
         for batch, routes, widths, sizes, work in self.flying:
             steps = [route.hops[0] for route in routes]
             for table, route, g in zip(batch, routes,
-                                       _retrace_land(steps, widths, work.wait(), sizes)):
+                                       _retrace_land(steps, widths, work.wait(), sizes,
+                                                     batch[0].shard.dtype)):
                 table.receive(route.owned, g)
         self.flying = []

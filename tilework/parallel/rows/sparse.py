@@ -73,6 +73,9 @@ class PSTable:
         rows = self.layout.shard_rows(groups.rank)
         self.global_rows = rows
         self.shard = full.detach().reshape(full.shape[0], -1)[rows].clone()
+        # The width its gradient rows cross in on the push (ParamPlan.push_dtype).
+        self.push_dtype = getattr(torch, plan.push_dtype) if plan.push_dtype \
+            else self.shard.dtype
         self.row_shape = full.shape[1:]
         self.optimizer: RowOptimizer = make_optimizer(self.shard)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's, global ids
