@@ -113,21 +113,27 @@ def _over_dp(engine, dst: int | None) -> dict:
     return out
 
 
+def _every_rank(engine, mine, dst: int | None) -> list | None:
+    """Every rank's `mine` in rank order, gathered to rank `dst` of the world (every rank when
+    None; None on the others)."""
+    group, n = engine.groups.world, engine.groups.world_size
+    if n == 1:
+        return [mine]
+    if dst is None:
+        every = [None] * n
+        dist.all_gather_object(every, mine, group=group)
+        return every
+    every = [None] * n if engine.groups.rank == dst else None
+    dist.gather_object(mine, every, dst=dist.get_global_rank(group, dst), group=group)
+    return every
+
+
 def _compressor_state(engine, dst: int | None) -> dict:
     """The compressed buckets' state (PowerSGD's, top-k's): what every rank holds alike, and
     each rank's own error feedback in rank order, gathered to `dst` (None elsewhere)."""
     compressor = engine.dense.compressor
-    group, n = engine.groups.world, engine.groups.world_size
-    mine = compressor.own_state()
-    if n == 1:
-        every = [mine]
-    elif dst is None:
-        every = [None] * n
-        dist.all_gather_object(every, mine, group=group)
-    else:
-        every = [None] * n if engine.groups.rank == dst else None
-        dist.gather_object(mine, every, dst=dist.get_global_rank(group, dst), group=group)
-    return {"kind": engine.plan.grad_compress, **compressor.state_dict(), "errors": every}
+    return {"kind": engine.plan.grad_compress, **compressor.state_dict(),
+            "errors": _every_rank(engine, compressor.own_state(), dst)}
 
 
 def _outer_state(engine, dense_state: dict, dst: int | None) -> dict | None:
@@ -135,16 +141,8 @@ def _outer_state(engine, dense_state: dict, dst: int | None) -> dict | None:
     inner optimizer state is its own (Adam's moments of its own steps), every rank's dense
     optimizer state in rank order, gathered to `dst` (None elsewhere), with what else only
     that rank holds (`LocalSGD.own_state`)."""
-    group, n = engine.groups.world, engine.groups.world_size
     mine = ({name: dict(s) for name, s in dense_state.items()}, engine.outer.own_state())
-    if n == 1:
-        every = [mine]
-    elif dst is None:
-        every = [None] * n
-        dist.all_gather_object(every, mine, group=group)
-    else:
-        every = [None] * n if engine.groups.rank == dst else None
-        dist.gather_object(mine, every, dst=dist.get_global_rank(group, dst), group=group)
+    every = _every_rank(engine, mine, dst)
     if every is None:
         return {**engine.outer.state_dict(), "inner": None}
     # Each rank's own error feedback and, where ranks differ at a sync, its parameters.
