@@ -91,7 +91,12 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
     return dataclasses.replace(made, batch_shares=tuple(config.batch_shares))
 
 
-PUSH_DTYPES = {"none": "", "bf16": "bfloat16", "fp16": "float16"}   # push_compress: the rows'
+PUSH_DTYPES = {"none": "", "bf16": "bfloat16", "fp16": "float16",   # push_compress: the rows'
+               "auto": "auto"}
+# push_compress="auto": a table's push goes in bf16 only where that shortens its predicted
+# exchange by this much (the rounding is a cost the model does not price; as grad_compress's
+# planner/search.COMPRESS_GAIN).
+PUSH_COMPRESS_GAIN = 0.10
 
 
 def with_grad_compress(plan: Plan, compress: str, topology: Topology | None = None,
@@ -221,13 +226,24 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                           if zero == 3 and method == "allreduce" else None,
                           zero_scope=zero_scope if zero and method == "allreduce" else "world",
                           servers=servers,
-                          push_dtype=push_dtype if method == "ps" and info.is_table else "")
+                          push_dtype=_push_dtype(push_dtype, method, info, searched))
         params.append(dataclasses.replace(entry, predicted=predict(
             entry, traffic.get(info.name), topology, links, local_aggregation,
             head_rides=info.dtype in bucketed)))
     _refuse_recomputed_tables(recompute, params)
     return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes,
                 Mesh.from_topology(topology), recompute, *offload)
+
+
+def _push_dtype(asked: str, method: Method, info: ParamInfo,
+                searched: ParamPlan | None) -> str:
+    """A server table's push width: the asked one, or under "auto" the cost search's choice
+    where its traffic is modelled (else as it is)."""
+    if method != "ps" or not info.is_table:
+        return ""
+    if asked != "auto":
+        return asked
+    return searched.push_dtype if searched is not None and searched.method == "ps" else ""
 
 
 def _row_map(asked: RowMapChoice, info: ParamInfo, method: Method,
@@ -341,7 +357,7 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
     for p in partition_candidates(topology.world_size, info.shape[0]):
         for how in maps:
             candidate = ParamPlan(info.name, info.shape, "ps", p, how, "", info.dtype, info.kind,
-                                  push_dtype=push_dtype)
+                                  push_dtype="" if push_dtype == "auto" else push_dtype)
             cost = ps_expected(candidate, traffic, topology, links, local_aggregation)
             if best_ps is None or cost.seconds < best_ps[1].seconds:
                 best_ps = (candidate, cost)
@@ -352,6 +368,15 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
                         head_rides=head_rides)
         if cost.seconds < best_ps[1].seconds:
             best_ps = (candidate, cost)
+    said = ""
+    if push_dtype == "auto" and best_ps is not None:   # the push's width, by cost
+        half = dataclasses.replace(best_ps[0], push_dtype="bfloat16")
+        cost = ps_split(half, traffic, topology, links, local_aggregation,
+                        head_rides=head_rides)
+        if cost.seconds <= (1 - PUSH_COMPRESS_GAIN) * best_ps[1].seconds:
+            said = (f", its push in bf16 ({cost.seconds * 1e3:.3g} ms < "
+                    f"{best_ps[1].seconds * 1e3:.3g} ms)")
+            best_ps = (half, cost)
     fraction = traffic.per_rank / info.shape[0]
     gathered = sparse_allgather(traffic, topology, links, info.nbytes // info.shape[0]) \
         if info.kind == "sparse" else None
@@ -367,7 +392,7 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
         head = f", {plan.hot_rows} hot rows all-reduced" if plan.hot_rows else ""
         why = (f"{fraction:.1%} rows/step: servers ({plan.row_map}{head}) "
                f"{cost.seconds * 1e3:.3g} ms < "
-               f"all-reduce {dense.seconds * 1e3:.3g} ms")
+               f"all-reduce {dense.seconds * 1e3:.3g} ms{said}")
         return dataclasses.replace(plan, reason=why)
     why = (f"{fraction:.1%} rows/step: all-reduce {dense.seconds * 1e3:.3g} ms <= servers "
            f"{ps_s * 1e3:.3g} ms")

@@ -420,6 +420,15 @@ def _entry_from_dict(d: dict) -> ParamPlan:
                              "pp_ranks": tuple(d.get("pp_ranks", ()))}))
 
 
+def _push_compress(plan: Plan) -> str:
+    """The push_compress a plan's tables were planned under: one width for all, or "auto"
+    where the cost search gave some tables bf16 and others their own."""
+    widths = {p.push_dtype for p in plan.params if p.method == "ps" and p.is_table}
+    if len(widths) > 1:
+        return "auto"
+    return {"": "none", "bfloat16": "bf16", "float16": "fp16"}[widths.pop() if widths else ""]
+
+
 def config_of(plan: Plan) -> ParallelConfig:
     """The configuration `plan` runs under, as far as the plan says it: the mesh's sizes, the
     layout and the schedule, ZeRO, recompute and the data-parallel settings (what the
@@ -444,8 +453,7 @@ def config_of(plan: Plan) -> ParallelConfig:
         batch_shares=list(plan.batch_shares) if plan.batch_shares else None,
         grad_compress=plan.grad_compress, powersgd_rank=plan.powersgd_rank,
         powersgd_start=plan.powersgd_start, topk_ratio=plan.topk_ratio,
-        push_compress={"": "none", "bfloat16": "bf16", "float16": "fp16"}[
-            next((p.push_dtype for p in plan.params if p.push_dtype), "")],
+        push_compress=_push_compress(plan),
         **({} if plan.outer is None else {
             "sync": "diloco", "sync_every": plan.outer.every,
             "outer_optimizer": plan.outer.optimizer, "outer_lr": plan.outer.lr,

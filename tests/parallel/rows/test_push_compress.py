@@ -85,7 +85,8 @@ def test_the_plan_carries_the_push_width_and_refuses_it_where_it_means_nothing()
                           and p.row_bytes == 4 * 4 for p in tables)
     assert config_of(made).push_compress == "bf16"
     assert all(not p.push_dtype for p in made.of("allreduce"))
-    with pytest.raises(ConfigError, match="push_compress: expected 'none', 'bf16' or 'fp16'"):
+    with pytest.raises(ConfigError,
+                       match="push_compress: expected 'none', 'bf16', 'fp16' or 'auto'"):
         ParallelConfig(push_compress="int8")
     with pytest.raises(ValueError, match="push_dtype is a server table's push width"):
         type(tables[0])(**{**{f: getattr(tables[0], f) for f in
@@ -130,3 +131,29 @@ def test_the_early_push_and_rows_carrying_their_ids_go_in_half_width_too(how):
     assert half[0][2] < full[0][2]
     if how == "plain":
         assert any(half[0][1])   # pushes were in flight while backward ran
+
+
+def test_push_compress_auto_halves_a_tables_push_on_a_slow_link_and_not_on_a_fast_one():
+    """Each table whose traffic is modelled weighs its push in bf16 against as it is: taken
+    only where its predicted exchange is at least PUSH_COMPRESS_GAIN shorter."""
+    from tilework.cluster.topology import Link, Links
+    from tilework.estimate.cost import TableTraffic
+    from tilework.models.lm import WordLM
+    from tilework.planner.tables import make_plan
+    from tilework.plans.analysis import analyze
+
+    topo = Topology.uniform(4, 1)
+    infos = analyze(WordLM(100_000, 64, 16, 1, sparse=True))
+    traffic = {"embedding.weight": TableTraffic.zipf(100_000, 640, topo)}
+
+    def table(link):
+        return make_plan(infos, 4, topology=topo, links=Links(inter=link), traffic=traffic,
+                         push_dtype="auto").by_name()["embedding.weight"]
+
+    fast, slow = table(Link(100.0, 500.0)), table(Link(0.1, 50.0))   # latency-, bytes-bound
+    assert fast.method == slow.method == "ps"
+    assert fast.push_dtype == "" and "push in bf16" not in fast.reason
+    assert slow.push_dtype == "bfloat16" and "its push in bf16" in slow.reason, slow.reason
+    made = make_plan(infos, 4, topology=topo, links=Links(inter=Link(0.1, 50.0)),
+                     traffic=traffic, push_dtype="auto")
+    assert config_of(made).push_compress == "bf16"
