@@ -33,7 +33,8 @@ import torch.distributed as dist
 from .torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
 
 SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-ahead", "hybrid-zipf",
-           "hybrid-hot", "hybrid-contiguous", "allgather", "hybrid-shares") + TORCHREC_SYSTEMS
+           "hybrid-hot", "hybrid-contiguous", "allgather", "hybrid-shares",
+           "hybrid-bf16push") + TORCHREC_SYSTEMS
 
 
 def _setup(workload, system: str, world_size: int, shares=None):
@@ -65,6 +66,9 @@ def _setup(workload, system: str, world_size: int, shares=None):
         return model, opt, None, {}
     if system == "hybrid-contiguous":
         tilework.parallelize(model, opt, mode="hybrid", row_map="contiguous", log=False)
+        return model, opt, None, {}
+    if system == "hybrid-bf16push":   # the servers' push in half width (push_compress)
+        tilework.parallelize(model, opt, mode="hybrid", push_compress="bf16", log=False)
         return model, opt, None, {}
     if system == "hybrid-shares":
         tilework.parallelize(model, opt, mode="hybrid", log=False,

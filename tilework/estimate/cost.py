@@ -252,8 +252,7 @@ def dense_rides_push(plan, topology: Topology) -> bool:
     servers' push (`wire.bucket_rides_push`) on `topology`: for the step predictions
     (bench/comm_prediction.py), which cost them as bytes on the push's link, no meeting."""
     dense = sum(pp.nbytes for pp in plan.of("allreduce") if pp.zero <= 1)
-    return (plan.grad_compress == "none"   # nothing rides a compressed bucket or push
-            and not any(pp.push_dtype for pp in plan.of("ps"))
+    return (plan.grad_compress == "none"   # nothing rides a compressed bucket
             and any(pp.is_table for pp in plan.of("ps")) and 0 < dense <= plan.bucket_bytes
             and push_over_world(topology, plan.local_aggregation)
             and bucket_rides_push(dense + CHECK_WORDS * 4, topology.world_size))

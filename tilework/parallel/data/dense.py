@@ -286,11 +286,15 @@ class PushRide:
 
     def all_to_all(self, parts: list[torch.Tensor], hop, stats, recv_lengths: list[int]):
         buffer, group = self.buffer, self.group_of(hop)
-        if buffer is None or hop.group is not self.world or parts[0].dtype != buffer.dtype:
+        if buffer is None or hop.group is not self.world \
+                or buffer.element_size() % parts[0].element_size():
             return all_to_all_v(parts, group, stats, "ps", hop.remote, recv_lengths=recv_lengths)
-        k, self.buffer = buffer.numel(), None
-        got = all_to_all_v([torch.cat([part, buffer]) for part in parts], group, stats, "ps",
+        # A push in a narrower width (push_compress) carries the bucket's bits viewed in it: a
+        # bit-exact round trip, as the ids ride the rows.
+        carried = buffer.view(parts[0].dtype)
+        k, self.buffer = carried.numel(), None
+        got = all_to_all_v([torch.cat([part, carried]) for part in parts], group, stats, "ps",
                            hop.remote, recv_lengths=[r + k for r in recv_lengths],
                            tail=("allreduce", k))
-        self.dense.land([g[-k:] for g in got])
+        self.dense.land([g[-k:].clone().view(buffer.dtype) for g in got])
         return [g[:-k] for g in got]

@@ -22,11 +22,12 @@ from .sparse import PSTable
 def push_route(tables: list[PSTable], groups) -> PushRide:
     """How this engine's pushes go (parallel/data/dense.py's PushRide). Where every table's push is
     one all-to-all over the world, it runs on a group of its own (made here: collective), and the
-    last dense bucket may ride it where the tables' rows all cross in one dtype (their push's)."""
-    dtypes = {table.push_dtype for table in tables}
+    last dense bucket may ride it where the tables' rows are all of one dtype (in a narrower
+    push width the bucket's bits ride viewed in it: PushRide.all_to_all)."""
+    dtypes = {(table.shard.dtype, table.push_dtype) for table in tables}
     one_hop = bool(tables) and all(len(t.hops) == 1 and t.hops[0].group is groups.world
                                    for t in tables)
-    return PushRide(dtypes.pop() if len(dtypes) == 1 and one_hop else None, groups.world,
+    return PushRide(dtypes.pop()[0] if len(dtypes) == 1 and one_hop else None, groups.world,
                     push_group(groups) if one_hop else groups.world)
 
 
