@@ -30,7 +30,7 @@ Sync = Literal["every_step", "diloco", "auto"]
 OuterOptimizer = Literal["nesterov", "sgd"]
 OuterWorker = Literal["rank", "host"]
 OuterCompress = Literal["none", "bf16", "int8", "int4"]
-PushCompress = Literal["none", "bf16", "fp16", "auto"]
+PushCompress = Literal["none", "bf16", "auto"]
 GradCompress = Literal["none", "bf16", "fp16", "powersgd", "topk", "auto"]
 
 
@@ -207,10 +207,12 @@ class ParallelConfig:
     approximate gradients."""
 
     push_compress: PushCompress = "none"
-    """The servers' push on the wire: "none", or "bf16" / "fp16": each server table's gradient
-    rows cast to that width to cross to their owners, cast back there and summed in the
-    table's dtype (half the push's bytes and that width's rounding of each rank's rows; the
-    pulled rows stay as they are). "auto": each table whose traffic is modelled (hybrid mode's
+    """The servers' push on the wire: "none", or "bf16": each float32 server table's gradient
+    rows cast to bf16 to cross to their owners (its own rows too), cast back there and summed
+    in the table's dtype: half the push's bytes, and bf16's rounding of each rank's rows
+    (under local aggregation of each hop's partial sums). The pulled rows stay as they are.
+    (Not fp16: its range would turn large gradients into inf after the input checks passed.)
+    "auto": each table whose traffic is modelled (hybrid mode's
     cost search) pushes in bf16 only where that shortens its predicted exchange by at least
     planner/tables.PUSH_COMPRESS_GAIN, so on a fast link none does."""
 
@@ -313,8 +315,8 @@ class ParallelConfig:
         check(self.grad_compress in ("none", "bf16", "fp16", "powersgd", "topk", "auto"),
               "grad_compress", "'none', 'bf16', 'fp16', 'powersgd', 'topk' or 'auto', got "
               f"{self.grad_compress!r}")
-        check(self.push_compress in ("none", "bf16", "fp16", "auto"), "push_compress",
-              f"'none', 'bf16', 'fp16' or 'auto', got {self.push_compress!r}")
+        check(self.push_compress in ("none", "bf16", "auto"), "push_compress",
+              f"'none', 'bf16' or 'auto', got {self.push_compress!r}")
         check(isinstance(self.topk_ratio, (int, float)) and not isinstance(self.topk_ratio, bool)
               and 0 < self.topk_ratio <= 1, "topk_ratio",
               f"a share above 0 and at most 1, got {self.topk_ratio!r}")

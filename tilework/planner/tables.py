@@ -75,6 +75,7 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      # Compressed buckets and local SGD's carry nothing (parallel/data/dense.py).
                      riders=config.grad_compress == "none" and config.sync != "diloco",
                      push_dtype=PUSH_DTYPES[config.push_compress])
+    made = dataclasses.replace(made, push_compress=config.push_compress)
     if config.grad_compress != "none":
         made = with_grad_compress(made, config.grad_compress, topology, links,
                                   config.powersgd_rank, config.powersgd_start,
@@ -91,8 +92,7 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
     return dataclasses.replace(made, batch_shares=tuple(config.batch_shares))
 
 
-PUSH_DTYPES = {"none": "", "bf16": "bfloat16", "fp16": "float16",   # push_compress: the rows'
-               "auto": "auto"}
+PUSH_DTYPES = {"none": "", "bf16": "bfloat16", "auto": "auto"}   # push_compress: rows' width
 # push_compress="auto": a table's push goes in bf16 only where that shortens its predicted
 # exchange by this much (the rounding is a cost the model does not price; as grad_compress's
 # planner/search.COMPRESS_GAIN).
@@ -226,7 +226,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                           if zero == 3 and method == "allreduce" else None,
                           zero_scope=zero_scope if zero and method == "allreduce" else "world",
                           servers=servers,
-                          push_dtype=_push_dtype(push_dtype, method, info, searched))
+                          push_dtype=_push_dtype(push_dtype, method, info, searched,
+                                                 world_size))
         params.append(dataclasses.replace(entry, predicted=predict(
             entry, traffic.get(info.name), topology, links, local_aggregation,
             head_rides=info.dtype in bucketed)))
@@ -235,11 +236,13 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                 Mesh.from_topology(topology), recompute, *offload)
 
 
-def _push_dtype(asked: str, method: Method, info: ParamInfo,
-                searched: ParamPlan | None) -> str:
+def _push_dtype(asked: str, method: Method, info: ParamInfo, searched: ParamPlan | None,
+                world_size: int) -> str:
     """A server table's push width: the asked one, or under "auto" the cost search's choice
-    where its traffic is modelled (else as it is)."""
-    if method != "ps" or not info.is_table:
+    where its traffic is modelled (else as it is); none where it would not be narrower than
+    the table's own (a bf16 table) or where nothing crosses (one rank)."""
+    if method != "ps" or not info.is_table or world_size == 1 \
+            or info.dtype not in ("float32", "float64"):
         return ""
     if asked != "auto":
         return asked

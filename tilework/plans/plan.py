@@ -131,10 +131,10 @@ class ParamPlan(TensorFacts):
     def __post_init__(self):
         object.__setattr__(self, "servers", tuple(int(r) for r in self.servers))
         dtype_bytes(self.dtype)
-        if self.push_dtype and (self.push_dtype not in ("bfloat16", "float16")
+        if self.push_dtype and (self.push_dtype != "bfloat16"
                                 or self.method != "ps" or not self.is_table):
             raise ValueError(f"{self.name}: push_dtype is a server table's push width, "
-                             f"'bfloat16' or 'float16', got {self.push_dtype!r}")
+                             f"'bfloat16' (or '' as it is), got {self.push_dtype!r}")
         if self.servers and (self.method != "ps" or len(self.servers) != self.partitions
                              or min(self.servers) < 0):
             raise ValueError(f"{self.name}: servers names the rank of each partition of a "
@@ -254,6 +254,9 @@ class Plan:
     # (parallel/data/powersgd.py), or "topk", each rank's `topk_ratio` largest values
     # (parallel/data/topk.py).
     grad_compress: str = "none"
+    # The servers' push as planned (ParallelConfig.push_compress; each table's width is its
+    # entry's push_dtype).
+    push_compress: str = "none"
     powersgd_rank: int = 1
     powersgd_start: int = 1000
     topk_ratio: float = 0.01
@@ -420,15 +423,6 @@ def _entry_from_dict(d: dict) -> ParamPlan:
                              "pp_ranks": tuple(d.get("pp_ranks", ()))}))
 
 
-def _push_compress(plan: Plan) -> str:
-    """The push_compress a plan's tables were planned under: one width for all, or "auto"
-    where the cost search gave some tables bf16 and others their own."""
-    widths = {p.push_dtype for p in plan.params if p.method == "ps" and p.is_table}
-    if len(widths) > 1:
-        return "auto"
-    return {"": "none", "bfloat16": "bf16", "float16": "fp16"}[widths.pop() if widths else ""]
-
-
 def config_of(plan: Plan) -> ParallelConfig:
     """The configuration `plan` runs under, as far as the plan says it: the mesh's sizes, the
     layout and the schedule, ZeRO, recompute and the data-parallel settings (what the
@@ -453,7 +447,7 @@ def config_of(plan: Plan) -> ParallelConfig:
         batch_shares=list(plan.batch_shares) if plan.batch_shares else None,
         grad_compress=plan.grad_compress, powersgd_rank=plan.powersgd_rank,
         powersgd_start=plan.powersgd_start, topk_ratio=plan.topk_ratio,
-        push_compress=_push_compress(plan),
+        push_compress=plan.push_compress,
         **({} if plan.outer is None else {
             "sync": "diloco", "sync_every": plan.outer.every,
             "outer_optimizer": plan.outer.optimizer, "outer_lr": plan.outer.lr,

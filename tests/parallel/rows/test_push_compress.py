@@ -5,6 +5,8 @@ and the plan's entries and config."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -22,10 +24,17 @@ from tilework.testing import spawn
 STEPS, LR = 4, 0.1
 
 
-def _train(rank, world_size, push_compress):
+def _train(rank, world_size, push_compress, full_width=()):
+    """`full_width`: tables whose entries are set back to push as they are (two widths in one
+    pull, as push_compress="auto" may plan them)."""
     model = Recommender()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    tilework.parallelize(model, opt, mode="hybrid", log=False, push_compress=push_compress)
+    made = plan(model, ParallelConfig(mode="hybrid", push_compress=push_compress),
+                topology=Topology.from_sizes([world_size]))
+    made = dataclasses.replace(made, params=tuple(
+        dataclasses.replace(p, push_dtype="") if p.name in full_width else p
+        for p in made.params))
+    tilework.parallelize(model, opt, plan=made, log=False)
     sent = []
     for step in range(STEPS):
         ids, y = batch(step, rank, world_size)
@@ -39,7 +48,7 @@ def _train(rank, world_size, push_compress):
     return state, sent, model._tilework_engine.plan, meetings
 
 
-def _written_out(world: int = 2) -> dict:
+def _written_out(world: int = 2, rounded=lambda name: name.startswith("tables")) -> dict:
     """One process: each rank's half batch's gradient rows (summed per id, as its pull merged
     them) rounded to bf16, the ranks' rounded rows summed and averaged; the dense head's
     gradient averaged as it is."""
@@ -53,7 +62,7 @@ def _written_out(world: int = 2) -> dict:
             nn.functional.mse_loss(model(ids), y).backward()
             for name, p in model.named_parameters():
                 g = p.grad.coalesce().to_dense() if p.grad.is_sparse else p.grad
-                grads[name] += g.to(torch.bfloat16).float() if name.startswith("tables") else g
+                grads[name] += g.to(torch.bfloat16).float() if rounded(name) else g
         for name, p in model.named_parameters():
             p.grad = grads[name] / world
         opt.step()
@@ -91,7 +100,7 @@ def test_the_plan_carries_the_push_width_and_refuses_it_where_it_means_nothing()
     assert config_of(made).push_compress == "bf16"
     assert all(not p.push_dtype for p in made.of("allreduce"))
     with pytest.raises(ConfigError,
-                       match="push_compress: expected 'none', 'bf16', 'fp16' or 'auto'"):
+                       match="push_compress: expected 'none', 'bf16' or 'auto'"):
         ParallelConfig(push_compress="int8")
     with pytest.raises(ValueError, match="push_dtype is a server table's push width"):
         type(tables[0])(**{**{f: getattr(tables[0], f) for f in
@@ -159,6 +168,28 @@ def test_push_compress_auto_halves_a_tables_push_on_a_slow_link_and_not_on_a_fas
     assert fast.method == slow.method == "ps"
     assert fast.push_dtype == "" and "push in bf16" not in fast.reason
     assert slow.push_dtype == "bfloat16" and "its push in bf16" in slow.reason, slow.reason
-    made = make_plan(infos, 4, topology=topo, links=Links(inter=Link(0.1, 50.0)),
-                     traffic=traffic, push_dtype="auto")
-    assert config_of(made).push_compress == "bf16"
+    from tilework.cluster.topology import Cluster, Host
+
+    cluster = Cluster([Host(f"h{i}", 1) for i in range(4)], links=Links(inter=Link(0.1, 50.0)))
+    made = plan(WordLM(100_000, 64, 16, 1, sparse=True),
+                ParallelConfig(mode="hybrid", push_compress="auto"), cluster, traffic=traffic)
+    assert made.by_name()["embedding.weight"].push_dtype == "bfloat16"
+    assert config_of(made).push_compress == "auto"   # as planned, whatever each table took
+    one = plan(WordLM(1000, 16, 16, 1, sparse=True), ParallelConfig(push_compress="bf16"))
+    assert not any(p.push_dtype for p in one.params)   # one rank: nothing crosses
+
+
+def test_tables_of_two_widths_pulled_together_push_each_in_its_own():
+    """Under "auto" one pull's tables may differ in push width: each crosses in its own (two
+    exchanges), bit for bit the rounding of those tables only, bytes the cost model's."""
+    ours = spawn(_train, 2, args=("bf16", ("tables.1.weight",)), timeout=120)
+    want = _written_out(rounded=lambda name: name in ("tables.0.weight", "tables.2.weight"))
+    for k, v in want.items():
+        assert torch.equal(ours[0][0][k], v), k
+    made, blocks = ours[0][2], {}
+    assert made.by_name()["tables.1.weight"].push_dtype == ""
+    for step in range(STEPS):
+        ids = [batch(step, r, 2)[0] for r in range(2)]
+        want_bytes = ps_step_bytes(made.of("ps"), [[i[:, t] for i in ids] for t in range(TABLES)],
+                                   Topology.uniform(1, 2), made.local_aggregation, blocks)
+        assert [ours[r][1][step] for r in range(2)] == want_bytes, step

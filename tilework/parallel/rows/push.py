@@ -22,12 +22,13 @@ from .sparse import PSTable
 def push_route(tables: list[PSTable], groups) -> PushRide:
     """How this engine's pushes go (parallel/data/dense.py's PushRide). Where every table's push is
     one all-to-all over the world, it runs on a group of its own (made here: collective), and the
-    last dense bucket may ride it where the tables' rows are all of one dtype (in a narrower
-    push width the bucket's bits ride viewed in it: PushRide.all_to_all)."""
-    dtypes = {(table.shard.dtype, table.push_dtype) for table in tables}
+    last dense bucket may ride it where the tables' rows are all of one dtype (in the first of
+    the push's all-to-alls; in a narrower push width its bits ride viewed in it:
+    PushRide.all_to_all)."""
+    dtypes = {table.shard.dtype for table in tables}
     one_hop = bool(tables) and all(len(t.hops) == 1 and t.hops[0].group is groups.world
                                    for t in tables)
-    return PushRide(dtypes.pop()[0] if len(dtypes) == 1 and one_hop else None, groups.world,
+    return PushRide(dtypes.pop() if len(dtypes) == 1 and one_hop else None, groups.world,
                     push_group(groups) if one_hop else groups.world)
 
 
@@ -42,14 +43,14 @@ def push_tables(tables: list[PSTable], with_heads: bool, ride: PushRide) -> None
     retrace, carry = [], []
     for table in tables:
         (retrace if _retraceable(table) else carry).append(table)
-    for batch, in _batches(retrace):
+    for batch in _by_width(retrace):
         routes = [table.pulls[0] for table in batch]
         grads = [table.take_pending()[1] for table in batch]
         for h in range(len(batch[0].hops)):
             grads = _retrace_hop(batch, h, [r.hops[h] for r in routes], grads, ride)
         for table, route, g in zip(batch, routes, grads):
             table.receive(route.owned, g)
-    for batch, in _batches(carry):
+    for batch in _by_width(carry):
         items = [table.take_pending() for table in batch]
         for h in range(len(batch[0].hops)):
             items = _carry_hop(batch, h, items, ride)
@@ -59,6 +60,18 @@ def push_tables(tables: list[PSTable], with_heads: bool, ride: PushRide) -> None
         table.pulls.clear()
     for head in heads:
         head.wait()
+
+
+def _by_width(tables: list[PSTable]) -> list[list[PSTable]]:
+    """The tables pushed in one exchange: of one dtype and device (as pulled together) and one
+    push width (push_compress="auto" chooses it per table)."""
+    out = []
+    for batch, in _batches(tables):
+        widths: dict[torch.dtype, list[PSTable]] = {}
+        for table in batch:
+            widths.setdefault(table.push_dtype, []).append(table)
+        out += widths.values()
+    return out
 
 
 def _retraceable(table: PSTable) -> bool:
@@ -150,6 +163,7 @@ class EarlyPush:
             return
         batch = table.pulls[0].together
         if (len(batch[0].hops) != 1 or any(t.head is not None for t in batch)
+                or len({t.push_dtype for t in batch}) != 1   # two widths: at the end
                 or not all(_retraceable(t) for t in batch)
                 or not any(t.pulls and not t.pending for t in self.tables.values()
                            if t not in batch)):
