@@ -110,9 +110,7 @@ def low_rank_view(shape: tuple[int, ...], rank: int) -> tuple[int, int, int] | N
     small or thin matrices)."""
     if not shape or rank < 1:
         return None
-    rows, cols = shape[0], 1
-    for d in shape[1:]:
-        cols *= d
+    rows, cols = shape[0], math.prod(shape[1:])
     r = min(rows, cols, rank)
     return (rows, cols, r) if (rows + cols) * r * LOW_RANK_MIN_RATE < rows * cols else None
 
@@ -124,10 +122,7 @@ def low_rank_values(shapes: list[tuple[int, ...]], rank: int) -> tuple[int, int]
     for shape in shapes:
         view = low_rank_view(shape, rank)
         if view is None:
-            numel = 1
-            for d in shape:
-                numel *= d
-            first += numel
+            first += math.prod(shape)
         else:
             rows, cols, r = view
             first += rows * r

@@ -12,7 +12,6 @@ No process group is needed: everything here runs at world size 1,000 on a laptop
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +72,7 @@ def compressed_entry(p: ParamPlan, grad_compress: str, topology: Topology, links
     item = dtype_bytes(p.dtype)
     if grad_compress == "topk":
         n = topology.world_size
-        sent = all_gather_bytes(math.ceil(topk_ratio * p.numel)
+        sent = all_gather_bytes(topk_count(p.numel, topk_ratio)
                                 * (topk_index_bytes(p.numel) + item), n)
         return Cost(sent, seconds(sent, link_for(topology, links), ALL_GATHER.messages(n))
                     if n > 1 else 0.0)

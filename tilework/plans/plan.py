@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, get_args
 
 from ..cluster.mesh import Mesh
 from ..config.parallel import (
+    GradCompress,
     Method,
     Mode,
     Offload,
@@ -86,13 +87,6 @@ class TensorFacts:
     def is_table(self) -> bool:
         return self.kind in ("sparse", "embedding")
 
-    @property
-    def push_row_bytes(self) -> int:
-        """A gradient row as the servers' push sends it (ParamPlan.push_dtype)."""
-        width = getattr(self, "push_dtype", "")
-        return self.row_bytes if not width else \
-            self.row_bytes // dtype_bytes(self.dtype) * dtype_bytes(width)
-
 
 ZERO_PLACEMENTS = {1: "zero-1 (optimizer state sharded)",
                    2: "zero-2 (optimizer state, gradients sharded)",
@@ -124,9 +118,15 @@ class ParamPlan(TensorFacts):
     # ps tables: the rank serving each partition, where ranks serve unevenly (by their memory:
     # planner/shares.server_map); () is partition p on rank p % world size.
     servers: tuple[int, ...] = ()
-    # ps tables: the dtype its gradient rows cross in on the push ("": its own; "bfloat16" or
-    # "float16" under ParallelConfig.push_compress, parallel/rows/push.py).
+    # ps tables: the dtype its gradient rows cross in on the push ("": its own; "bfloat16"
+    # under ParallelConfig.push_compress, parallel/rows/push.py).
     push_dtype: str = ""
+
+    @property
+    def push_row_bytes(self) -> int:
+        """A gradient row as the servers' push sends it (`push_dtype`)."""
+        return self.row_bytes if not self.push_dtype else \
+            self.row_bytes // dtype_bytes(self.dtype) * dtype_bytes(self.push_dtype)
 
     def __post_init__(self):
         object.__setattr__(self, "servers", tuple(int(r) for r in self.servers))
@@ -281,9 +281,9 @@ class Plan:
                              f"{self.world_size}")
         # A plan read from plan.json is not a checked ParallelConfig: a rank of 0 would zero
         # every factored gradient, silently.
-        if self.grad_compress not in ("none", "bf16", "fp16", "powersgd", "topk"):
-            raise ValueError(f"grad_compress: 'none', 'bf16', 'fp16', 'powersgd' or 'topk', got "
-                             f"{self.grad_compress!r}")
+        kinds = [k for k in get_args(GradCompress) if k != "auto"]   # the config's, decided
+        if self.grad_compress not in kinds:
+            raise ValueError(f"grad_compress: one of {kinds}, got {self.grad_compress!r}")
         if type(self.powersgd_rank) is not int or self.powersgd_rank < 1 \
                 or type(self.powersgd_start) is not int or self.powersgd_start < 0:
             raise ValueError(f"powersgd_rank (a whole number, 1 or more) and powersgd_start (0 "

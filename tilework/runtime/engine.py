@@ -210,12 +210,11 @@ class Engine:
             if size == 1:
                 dense = []
                 self._densify_sparse_gradients()
-        wire = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "powersgd": None,
-                "topk": None}
+        half_width = {"bf16": torch.bfloat16, "fp16": torch.float16}
         self.dense = DenseSync(dense, group, size, self.stats,
                                self.plan.bucket_bytes, successor_remote, self.checks, self._touched,
                                rider_dtype=rider_dtype, push_dtype=push_dtype,
-                               wire_dtype=wire[self.plan.grad_compress],
+                               wire_dtype=half_width.get(self.plan.grad_compress),
                                powersgd=(self.plan.powersgd_rank, self.plan.powersgd_start)
                                if self.plan.grad_compress == "powersgd" else None,
                                topk=self.plan.topk_ratio

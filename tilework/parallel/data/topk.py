@@ -41,8 +41,8 @@ class TopK:
         values = buffer[at]
         buffer[at] = 0
         self.errors[index] = buffer.clone()
-        index = _INDEX[topk_index_bytes(buffer.numel())]
-        return torch.cat([at.to(index).view(torch.uint8), values.view(torch.uint8)])
+        positions = _INDEX[topk_index_bytes(buffer.numel())]
+        return torch.cat([at.to(positions).view(torch.uint8), values.view(torch.uint8)])
 
     def land(self, gathered: torch.Tensor, buffer: torch.Tensor, world: int) -> None:
         """Every rank's pairs (`gathered`, in rank order) summed into `buffer` and averaged."""
