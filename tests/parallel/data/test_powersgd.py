@@ -215,3 +215,73 @@ def test_the_memory_estimate_holds_the_compressors_buffers():
     assert figures["none"] == nbytes
     assert figures["powersgd"] == 3 * nbytes
     assert figures["topk"] == 3 * nbytes + int(2 * 4 * 0.01 * nbytes)
+
+
+def _program(rank, world_size, system, which, compress):
+    """A user's loop on a model not written for tilework (nanoGPT's tied lm_head and fused
+    q/k/v, or Hugging Face's Llama with tied embeddings): two micro-batches, the first under
+    no_sync, gradients clipped, a state_dict checkpoint saved and loaded midway, rank 0
+    evaluating. DDP with torch's PowerSGD hook, or tilework with `compress`."""
+    from tests.real_models import NanoGPT, hf_llama, lm_batch
+
+    torch.manual_seed(0)
+    model = NanoGPT() if which == "nanogpt" else hf_llama(tied=True)
+
+    def loss_of(m, x, y):
+        if which == "nanogpt":
+            return m(x, y)[1]
+        return m(input_ids=x, labels=x).loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = model
+    if system == "ddp":
+        run = DDP(model)
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                   start_powerSGD_iter=2)
+        run.register_comm_hook(state, psgd.powerSGD_hook)
+    else:
+        tilework.parallelize(model, opt, mode="allreduce", log=False, grad_compress=compress,
+                             powersgd_rank=2, powersgd_start=2, topk_ratio=0.2)
+    losses, evals = [], []
+    for step in range(6):
+        x, y = lm_batch(2 * step, 64, 8, 8, rank, world_size)
+        with run.no_sync():
+            (loss_of(run, x, y) / 2).backward()
+        x, y = lm_batch(2 * step + 1, 64, 8, 8, rank, world_size)
+        loss = loss_of(run, x, y) / 2
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if step == 2:   # the model's own state_dict, saved and loaded back
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+        if rank == 0:
+            with torch.no_grad():
+                evals.append(loss_of(model, *lm_batch(99, 64, 8, 8)).item())
+    dist.barrier()
+    return losses, evals, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("which", ["nanogpt", "hf-llama"])
+def test_a_users_program_on_models_not_written_for_us_trains_as_ddp_with_the_hook(which):
+    """Tied weights, fused projections, clipping, accumulation, a state_dict round trip and
+    evaluation on one rank: PowerSGD trains as DDP + powerSGD_hook; top-k runs the same loop
+    on nanoGPT (no torch peer) within 1% of the uncompressed run's held-out losses."""
+    from tests.real_models import have_transformers
+
+    if which == "hf-llama" and not have_transformers():
+        pytest.skip("transformers is not installed (the 'models' extra)")
+    ours = spawn(_program, 2, args=("tilework", which, "powersgd"), timeout=240)
+    theirs = spawn(_program, 2, args=("ddp", which, "powersgd"), timeout=240)
+    for r in range(2):
+        assert ours[r][0] == pytest.approx(theirs[r][0], rel=1e-5, abs=1e-6)
+        for k, v in theirs[r][2].items():
+            torch.testing.assert_close(ours[r][2][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert ours[0][1] == pytest.approx(theirs[0][1], rel=1e-5)
+    if which != "nanogpt":   # once is enough (the suite's time)
+        return
+    topk = spawn(_program, 2, args=("tilework", which, "topk"), timeout=240)
+    plain = spawn(_program, 2, args=("tilework", which, "none"), timeout=240)
+    assert topk[0][1] == pytest.approx(plain[0][1], rel=1e-2)
+    assert topk[0][2].keys() == plain[0][2].keys()
