@@ -108,19 +108,31 @@ def _world(rank, world, plans, steps, calls, order):
     """The measurements, then every plan in `order`; steps come back in `plans`' order."""
     import torch.distributed as dist
 
-    from tilework.cluster.calibrate import DEFAULT_REPEATS, DEFAULT_SIZES, fit_points, time_points
+    from tilework.cluster.calibrate import (
+        DEFAULT_REPEATS,
+        DEFAULT_SIZES,
+        fit_points,
+        time_points,
+        time_small_calls,
+    )
     from tilework.cluster.calibration_file import exchange_factors
 
-    # The link as `tilework calibrate` writes it into a cluster file: its sizes, its fit.
+    # The link as `tilework calibrate` writes it into a cluster file: its sizes, its fit (alpha
+    # from small calls between computes), and, to compare, the least-squares fit it wrote before.
     points = time_points(dist.group.WORLD, world, DEFAULT_SIZES, DEFAULT_REPEATS,
                          collectives=("all_reduce", "reduce_scatter", "all_gather"))
-    link = fit_points("all_reduce", world, points["all_reduce"]).link()
-    factors = exchange_factors({c: [(w, t) for _, w, t in points[c]]
-                                for c in ("reduce_scatter", "all_gather")}, link, world)
+    small = time_small_calls(dist.group.WORLD, world, DEFAULT_SIZES[0], ("all_reduce",))
+    link = fit_points("all_reduce", world, points["all_reduce"], small["all_reduce"]).link()
+    least_squares = fit_points("all_reduce", world, points["all_reduce"]).link()
+    raw = {c: [(w, t) for _, w, t in points[c]] for c in ("reduce_scatter", "all_gather")}
+    factors = exchange_factors(raw, link, world)
+    factors_ls = exchange_factors(raw, least_squares, world)
     local = _local_step(rank, world)
     op_seconds, framework = _op_times(world, calls)
     ran = {i: run_plan(plans[i], steps, rank, world) for i in order}
     return {"link": (link.bandwidth_gbps, link.latency_us), "factors": factors,
+            "link_ls": (least_squares.bandwidth_gbps, least_squares.latency_us),
+            "factors_ls": factors_ls,
             "local_s": local, "op_seconds": op_seconds, "framework": framework,
             "steps": [ran[i] for i in range(len(plans))]}
 
@@ -130,8 +142,10 @@ def _median_of(rounds: list[dict]) -> dict:
         return statistics.median(values)
 
     ops = [r["op_seconds"] for r in rounds]
-    return {"link": tuple(med([r["link"][i] for r in rounds]) for i in range(2)),
-            "factors": {k: med([r["factors"][k] for r in rounds]) for k in rounds[0]["factors"]},
+    return {**{key: tuple(med([r[key][i] for r in rounds]) for i in range(2))
+               for key in ("link", "link_ls")},
+            **{key: {k: med([r[key][k] for r in rounds]) for k in rounds[0][key]}
+               for key in ("factors", "factors_ls")},
             "local_s": med([r["local_s"] for r in rounds]),
             "local_by_round": [r["local_s"] for r in rounds],
             "op_seconds": [med([o[i] for o in ops]) for i in range(len(ops[0]))],
@@ -190,6 +204,7 @@ def _run(a, emulated) -> int:
     got = _median_of(rounds)
     link = Link(*got["link"], **got["factors"])
     measured_here = _cluster(a.world, hosts, link)
+    fitted_before = _cluster(a.world, hosts, Link(*got["link_ls"], **got["factors_ls"]))
     inputs = WORKLOAD.batch(0, 0, a.world)
     rate = step_flops(meta, inputs).step / got["local_s"]
     unscaled = op_times(calls, got["op_seconds"], got["framework"])
@@ -200,22 +215,26 @@ def _run(a, emulated) -> int:
     by_ops = op_times(calls, got["op_seconds"], got["framework"], scale)
     traffic = WORKLOAD.traffic(measured_here.topology())
 
-    def priced(plan, rate):   # the plan that ran, priced with what the worlds measured
-        return estimate(plan, measured_here, meta, inputs, traffic=traffic, optimizer="sgd",
+    def priced(plan, rate, cluster=measured_here):   # as it ran, at what the worlds measured
+        return estimate(plan, cluster, meta, inputs, traffic=traffic, optimizer="sgd",
                         flops=rate, with_memory=False)
 
     rows = []
     for name, plan, taken in zip(labels, plans, steps):
         p, q = priced(plan, rate), priced(plan, by_ops)
+        before = priced(plan, by_ops, fitted_before)
         measured = statistics.median(taken)
         rows.append({"plan": name, "predicted_ms": p.step_s * 1e3, "ops_ms": q.step_s * 1e3,
-                     "measured_ms": measured * 1e3,
+                     "ops_ls_ms": before.step_s * 1e3, "measured_ms": measured * 1e3,
                      "error": abs(p.step_s - measured) / measured,
                      "ops_error": abs(q.step_s - measured) / measured,
+                     "ops_ls_error": abs(before.step_s - measured) / measured,
                      "ops_parts_ms": {k: v * 1e3 for k, v in q.parts.items()
                                       if isinstance(v, float)}})
     summary = _summary(rows, "predicted_ms", "error") | {
         "ops": _summary(rows, "ops_ms", "ops_error") | {"scale": scale, "calls": len(calls)},
+        "ops_least_squares": _summary(rows, "ops_ls_ms", "ops_ls_error") | {
+            "link": got["link_ls"], "factors": got["factors_ls"]},
         "flops": rate, "local_ms_by_round": [s * 1e3 for s in got["local_by_round"]],
         "framework": got["framework"], "link": got["link"], "factors": got["factors"],
         "world": a.world, "hosts": hosts, "mbit": a.mbit if hosts else None}
@@ -225,15 +244,18 @@ def _run(a, emulated) -> int:
           + ", ".join(f"{s * 1e3:.2f}" for s in got["local_by_round"])
           + f") = {rate:.3g} FLOP/s; link {link.bandwidth_gbps:.3g} Gb/s "
           f"{link.latency_us:.0f} us (reduce-scatter {link.reduce_scatter_factor:.2f}x, "
-          f"all-gather {link.all_gather_factor:.2f}x); op model {len(calls)} calls, scale "
-          f"{scale:.2f}")
-    print("| plan | predicted ms (one rate) | (ops) | measured ms | error (rate) | (ops) |\n"
-          "|---|---:|---:|---:|---:|---:|")
+          f"all-gather {link.all_gather_factor:.2f}x; the least-squares fit "
+          f"{got['link_ls'][0]:.3g} Gb/s {got['link_ls'][1]:.0f} us); op model {len(calls)} "
+          f"calls, scale {scale:.2f}")
+    print("| plan | predicted ms (one rate) | (ops) | (ops, least-squares link) | measured ms "
+          "| error (rate) | (ops) | (ops, least squares) |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: r["measured_ms"]):
         print(f"| {r['plan']} | {r['predicted_ms']:.2f} | {r['ops_ms']:.2f} | "
-              f"{r['measured_ms']:.2f} | {r['error'] * 100:.0f}% | "
-              f"{r['ops_error'] * 100:.0f}% |")
-    print_summaries((("one rate", summary), ("ops", summary["ops"])))
+              f"{r['ops_ls_ms']:.2f} | {r['measured_ms']:.2f} | {r['error'] * 100:.0f}% | "
+              f"{r['ops_error'] * 100:.0f}% | {r['ops_ls_error'] * 100:.0f}% |")
+    print_summaries((("one rate", summary), ("ops", summary["ops"]),
+                     ("ops, least-squares link", summary["ops_least_squares"])))
     if a.out:
         a.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if a.png:
@@ -250,11 +272,13 @@ def _plot(rows: list[dict], summary: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 5))
     xs = [r["measured_ms"] for r in rows]
     for key, marker, name, m in (("predicted_ms", "o", "one rate", summary),
-                                 ("ops_ms", "+", "recorded ops", summary["ops"])):
+                                 ("ops_ms", "+", "recorded ops", summary["ops"]),
+                                 ("ops_ls_ms", "x", "recorded ops, least-squares link",
+                                  summary["ops_least_squares"])):
         ax.scatter(xs, [r[key] for r in rows], s=14, marker=marker,
                    label=f"{name}: median error {m['median_error']:.0%}, "
                          f"tau {m['kendall_tau']:.2f}")
-    top = max(xs + [r[k] for r in rows for k in ("predicted_ms", "ops_ms")]) * 1.05
+    top = max(xs + [r[k] for r in rows for k in ("predicted_ms", "ops_ms", "ops_ls_ms")]) * 1.05
     ax.plot([0, top], [0, top], lw=0.8, color="grey")
     ax.legend(fontsize=7)
     ax.set_xlabel("measured step (ms)")

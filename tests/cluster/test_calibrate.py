@@ -14,7 +14,9 @@ from tilework.cluster.calibrate import (
     Measurement,
     calibration_path,
     fit_alpha_beta,
+    fit_points,
     time_points,
+    time_small_calls,
     write_calibration,
 )
 from tilework.cluster.calibration_file import exchange_factors
@@ -45,6 +47,45 @@ def test_fit_clamps_a_negative_alpha_and_rejects_what_gives_no_bandwidth():
         fit_alpha_beta([1000, 1000], [1e-3, 1e-3])
     with pytest.raises(ValueError, match="seconds"):
         fit_alpha_beta([1000, 2000], [0.0, 1e-3])
+
+
+def test_a_small_call_decides_alpha_and_the_sweep_the_slope_through_it():
+    """What a step's small exchanges pay (calls between computes) is alpha; least squares would let
+    the large sizes set it: here their intercept is 0.1 ms where a small call takes 1 ms."""
+    beta = 1e9
+    sizes = [4096, 1 << 20, 4 << 20, 16 << 20]
+    times = [100e-6 + x / beta for x in sizes]
+    small = (4096, 1e-3)
+    a, b = fit_alpha_beta(sizes, times, small)
+    assert a + 4096 / b == pytest.approx(1e-3, rel=1e-12)    # the line passes through it
+    # Through a higher alpha the slope flattens a little to keep the large sizes' times.
+    assert b == pytest.approx(beta, rel=0.1) and a == pytest.approx(1e-3, rel=0.01)
+    assert fit_alpha_beta(sizes, times) == pytest.approx((100e-6, beta))
+    # Exact points and the small call on their line: the same fit either way.
+    assert fit_alpha_beta(sizes, times, (4096, times[0])) == pytest.approx((100e-6, beta))
+    # The sweep's point at the small call's size does not move the slope (the barrier-timed
+    # 4 KB point is not what alpha is).
+    moved = [5e-3, *times[1:]]
+    assert fit_alpha_beta(sizes, moved, small) == pytest.approx((a, b))
+    with pytest.raises(ValueError, match="larger than the small call"):
+        fit_alpha_beta([4096, 4096 * 2], [1e-3, 2e-3], (8192, 1e-3))
+    with pytest.raises(ValueError, match="small call"):
+        fit_alpha_beta(sizes, times, (4096, 0.0))
+    # A small call faster than its bytes at the sweep's rate: alpha 0, through the origin.
+    a, b = fit_alpha_beta(sizes, times, (4 << 20, 1e-6))
+    assert a == 0.0 and b > 0
+
+
+def test_a_measurement_keeps_its_small_call_through_its_dict():
+    points = [(4096, 4096, 2e-4), (1 << 20, 1 << 20, 1.2e-3), (4 << 20, 4 << 20, 4.3e-3)]
+    m = fit_points("all_reduce", 2, points, (4096, 4096, 9e-4))
+    assert m.small_call == (4096, 4096, 9e-4)
+    assert m.alpha_s + 4096 / m.bytes_per_s == pytest.approx(9e-4)
+    back = Measurement.from_dict("all_reduce", m.as_dict())
+    assert back.small_call == m.small_call and back.alpha_s == pytest.approx(m.alpha_s)
+    plain = fit_points("all_reduce", 2, points)
+    assert plain.small_call is None and "small_call" not in plain.as_dict()
+    assert Measurement.from_dict("all_reduce", plain.as_dict()).small_call is None
 
 
 def test_link_of_a_fit_reproduces_it_in_the_cost_model():
@@ -173,6 +214,19 @@ def test_time_points_on_two_real_ranks_gives_every_rank_the_same_counted_points(
             # ring attention's shift: the buffer to the next rank, the previous one's back
             "ring_shift": [(4 << 10, 4 << 10), (4 << 20, 4 << 20)]}[name]
         assert all(math.isfinite(s) and s > 0 for _, _, s in points), name
+
+
+def _small_calls_tiny(rank, world_size):
+    return time_small_calls(dist.group.WORLD, world_size, 4 << 10, calls=3, blocks=2)
+
+
+def test_small_calls_on_two_real_ranks_give_every_rank_the_same_counted_point():
+    out = spawn(_small_calls_tiny, world_size=2, timeout=60)
+    assert out[0] == out[1]
+    wire = {"all_to_all": 2 << 10, "reduce_scatter": 2 << 10}
+    for name, (buffer, sent, seconds) in out[0].items():
+        assert (buffer, sent) == (4 << 10, wire.get(name, 4 << 10)), name
+        assert math.isfinite(seconds) and seconds > 0, name
 
 
 def _overhead_tiny(rank, world_size):

@@ -11,11 +11,17 @@ are on several hosts, else `links.intra`), with `latency_us` per message (alpha 
 2(n-1) messages `cost.ring_allreduce` counts, so the planner reproduces the fitted time), and
 every collective's fit into `<cluster stem>.calibration.json` beside it.
 
-The fit is ordinary least squares, so the large sizes, whose time is mostly bytes / beta,
-decide beta; alpha is clamped at 0. (Weighting by 1/t, to give small sizes a say, was tried and
-fails on shaped links: a tbf bucket lets the first ~125 KB through unshaped, so small sizes look
-fast, and a relative fit took beta from them: 1.5 to 9 times too high for large messages; see
-docs/comm-model.md.)
+Alpha is what a small call costs busy ranks, as a step's exchanges fall between its compute: the
+extra time `SMALL_CALLS` calls on the smallest buffer add to a loop of short computes (the
+median of `SMALL_BLOCKS` blocks, so a burst of load elsewhere is dropped), the fit passing
+through that point; beta is the least-squares slope of the sweep through it, so the large sizes
+decide it. (An ordinary least-squares intercept, as before, let the large sizes decide alpha
+too: on CPU ranks it came out anywhere from 0 to 0.94 ms a message between runs, where a 4 KB
+all-reduce after compute cost 0.9-2.2 ms a call; the median of single calls timed from a barrier
+misses the slow mode of calls that are bimodal on few cores, which a step pays on average.
+Weighting by 1/t, to give small sizes a say, was tried and fails on shaped links: a tbf bucket
+lets the first ~125 KB through unshaped, so small sizes look fast, and a relative fit took beta
+from them: 1.5 to 9 times too high for large messages; see docs/comm-model.md.)
 
 `python -m tilework.cluster.calibrate` is a bare worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 in the environment, gloo over TCP) for benchmarks that start processes themselves, e.g. inside
@@ -53,6 +59,8 @@ DEFAULT_SIZES = (4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB)
 DEFAULT_REPEATS = 5
 QUICK_SIZES = (4 * KB, 64 * KB, 1 * MB, 4 * MB)
 QUICK_REPEATS = 3
+SMALL_CALLS = 40    # calls a block between short computes, timing alpha (`time_small_calls`)
+SMALL_BLOCKS = 3
 COLLECTIVES = ("all_reduce", "all_to_all", "send_recv", "reduce_scatter", "all_gather",
                "ring_shift")
 
@@ -66,10 +74,14 @@ class CalibrationError(UserError):
     """The timings do not determine a model (e.g. times that do not grow with the size)."""
 
 
-def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
-    """(alpha in s, beta in bytes/s) of `t = alpha + bytes / beta`, ordinary least squares.
-    alpha is clamped at 0 (refitting beta alone, through the origin) since a latency cannot be
-    negative; times that do not grow with the size raise ValueError."""
+def fit_alpha_beta(sizes_bytes, seconds, small: tuple[float, float] | None = None
+                   ) -> tuple[float, float]:
+    """(alpha in s, beta in bytes/s) of `t = alpha + bytes / beta`. Without `small`, ordinary
+    least squares; with `small` = (bytes, seconds) of a small call (`time_small_calls`), the
+    line through that point whose slope fits the points best (least squares about it), so
+    the small call decides alpha and the large sizes beta. alpha is clamped at 0 (refitting
+    beta alone, through the origin) since a latency cannot be negative; times that do not
+    grow with the size raise ValueError."""
     x = np.asarray(sizes_bytes, dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64)
     if x.shape != t.shape or x.ndim != 1:
@@ -79,8 +91,18 @@ def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
         raise ValueError("need points at two or more distinct sizes")
     if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(np.isfinite(x)) and np.all(x >= 0)):
         raise ValueError("sizes must be finite and >= 0, seconds finite and > 0")
-    design = np.stack([np.ones_like(x), x], axis=1)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(design, t, rcond=None)
+    if small is None:
+        design = np.stack([np.ones_like(x), x], axis=1)
+        (alpha, inv_beta), *_ = np.linalg.lstsq(design, t, rcond=None)
+    else:
+        x0, t0 = (float(v) for v in small)
+        if not (np.isfinite(x0) and x0 >= 0 and np.isfinite(t0) and t0 > 0):
+            raise ValueError(f"the small call must be (bytes >= 0, seconds > 0), got {small}")
+        dx = x - x0
+        if not np.any(dx > 0):
+            raise ValueError(f"need points larger than the small call's {x0:g} bytes")
+        inv_beta = float(np.sum(dx * (t - t0)) / np.sum(dx * dx))
+        alpha = t0 - x0 * inv_beta
     if alpha < 0:
         alpha = 0.0
         inv_beta = float(np.sum(x * t) / np.sum(x * x))
@@ -101,6 +123,8 @@ class Measurement:
     seconds: tuple[float, ...]       # median per size
     alpha_s: float
     bytes_per_s: float
+    # (buffer bytes, wire bytes, extra mean seconds) of small calls between computes: alpha
+    small_call: tuple[int, int, float] | None = None
 
     @property
     def points(self) -> list[tuple[int, float]]:
@@ -133,16 +157,23 @@ class Measurement:
     def from_dict(cls, collective: str, d: dict[str, Any]) -> "Measurement":
         """The inverse of `as_dict` (what the worker and the calibration JSON hold)."""
         pts = d["points"]
+        small = d.get("small_call")
         return cls(collective, d["world_size"], tuple(p["buffer_bytes"] for p in pts),
                    tuple(p["wire_bytes"] for p in pts), tuple(p["seconds"] for p in pts),
-                   d["alpha_us"] * 1e-6, d["bandwidth_gbps"] * 1e9 / 8)
+                   d["alpha_us"] * 1e-6, d["bandwidth_gbps"] * 1e9 / 8,
+                   None if small is None else
+                   (small["buffer_bytes"], small["wire_bytes"], small["seconds"]))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "messages": self.messages,
-                "alpha_us": self.alpha_us, "bandwidth_gbps": self.bandwidth_gbps,
-                "latency_us_per_message": self.alpha_us / self.messages,
-                "points": [{"buffer_bytes": b, "wire_bytes": w, "seconds": s}
-                           for b, w, s in zip(self.buffer_bytes, self.wire_bytes, self.seconds)]}
+        out = {"world_size": self.world_size, "messages": self.messages,
+               "alpha_us": self.alpha_us, "bandwidth_gbps": self.bandwidth_gbps,
+               "latency_us_per_message": self.alpha_us / self.messages,
+               "points": [{"buffer_bytes": b, "wire_bytes": w, "seconds": s}
+                          for b, w, s in zip(self.buffer_bytes, self.wire_bytes, self.seconds)]}
+        if self.small_call is not None:
+            b, w, s = self.small_call
+            out["small_call"] = {"buffer_bytes": b, "wire_bytes": w, "seconds": s}
+        return out
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -194,9 +225,10 @@ def _check_timing_args(group, world_size: int, collectives, repeats: int, warmup
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
 
 
-def _call_timer(group):
-    """`call(name, send, recv) -> seconds`: one call of a collective in `group`, timed from a
-    barrier (so that every rank starts together) to its return on this rank."""
+def _issuer(group):
+    """`issue(name, send, recv) -> share`: one call of a collective in `group`, and the share
+    of its elapsed time that is the call's on this rank (send/recv is a ping-pong between
+    group ranks 0 and 1, timed on rank 0 as half the round trip: 1/2 there, 0 elsewhere)."""
     import torch.distributed as dist
 
     from ..comm.counted import Stats, all_gather_async, reduce_scatter_async
@@ -206,9 +238,7 @@ def _call_timer(group):
     following = dist.get_global_rank(group, (me + 1) % size)
     preceding = dist.get_global_rank(group, (me - 1) % size)
 
-    def call(name: str, send, recv) -> float:
-        dist.barrier(group=group)
-        start = time.perf_counter()
+    def issue(name: str, send, recv) -> float:
         if name == "all_reduce":
             dist.all_reduce(send, group=group)
         elif name == "all_to_all":
@@ -225,14 +255,30 @@ def _call_timer(group):
         elif me == 0:
             dist.send(send, dst=peer)
             dist.recv(recv, src=peer)
-            return (time.perf_counter() - start) / 2
+            return 0.5
         elif me == 1:
             dist.recv(recv, src=peer)
             dist.send(recv, dst=peer)
             return 0.0   # rank 0 times the round trip
         else:
             return 0.0
-        return time.perf_counter() - start
+        return 1.0
+
+    return issue
+
+
+def _call_timer(group):
+    """`call(name, send, recv) -> seconds`: one call of a collective in `group`, timed from a
+    barrier (so that every rank starts together) to its return on this rank."""
+    import torch.distributed as dist
+
+    issue = _issuer(group)
+
+    def call(name: str, send, recv) -> float:
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        share = issue(name, send, recv)
+        return (time.perf_counter() - start) * share
 
     return call
 
@@ -265,31 +311,104 @@ def _time_sizes(call, name: str, sizes, repeats: int, warmup: int):
     return times
 
 
+def time_small_calls(group, world_size: int, nbytes: int = DEFAULT_SIZES[0],
+                     collectives=COLLECTIVES, calls: int = SMALL_CALLS,
+                     blocks: int = SMALL_BLOCKS) -> dict[str, tuple[int, int, float]]:
+    """What a small call costs busy ranks, as a step's exchanges fall between its compute
+    (every rank calls this, with the same arguments): `calls` rounds of a short compute (about
+    `SMALL_COMPUTE_S` of matmuls) each followed by one call on a buffer of about `nbytes`,
+    against the same rounds without the calls; {collective: (buffer bytes, wire bytes, the
+    extra mean seconds a call)}, the median of `blocks` blocks, each block's the slowest
+    rank's; the same on every rank. A mean over many calls, not the median of single calls
+    from a barrier: on few cores a small call is bimodal (about 0.3 ms or 3 ms here) and a
+    step pays the mixture; and after compute, as in a step, not back to back (which measured
+    twice as slow on CPU ranks here)."""
+    import torch
+    import torch.distributed as dist
+
+    _check_timing_args(group, world_size, collectives, calls, 0)
+    if blocks < 1:
+        raise ValueError(f"blocks must be >= 1, got {blocks}")
+    size = _elements(int(nbytes), world_size) * 4
+    issue = _issuer(group)
+    send, recv = torch.ones(size // 4), torch.empty(size // 4)
+    compute = _small_compute(group)
+    times = torch.zeros(len(collectives), blocks, dtype=torch.float64)
+    for c, name in enumerate(collectives):
+        for _ in range(3):   # connections and buffers come up on the first calls
+            issue(name, send, recv)
+        for b in range(blocks):
+            dist.barrier(group=group)
+            start, share = time.perf_counter(), 0.0
+            for _ in range(calls):
+                compute()
+                share = issue(name, send, recv)
+            talking = time.perf_counter() - start
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            for _ in range(calls):
+                compute()
+            quiet = time.perf_counter() - start
+            times[c, b] = max(0.0, talking - quiet) * share / calls
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return {name: (size, WIRE[name].sent(size, world_size), statistics.median(times[c].tolist()))
+            for c, name in enumerate(collectives)}
+
+
+SMALL_COMPUTE_S = 0.5e-3
+
+
+def _small_compute(group):
+    """`compute()`: about SMALL_COMPUTE_S of 128 x 128 matmuls on every rank (the count is the
+    largest any rank needs, so every rank runs the same)."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(128, 128)
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    each = (time.perf_counter() - start) / 20
+    count = torch.tensor([max(1, round(SMALL_COMPUTE_S / each))], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    rounds = int(count.item())
+
+    def compute() -> None:
+        for _ in range(rounds):
+            a @ a
+
+    return compute
+
+
 def measure(group, world_size: int, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
             collectives=COLLECTIVES, warmup: int = 1) -> dict[str, Measurement]:
-    """`time_points`, then the alpha-beta fit of each collective's points (at least two sizes).
-    Every rank returns the same result. A collective other than the all-reduce (whose fit is
-    the link) whose times give no fit (a burst of load) is left out: ZeRO's exchanges then
-    keep a factor of 1 rather than stop the calibration."""
+    """`time_points` and `time_small_calls` (on the smallest size), then each collective's
+    alpha-beta fit (at least two sizes). Every rank returns the same result. A collective
+    other than the all-reduce (whose fit is the link) whose times give no fit (a burst of
+    load) is left out: ZeRO's exchanges then keep a factor of 1 rather than stop the
+    calibration."""
+    small = time_small_calls(group, world_size, min(sizes), collectives)
     out = {}
     for name, pts in time_points(group, world_size, sizes, repeats, collectives,
                                  warmup).items():
         try:
-            out[name] = fit_points(name, world_size, pts)
+            out[name] = fit_points(name, world_size, pts, small[name])
         except CalibrationError:
             if name == "all_reduce":
                 raise
     return out
 
 
-def fit_points(collective: str, world_size: int, points) -> Measurement:
-    """The Measurement of `time_points`' points for one collective."""
+def fit_points(collective: str, world_size: int, points,
+               small: tuple[int, int, float] | None = None) -> Measurement:
+    """The Measurement of `time_points`' points for one collective, alpha from `small` (a
+    point of `time_small_calls`) where given."""
     buffers, wire, seconds = (tuple(col) for col in zip(*points))
     try:
-        alpha, beta = fit_alpha_beta(wire, seconds)
+        alpha, beta = fit_alpha_beta(wire, seconds, None if small is None else small[1:])
     except ValueError as e:
         raise CalibrationError(f"{collective}: {e}") from None
-    return Measurement(collective, world_size, buffers, wire, seconds, alpha, beta)
+    return Measurement(collective, world_size, buffers, wire, seconds, alpha, beta, small)
 
 
 # -- writing the cluster file -------------------------------------------------------------------
@@ -474,7 +593,8 @@ def _sizes_arg(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tilework.cluster.calibrate --sizes A,B --out results.json [--judge C,D]`: time the
-    collectives on --sizes and --judge, fit on --sizes only; rank 0 writes {"fit": ..., "judge":
+    collectives on --sizes and --judge, fit on --sizes only (alpha from calls between computes
+    on the smallest of them); rank 0 writes {"fit": ..., "judge":
     ...} to --out."""
     import argparse
 
@@ -499,8 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     # All sizes in one go, interleaved round by round, so that fitted and judged points see the
     # same load on the machine; the fit is then made on --sizes alone.
     points = time_points(dist.group.WORLD, world, [*a.sizes, *a.judge], a.repeats, collectives)
+    small = time_small_calls(dist.group.WORLD, world, min(a.sizes), collectives)
     fitted = {_elements(s, world) * 4 for s in a.sizes}
-    fit = {name: fit_points(name, world, [p for p in pts if p[0] in fitted])
+    fit = {name: fit_points(name, world, [p for p in pts if p[0] in fitted], small[name])
            for name, pts in points.items()}
     judged = {name: [p for p in pts if p[0] not in fitted] for name, pts in points.items()}
     if rank == 0:

@@ -142,13 +142,15 @@ def summary(results: dict[str, Measurement]) -> str:
     lines = [f"{'collective':<11} {'alpha_us':>9} {'bandwidth_gbps':>14}  points (wire KB: ms)"]
     for name, m in results.items():
         pts = ", ".join(f"{w / 1024:g}: {s * 1e3:.3g}" for w, s in m.points)
+        if m.small_call is not None:
+            pts += f"; after compute {m.small_call[1] / 1024:g}: {m.small_call[2] * 1e3:.3g}"
         lines.append(f"{name:<11} {m.alpha_us:>9.1f} {m.bandwidth_gbps:>14.3f}  {pts}")
     ring = results.get("all_reduce")
     if ring is not None and ring.alpha_s == 0:
         # Measured: a loopback fit with alpha 0 priced every message of a recommender's step
         # free, and the plan sending the most of them was chosen at 2.35x the fastest.
         lines.append("note: the all_reduce fit gave no latency (alpha clamped at 0: its small "
-                     "sizes were not slower than its large ones predict), so the planner will "
+                     "calls were not slower than its large ones predict), so the planner will "
                      "price every message as free; calibrate again on a quieter machine, or set "
                      "latency_us by hand")
     return "\n".join(lines)

@@ -76,7 +76,7 @@ def _timed_links(groups: Groups) -> Links | None:
     found (the defaults are used then). A handful of each from 16 kB to 4 MB: about a second
     on loopback. On CPU ranks the latency is most of what tp's many small exchanges cost, which
     the defaults (a GPU node's) would price as free."""
-    from ..cluster.calibrate import CalibrationError, fit_points, time_points
+    from ..cluster.calibrate import CalibrationError, fit_points, time_points, time_small_calls
     from ..cluster.calibration_file import exchange_factors
 
     if groups.world is None:
@@ -96,7 +96,9 @@ def _timed_links(groups: Groups) -> Links | None:
             points = time_points(group, size, sizes, repeats=5,
                                  collectives=("all_reduce", "reduce_scatter", "all_gather",
                                               "ring_shift"))
-            ring = fit_points("all_reduce", size, points["all_reduce"]).link()
+            small = time_small_calls(group, size, sizes[0], ("all_reduce",))
+            ring = fit_points("all_reduce", size, points["all_reduce"],
+                              small["all_reduce"]).link()
             raw = {c: [(w, t) for _, w, t in pts] for c, pts in points.items()}
             links[name] = Link(ring.bandwidth_gbps, ring.latency_us,
                                **exchange_factors(raw, ring, size))
