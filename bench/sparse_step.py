@@ -58,7 +58,7 @@ def round_median(workload, system, steps, rank, world_size, profile=None) -> tup
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     calls = {}
-    if system in ("hybrid", "hybrid-ahead", "ps", "allreduce", "allgather"):
+    if system in ("hybrid", "hybrid-ahead", "ps", "allreduce", "allgather", "auto"):
         import tilework
 
         calls = {m: t["calls"] for m, t in tilework.stats(model)["last_step"].items()}

@@ -34,7 +34,7 @@ from .torchrec_peer import SYSTEMS as TORCHREC_SYSTEMS
 
 SYSTEMS = ("ddp", "ddp-sparse", "allreduce", "ps", "hybrid", "hybrid-ahead", "hybrid-zipf",
            "hybrid-hot", "hybrid-contiguous", "allgather", "hybrid-shares",
-           "hybrid-bf16push") + TORCHREC_SYSTEMS
+           "hybrid-bf16push", "auto") + TORCHREC_SYSTEMS
 
 
 def _setup(workload, system: str, world_size: int, shares=None):
@@ -58,6 +58,14 @@ def _setup(workload, system: str, world_size: int, shares=None):
                                 0.5 if system == "hybrid-hot" else None)
         tilework.parallelize(model, opt, plan=plan, log=False)
         return model, opt, None, extra
+    if system == "auto":   # what plan="auto" chooses live, with the workload's id traffic
+        from ..cluster.topology import Topology
+
+        rank = dist.get_rank()
+        tilework.parallelize(
+            model, opt, plan="auto", example_inputs=workload.batch(0, rank, world_size),
+            traffic=workload.traffic(Topology.from_sizes([world_size])), log=rank == 0)
+        return model, opt, None, {"tables": _tables(model)}
     if system == "allgather":
         from ..plans.analysis import embedding_modules
 
@@ -76,6 +84,13 @@ def _setup(workload, system: str, world_size: int, shares=None):
         return model, opt, None, {"batch_shares": list(shares) if shares else None}
     tilework.parallelize(model, opt, mode=system.removesuffix("-ahead"), log=False)
     return model, opt, None, {}
+
+
+def _tables(model) -> dict[str, str]:
+    """Each table's method in the plan `model` runs."""
+    from ..runtime.handle import runtime_of
+
+    return {p.name: p.method for p in runtime_of(model).engine.plan.params if p.is_table}
 
 
 def batches(workload, system: str, model, rank: int, world_size: int, count: int,

@@ -4,8 +4,9 @@ planner's roles, each small and tested alone:
     enumerate  `configs`: every ParallelConfig the `Space` allows on the cluster (dp x pp x cp
                x tp with tp inside a host; ZeRO stage and scope, and offload under ZeRO-3;
                recompute none, selective or full; microbatches and schedule under pp); each
-               table's placement is chosen inside `tilework.plan` by
-               cost (all-reduce or the servers, partitions, hot rows), as always
+               table's placement is chosen inside `tilework.plan` by its own
+               cost (all-reduce, all-gather or the servers, partitions, hot rows), and
+               `with_table_methods` adds every table placed alike by each method
     estimate   `price`: the Plan `tilework.plan` makes for a config, every rank's memory
                (estimate/plan_memory.py) against the budget (80% of each rank's memory, paper
                4's margin), and the step: on a mesh `estimate/step.predict` (stages, pipeline
@@ -48,12 +49,15 @@ class Space:
     offload: tuple[str, ...] = ("none", "all")   # with ZeRO-3: its shards in host files
     schedules: tuple[str, ...] = ("1f1b",)
     microbatch_factors: tuple[int, ...] = (1, 2, 4)   # microbatches = factor x pp
+    # Beside each table's placement by its own cost: every table the user left to the planner
+    # placed alike, by each of these methods (`with_table_methods`)
+    tables: tuple[str, ...] = ("allgather", "ps", "allreduce")
 
     @classmethod
     def mesh_only(cls) -> Space:
         """The mesh split alone (tilework plan --search): ZeRO and recompute as configured."""
         return cls(axes=("tp", "cp", "pp"), zero=(), zero_scopes=(), recompute=(), offload=(),
-                   microbatch_factors=(2,))
+                   microbatch_factors=(2,), tables=())
 
     @classmethod
     def of(cls, config: ParallelConfig) -> Space:
@@ -180,6 +184,57 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
                             mode="hybrid" if pp * tp * cp > 1 and base.mode == "ps"
                             else base.mode))
     return out
+
+
+def with_table_methods(found: list[ParallelConfig], model: nn.Module, base: ParallelConfig,
+                       space: Space, world_size: int, optimizer="adam") -> list[ParallelConfig]:
+    """Each plain data-parallel candidate as it is (each table placed by its own cost:
+    `tilework.plan`) and with every table the user did not place taking each method of
+    `space.tables` alike ("allgather": the tables with sparse gradients). Tables of one method
+    share their meetings (`cost.shared_meetings`), which a choice table by table cannot see;
+    and where two placements are priced close, `tilework plan --trial` can then settle it (the
+    recommender's servers and all-gather, priced within 0.3 ms of each other, measured 8-33%
+    apart). A variant whose plan is the by-cost one's is dropped when priced
+    (`priced_steps`); "ps" is offered only where the servers can run `optimizer` (given as
+    the live one) on every table."""
+    from ..plans.analysis import analyze
+
+    if not space.tables or world_size < 2 or base.mode != "hybrid":
+        return found
+    placed = base.overrides or {}
+    tables = [i for i in analyze(model) if i.is_table and not i.tied and i.name not in placed]
+    if not tables:
+        return found
+    out = []
+    for c in found:
+        out.append(c)
+        if c.model_parallel:
+            continue
+        for method in space.tables:
+            chosen = {i.name: method for i in tables if method != "allgather"
+                      or i.kind == "sparse"}
+            if method == "ps" and not _servers_step(optimizer, model, chosen):
+                continue
+            if chosen:
+                out += _allowed(lambda c=c, chosen=chosen: dataclasses.replace(
+                    c, overrides={**(c.overrides or {}), **chosen}))
+    return out
+
+
+def _servers_step(optimizer, model: nn.Module, names) -> bool:
+    """Whether the servers can apply `optimizer`'s rule to each of `names` (a live optimizer's
+    settings, such as SGD's momentum, may refuse them; a family's name is taken as able)."""
+    from ..optim.rowwise import row_optimizer
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return True
+    params = dict(model.named_parameters())
+    try:
+        for name in names:
+            row_optimizer(optimizer, name, params[name], lazy=False)
+    except (PlanError, KeyError, StopIteration):
+        return False
+    return True
 
 
 def _allowed(make) -> list[ParallelConfig]:
@@ -352,9 +407,29 @@ def priced_steps(model: nn.Module, cluster: Cluster, example_inputs: tuple, flop
     if base.batch_shares == "auto":   # the loop reads its count: shares may be chosen
         enumerated = with_shares(enumerated, cluster, example_inputs)
     enumerated = with_compression(with_sync(enumerated, base), base)
-    return sorted((price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
-                              message_overhead_s, cache=cache, optimizer=optimizer)
-                   for c in enumerated), key=_order)
+    enumerated = with_table_methods(enumerated, model, base, space, cluster.world_size,
+                                    optimizer)
+    priced = [price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
+                         message_overhead_s, cache=cache, optimizer=optimizer)
+              for c in enumerated]
+    return sorted(_distinct_placements(priced, base), key=_order)
+
+
+def _distinct_placements(priced: list[Candidate], base: ParallelConfig) -> list[Candidate]:
+    """Drop a table-method variant (`with_table_methods`) whose plan places every parameter
+    as its by-cost sibling's does: the same plan, listed once."""
+    seen, out = set(), []
+    for c in priced:   # the by-cost candidate comes before its variants
+        plan = c.parts.get("plan")
+        if plan is None:
+            out.append(c)
+            continue
+        key = (repr(dataclasses.replace(c.config, overrides=base.overrides)),
+               tuple((p.name, p.method, p.partitions) for p in plan.params))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
 
 
 def _order(c: Candidate) -> tuple:
@@ -378,7 +453,8 @@ def _complexity(c: Candidate) -> tuple:
             cfg.zero,
             cfg.offload != "none",
             cfg.zero_scope != "world", ("none", "selective", "full").index(cfg.recompute),
-            cfg.microbatches or 0)
+            cfg.microbatches or 0,
+            len(cfg.overrides or {}))   # a tie goes to the tables placed each by its own cost
 
 
 def _layers(model: nn.Module) -> int:
@@ -441,6 +517,8 @@ def options_of(config: ParallelConfig) -> dict:
         out["recompute"] = config.recompute
     if config.batch_shares is not None:
         out["batch_shares"] = list(config.batch_shares)
+    if config.overrides:
+        out["overrides"] = dict(config.overrides)
     if config.grad_compress != "none":
         out["grad_compress"] = config.grad_compress
     if config.grad_compress == "powersgd":
@@ -478,6 +556,10 @@ def label(c: Candidate) -> str:
             "to a loss)"
     elif cfg.grad_compress == "topk":
         out += f", top-{cfg.topk_ratio:.2%} (weighed at x{TOPK_STEPS:g} steps to a loss)"
+    methods = set((cfg.overrides or {}).values())
+    if len(methods) == 1:
+        out += ", tables " + {"allgather": "all-gathered", "ps": "on the servers",
+                              "allreduce": "all-reduced"}[methods.pop()]
     if cfg.sync == "diloco":
         out += f", local SGD every {cfg.sync_every} steps" + (
             f" in {cfg.outer_compress}" if cfg.outer_compress != "none" else "") + (

@@ -32,7 +32,7 @@ from ..estimate.cost import (
     sparse_allgather,
 )
 from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
-from ..plans.plan import OuterSync, ParamPlan, Plan, bucket_bytes
+from ..plans.plan import OVERRIDDEN, OuterSync, ParamPlan, Plan, bucket_bytes
 from .shares import server_map, server_partitions
 
 
@@ -195,7 +195,7 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                               row_map, head_rides=info.dtype in bucketed, push_dtype=push_dtype)
             method, reason = searched.method, searched.reason
         if info.name in overrides:
-            method, reason = overrides[info.name], "set by the user"
+            method, reason = overrides[info.name], OVERRIDDEN
             if method == "allgather" and info.tied:
                 raise PlanError(f"{info.name} is tied to {', '.join(info.tied)}: the tie makes "
                                 "its gradient dense, which 'allgather' would send row by row; "

@@ -423,6 +423,11 @@ def _entry_from_dict(d: dict) -> ParamPlan:
                              "pp_ranks": tuple(d.get("pp_ranks", ()))}))
 
 
+# A parameter's reason where `overrides` placed it: the user's, or a search's candidate
+# (planner/search.with_table_methods), which `config_of` reads back as overrides.
+OVERRIDDEN = "set in overrides"
+
+
 def config_of(plan: Plan) -> ParallelConfig:
     """The configuration `plan` runs under, as far as the plan says it: the mesh's sizes, the
     layout and the schedule, ZeRO, recompute and the data-parallel settings (what the
@@ -434,7 +439,7 @@ def config_of(plan: Plan) -> ParallelConfig:
     return ParallelConfig(
         mode=plan.mode, sparse_reduce=plan.sparse_reduce,
         local_aggregation=plan.local_aggregation, bucket_mb=plan.bucket_bytes / 2**20,
-        overrides={p.name: p.method for p in plan.params if p.reason == "set by the user"}
+        overrides={p.name: p.method for p in plan.params if p.reason == OVERRIDDEN}
         or None,
         zero=max((p.zero for p in zeros), default=0),
         # A plan whose ZeRO shards nothing (every parameter on the servers) offloads nothing.
