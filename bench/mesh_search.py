@@ -103,12 +103,20 @@ def _allreduce_link(world_size: int, nbytes: int):
     """The all-reduce fit around `nbytes`, as `tilework calibrate` writes a cluster file's link
     (tp's and dp's exchanges are all-reduces; the pipeline's hops use it too, as a plan from
     that cluster file would)."""
-    from tilework.cluster.calibrate import fit_points, time_points
+    return _allreduce_links(world_size, nbytes)[0]
+
+
+def _allreduce_links(world_size: int, nbytes: int):
+    """(the fit `tilework calibrate` makes, alpha from calls of the smallest size between
+    computes; the least-squares fit of the same points, as it made before), around `nbytes`."""
+    from tilework.cluster.calibrate import fit_points, time_points, time_small_calls
 
     sizes = [nbytes // 4, nbytes, 4 * nbytes]
     points = time_points(dist.group.WORLD, world_size, sizes, repeats=9,
-                         collectives=("all_reduce",))
-    return fit_points("all_reduce", world_size, points["all_reduce"]).link()
+                         collectives=("all_reduce",))["all_reduce"]
+    small = time_small_calls(dist.group.WORLD, world_size, sizes[0], ("all_reduce",))
+    return (fit_points("all_reduce", world_size, points, small["all_reduce"]).link(),
+            fit_points("all_reduce", world_size, points).link())
 
 
 def _world(rank, world_size, configs, steps):

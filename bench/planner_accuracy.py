@@ -88,8 +88,9 @@ def _world(rank, world_size, configs, steps, calls, order, calibrate):
     from tilework.bench.pipeline_runs import Shape, message_overhead
 
     nbytes = ms.BATCH // world_size * ms.SEQ * ms.DIM * 4
-    link = _link(world_size, nbytes)
+    link, least_squares = _link(world_size, nbytes)
     factors = _exchange_factors(world_size, nbytes, link)
+    factors_ls = _exchange_factors(world_size, nbytes, least_squares)
     shape = Shape(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ,
                   microbatch=ms.BATCH // world_size)
     overhead = message_overhead(world_size, shape, quiet=(2.0, 0.0))["overhead_s"]
@@ -101,6 +102,8 @@ def _world(rank, world_size, configs, steps, calls, order, calibrate):
     curve = measure_curve(dist.group.WORLD, world_size)
     op_seconds, framework = _op_times(world_size, calls)
     return {"link": (link.bandwidth_gbps, link.latency_us), "factors": factors,
+            "link_ls": (least_squares.bandwidth_gbps, least_squares.latency_us),
+            "factors_ls": factors_ls,
             "flops": rate.item() / world_size,
             "curve": curve.as_dict(), "overhead_s": overhead, "op_seconds": op_seconds,
             "framework": framework} | _world(rank, world_size, configs, steps, calls, order,
@@ -154,13 +157,14 @@ def worker_main(fn, a) -> None:
 
 
 def _link(world_size: int, nbytes: int, tries: int = 3):
-    """bench/mesh_search.py's all-reduce fit, measured again when a burst of load made its
-    times not grow with the size (every rank sees the same points, so all retry together)."""
+    """bench/mesh_search.py's all-reduce fits (calibrate's, and least squares to compare),
+    measured again when a burst of load made its times not grow with the size (every rank sees
+    the same points, so all retry together)."""
     from tilework.cluster.calibrate import CalibrationError
 
     for attempt in range(tries):
         try:
-            return ms._allreduce_link(world_size, nbytes)
+            return ms._allreduce_links(world_size, nbytes)
         except CalibrationError:
             if attempt == tries - 1:
                 raise
@@ -214,8 +218,10 @@ def _median_of(rounds: list[dict]) -> dict:
              for j in range(n)] for i in range(n)]
     ops = [r["op_seconds"] for r in rounds]
     return {"flops": med([r["flops"] for r in rounds]),
-            "link": tuple(med([r["link"][i] for r in rounds]) for i in range(2)),
-            "factors": {k: med([r["factors"][k] for r in rounds]) for k in rounds[0]["factors"]},
+            **{key: tuple(med([r[key][i] for r in rounds]) for i in range(2))
+               for key in ("link", "link_ls")},
+            **{key: {k: med([r[key][k] for r in rounds]) for k in rounds[0][key]}
+               for key in ("factors", "factors_ls")},
             "overhead_s": med([r["overhead_s"] for r in rounds]),
             "curve": MatmulCurve(c0.sizes, grid).as_dict(),
             "op_seconds": [med([o[i] for o in ops]) for i in range(len(ops[0]))],
@@ -345,22 +351,30 @@ def _run(a, cluster) -> int:
                  if label(c) == f"dp{a.world}")
     measured_step = 3 * forward_flops_of(meta, a.world) / got["flops"]
     scale = measured_step / plain.parts["compute"]
-    by_ops = {label(c): c for c in _priced(meta, measured_here, a.world,
-                                           op_times(calls, got["op_seconds"], got["framework"],
-                                                    scale), got["overhead_s"])}
+    scaled = op_times(calls, got["op_seconds"], got["framework"], scale)
+    by_ops = {label(c): c for c in _priced(meta, measured_here, a.world, scaled,
+                                           got["overhead_s"])}
+    # The same op model on the link least squares gave (calibrate's fit before 2026-12-07).
+    before = _hosts(a.world, cluster, Link(*got["link_ls"], **got["factors_ls"]))
+    by_ops_ls = {label(c): c for c in _priced(meta, before, a.world, scaled,
+                                              got["overhead_s"])}
     rows = []
     for c, taken in zip(runnable, steps):
         p, q, r = predicted[label(c)], by_curve[label(c)], by_ops[label(c)]
+        u = by_ops_ls[label(c)]
         measured = statistics.median(taken)
         rows.append({"plan": label(c), "predicted_ms": p.step_s * 1e3,
                      "curve_ms": q.step_s * 1e3, "ops_ms": r.step_s * 1e3,
-                     "measured_ms": measured * 1e3,
+                     "ops_ls_ms": u.step_s * 1e3, "measured_ms": measured * 1e3,
                      "error": abs(p.step_s - measured) / measured,
                      "curve_error": abs(q.step_s - measured) / measured,
-                     "ops_error": abs(r.step_s - measured) / measured})
+                     "ops_error": abs(r.step_s - measured) / measured,
+                     "ops_ls_error": abs(u.step_s - measured) / measured})
     summary = _summary(rows, "predicted_ms", "error") | {
         "curve": _summary(rows, "curve_ms", "curve_error"),
         "ops": _summary(rows, "ops_ms", "ops_error") | {"scale": scale, "calls": len(calls)},
+        "ops_least_squares": _summary(rows, "ops_ls_ms", "ops_ls_error") | {
+            "link": got["link_ls"], "factors": got["factors_ls"]},
         "flops": got["flops"], "flops_by_round": got["flops_by_round"],
         "framework": got["framework"],
         "link": got["link"], "factors": got["factors"], "overhead_s": got["overhead_s"],
@@ -371,7 +385,8 @@ def _run(a, cluster) -> int:
           + ", ".join(f"{f:.3g}" for f in got["flops_by_round"]) + "), link "
           f"{link.bandwidth_gbps:.3g} Gb/s {link.latency_us:.0f} us (ZeRO's reduce-scatter "
           f"{link.reduce_scatter_factor:.2f}x, all-gather {link.all_gather_factor:.2f}x, cp's "
-          f"shift {link.ring_shift_factor:.2f}x), o "
+          f"shift {link.ring_shift_factor:.2f}x; least squares {got['link_ls'][0]:.3g} Gb/s "
+          f"{got['link_ls'][1]:.0f} us), o "
           f"{got['overhead_s'] * 1e3:.2f} ms")
     print(f"op model: {len(calls)} distinct calls, scale {scale:.2f}, framework per call "
           + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in got["framework"].items()))
@@ -382,7 +397,8 @@ def _run(a, cluster) -> int:
               f"{r['ops_ms']:.1f} | {r['measured_ms']:.1f} | {r['error'] * 100:.0f}% | "
               f"{r['curve_error'] * 100:.0f}% | {r['ops_error'] * 100:.0f}% |")
     print_summaries((("one rate", summary), ("curve", summary["curve"]),
-                     ("ops", summary["ops"])))
+                     ("ops", summary["ops"]),
+                     ("ops, least-squares link", summary["ops_least_squares"])))
     if a.out:
         a.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if a.png:

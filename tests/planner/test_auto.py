@@ -451,3 +451,42 @@ def test_grad_compress_auto_compresses_more_as_the_link_gets_slower_and_not_on_a
     assert options_of(slow.chosen.config)["powersgd_start"] == 1000
     with pytest.raises(tilework.errors.ConfigError, match="grad_compress: expected 'auto' with"):
         ParallelConfig(grad_compress="auto")
+
+
+def _shares_live(rank, world_size, quota_paths):
+    import os
+
+    with open(f"{quota_paths[rank]}/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+    os.environ["GROUP_RANK"] = str(rank)   # each rank a host of its own, as torchrun says
+    model = _model()
+    batch = _batches()[0][:4]
+    tilework.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), plan="auto",
+                         batch_shares="auto", example_inputs=(batch[:, :-1], batch[:, 1:]),
+                         log=False)
+    return tilework.batch_shares(model)
+
+
+def test_a_live_plan_auto_measures_the_hosts_speeds_and_gives_the_slow_one_less():
+    """No cluster file: plan='auto' with batch_shares='auto' times every host (a matmul rate,
+    each rank at once) and the search prices shares by speed. Two ranks as two hosts, one in a
+    quarter-core CPU cgroup: it is given the smaller share of the global batch of 8. Root
+    only."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("the slow host's CPU quota needs root")
+    from tilework.bench.cgroup import CpuQuota
+    from tilework.testing import spawn
+
+    try:
+        quotas = [CpuQuota(1.0, name="fast"), CpuQuota(0.25, name="slow")]
+    except OSError as e:
+        pytest.skip(f"no cpu cgroup here: {e}")
+    try:
+        shares = spawn(_shares_live, 2, args=([q.path for q in quotas],), timeout=120)
+    finally:
+        for q in quotas:
+            q.remove()
+    assert shares[0] == shares[1]
+    assert sum(shares[0]) == 8 and shares[0][0] > shares[0][1] >= 1, shares[0]

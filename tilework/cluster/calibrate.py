@@ -413,19 +413,29 @@ def fit_points(collective: str, world_size: int, points,
 
 # -- writing the cluster file -------------------------------------------------------------------
 
-def matmul_flops(size: int = 512, repeats: int = 20) -> float:
-    """One thread's fp32 matmul FLOP/s on this machine (what one rank computes with): the
-    compute rate the pipeline simulator and the mesh search time stages at."""
+def matmul_flops(size: int = 512, repeats: int = 20, device=None) -> float:
+    """One thread's fp32 matmul FLOP/s on this machine (what one rank computes with), or a GPU's
+    where `device` is one: the compute rate the pipeline simulator and the mesh search time
+    stages at."""
     import torch
 
+    device = torch.device(device or "cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+
+    def done() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
+        a = torch.randn(size, size, device=device)
+        b = torch.randn(size, size, device=device)
         a @ b
+        done()
         start = time.perf_counter()
         for _ in range(repeats):
             a @ b
+        done()
         return 2 * size**3 * repeats / (time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
@@ -557,10 +567,11 @@ def measure_compute(group, world_size: int) -> float:
 SPEED_SPREAD = 1.15
 
 
-def measure_speeds(group, world_size: int, hosts: list[list[int]]) -> list[float] | None:
-    """Every rank's matmul rate at once (as they compute in training), each host's slowest
-    rank's over the fastest host's: the hosts' relative `speed`s, or None where they are within
-    SPEED_SPREAD of each other."""
+def measure_speeds(group, world_size: int, hosts: list[list[int]],
+                   device=None) -> list[float] | None:
+    """Every rank's matmul rate at once (as they compute in training; on `device`, default
+    the CPU), each host's slowest rank's over the fastest host's: the hosts' relative
+    `speed`s, or None where they are within SPEED_SPREAD of each other."""
     import torch
     import torch.distributed as dist
 
@@ -568,8 +579,8 @@ def measure_speeds(group, world_size: int, hosts: list[list[int]]) -> list[float
     # Each long enough (about 0.3 s at full speed) to span several scheduler periods: a CPU
     # quota (a cgroup's, a VM's) is enforced per period, and a short run can fit in the
     # runtime one period grants.
-    mine = torch.tensor([max(matmul_flops(repeats=100) for _ in range(3))],
-                        dtype=torch.float64)
+    mine = torch.tensor([max(matmul_flops(repeats=100, device=device) for _ in range(3))],
+                        dtype=torch.float64, device=device or torch.device("cpu"))
     rates = [mine.clone() for _ in range(world_size)]
     if world_size > 1:
         dist.all_gather(rates, mine, group=group)

@@ -37,7 +37,10 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
                         "parallelize")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    live = _live_cluster(groups, cluster, _timed_links(groups) if cluster is None else None)
+    speeds = _measured_speeds(groups) if cluster is None and config.batch_shares == "auto" \
+        else None
+    live = _live_cluster(groups, cluster, _timed_links(groups) if cluster is None else None,
+                         speeds)
     flops = _measured_curve(groups)
     memory = _agreed_memory(groups, _device_memory(groups))
     space = Space.of(config)
@@ -55,15 +58,17 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
               f"{float(flops) / 1e9:,.1f} GFLOP/s per rank by matmul shape, "
               f"{len(ops.seconds_of)} other ops timed"
               + (f"; {o * 1e3:.2f} ms of CPU per message end" if o else "")
+              + (f"; hosts' speeds {speeds}, measured" if speeds else "")
               + f"): {found.why()}")
     return found.chosen.config
 
 
-def _live_cluster(groups: Groups, cluster: Cluster | None, timed: Links | None) -> Cluster:
-    """The world's hosts as discovered, with the cluster file's links and memory where given
-    (else the links `timed` here)."""
+def _live_cluster(groups: Groups, cluster: Cluster | None, timed: Links | None,
+                  speeds: list[float] | None = None) -> Cluster:
+    """The world's hosts as discovered, with the cluster file's links, memory and speeds where
+    given (else the links `timed` and the `speeds` measured here)."""
     if cluster is None:
-        return Cluster.of_topology(groups.topology, timed)
+        return Cluster.of_topology(groups.topology, timed, speeds=speeds)
     return Cluster.of_topology(groups.topology, cluster.links,
                                [h.memory_gb for h in cluster.hosts],
                                [h.speed for h in cluster.hosts])
@@ -123,6 +128,18 @@ def _timed_links(groups: Groups) -> Links | None:
     if intra is None and inter is None:
         return None
     return Links(intra=intra or inter, inter=inter or intra)
+
+
+def _measured_speeds(groups: Groups) -> list[float] | None:
+    """Each host's speed, where no cluster file gives them and the loop feeds each rank its
+    share (batch_shares="auto"): every rank's matmul rate at once, each host's slowest over the
+    fastest host's (cluster/calibrate.measure_speeds: about a second at full speed); None on
+    one host, or where the hosts are within calibrate's SPEED_SPREAD of each other."""
+    from ..cluster.calibrate import measure_speeds
+
+    if groups.world is None or groups.topology.num_hosts < 2:
+        return None
+    return measure_speeds(groups.world, groups.world_size, groups.topology.hosts, groups.device)
 
 
 def _message_overhead(groups: Groups) -> float:
