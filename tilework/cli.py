@@ -71,9 +71,14 @@ def _parser() -> argparse.ArgumentParser:
                            "recompute and table placements by predicted step within 80%% of "
                            "each rank's memory; tp, cp, pp where the job gives them as \"auto\"")
     plan.add_argument("--trial", type=int, metavar="K",
-                      help="with --auto and --world-size: train the K fastest candidates that "
-                           "fit for a few steps on this host's ranks and keep the fastest "
-                           "measured (the predictions printed beside)")
+                      help="with --auto and --world-size: train K candidates that fit (the "
+                           "fastest predicted of each mesh split, table placement, sync and "
+                           "shares first, then the next fastest) for a few steps on this "
+                           "host's ranks and keep the fastest measured (the predictions "
+                           "printed beside)")
+    plan.add_argument("--write-job", metavar="OUT_TOML",
+                      help="with --auto: write the job with the chosen [parallel] settings "
+                           "(plan = \"config\"), for `tilework train OUT_TOML` to run as chosen")
     plan.add_argument("--trial-steps", type=int, default=3, metavar="S",
                       help="with --trial: steps per window (a warm-up window, then a measured "
                            "one; default 3)")
@@ -185,8 +190,13 @@ def _cmd_plan(a, argv, env) -> int:
     if a.search:
         return _search(a, job, cluster, where)
     found = None
+    if a.write_job is not None and not (a.auto or job.parallel.plan == "auto"):
+        raise UserError("--write-job: with --auto (or the job's [parallel] plan = \"auto\"): "
+                        "it writes the job as the planner chose it")
     if a.auto or job.parallel.plan == "auto":
         job, found = _auto(a, job, cluster)
+        if a.write_job is not None:
+            _write_job(job, a.write_job, found)
     flops, source = _plan_flops(a, job)
     out = report(job, cluster, flops, source)
     if a.json:
@@ -200,12 +210,27 @@ def _cmd_plan(a, argv, env) -> int:
     return 0
 
 
+def _write_job(job, path: str, found: dict) -> None:
+    """The job as chosen, atomically: `tilework train` reads it back as the same Job."""
+    import dataclasses
+    from pathlib import Path
+
+    from .checkpoint.atomic import write_atomic
+    from .config.toml_writer import dump_toml
+    from .launch.worker import job_spec
+
+    chosen = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, plan="config",
+                                                                   auto_axes=None))
+    head = f"# tilework plan --auto: {found['why']}\n"
+    write_atomic(Path(path), head + dump_toml(job_spec(chosen)))
+
+
 def _auto(a, job, cluster):
     """`tilework plan --auto`: the planner's search and choice for the job. Returns the job
     with the chosen configuration (whose plan the report then shows), and what was chosen."""
     import dataclasses
 
-    from .planner.search import Space, choose, label, search
+    from .planner.search import Space, choose, label, search, trial_candidates
     from .plans.analysis import analyze
     from .train.planning import example_batch, meta_model, table_traffic
 
@@ -229,8 +254,8 @@ def _auto(a, job, cluster):
     if a.trial is not None:
         from .train.trial import fastest, run_trials
 
-        fits = [c for c in choice.candidates if c.step_s is not None and "peak_bytes" in c.parts]
-        trials = run_trials(job, fits[:a.trial], a.world_size, a.trial_steps)
+        trials = run_trials(job, trial_candidates(list(choice.candidates), a.trial),
+                            a.world_size, a.trial_steps)
         best = fastest(trials)
         chosen = best["config"]
         found["trials"] = [{k: v for k, v in t.items() if k != "config"} for t in trials]

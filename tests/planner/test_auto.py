@@ -339,6 +339,35 @@ def test_tilework_plan_auto_prints_the_choice_and_reports_its_plan():
     assert steps == sorted(steps)
 
 
+def test_tilework_plan_auto_writes_the_job_as_chosen_for_tilework_train(tmp_path):
+    """--write-job: the job with the chosen [parallel] settings, which `tilework train` reads
+    back as the job the report showed (plan = "config": nothing is searched again)."""
+    import json
+    import subprocess
+    import sys
+
+    from tilework.train.job import Job
+
+    out = tmp_path / "chosen.toml"
+    args = [sys.executable, "-m", "tilework", "plan", "--job", "docs/examples/gpt-mesh.toml",
+            "--world-size", "4", "--auto", "--gflops", "10", "--json"]
+    found = json.loads(subprocess.run([*args, "--write-job", str(out)], capture_output=True,
+                                      text=True, check=True).stdout)
+    written, given = Job.load(out), Job.load("docs/examples/gpt-mesh.toml")
+    assert written.parallel.plan == "config"
+    assert (written.parallel.tp, written.parallel.pp) == (given.parallel.tp, given.parallel.pp)
+    assert written.gpt == given.gpt and written.train == given.train
+    again = json.loads(subprocess.run([sys.executable, "-m", "tilework", "plan", "--job",
+                                       str(out), "--world-size", "4", "--gflops", "10",
+                                       "--json"], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert again["plan"] == found["plan"]
+    refused = subprocess.run([sys.executable, "-m", "tilework", "plan", "--job", str(out),
+                              "--world-size", "4", "--write-job", str(tmp_path / "x.toml")],
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and "--write-job: with --auto" in refused.stderr
+
+
 def test_tilework_plan_trial_trains_the_closest_candidates_and_keeps_the_fastest(tmp_path):
     """--trial 2: the two fastest predicted candidates that fit each train a few steps on 2
     local ranks as `tilework train` would; the report keeps the fastest measured, and shows

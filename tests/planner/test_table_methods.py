@@ -105,3 +105,24 @@ def test_a_variant_runs_as_the_search_priced_it():
     plan = tilework.plan(model, again, cluster, traffic=traffic)
     assert config_of(plan).overrides == options["overrides"]
     assert {p.reason for p in plan.params if p.is_table} == {"set in overrides"}
+
+
+def test_trials_take_the_fastest_of_each_placement_before_a_second_of_any():
+    """A trial settles what the model prices close between families (here the tables'
+    placements), not a plan against its own ZeRO or recompute variant."""
+    from tilework.planner.search import trial_candidates
+
+    model, cluster = _meta(), _cluster(1000)
+    found = search(model, cluster, RECOMMENDER.batch(0, 0, 2), 1e10, "sgd",
+                   space=Space(zero_scopes=(), offload=()),
+                   traffic=RECOMMENDER.traffic(cluster.topology()), every=True)
+    families = {c.config.overrides and frozenset(c.config.overrides.items()) for c in found}
+    assert len(families) == 4   # by cost, and all-gathered, on the servers, all-reduced alike
+    picked = trial_candidates(found, 4)
+    assert len({c.config.overrides and frozenset(c.config.overrides.items())
+                for c in picked}) == 4
+    fits = [c for c in found if c.step_s is not None and "peak_bytes" in c.parts]
+    assert picked[0] is fits[0]
+    assert [c.step_s for c in picked] == sorted(c.step_s for c in picked)
+    every = trial_candidates(found, len(fits) + 3)   # asked for more: every fit, once
+    assert len(every) == len(fits) and {id(c) for c in every} == {id(c) for c in fits}

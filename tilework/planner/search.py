@@ -491,6 +491,26 @@ def choose(found: list[Candidate]) -> Choice:
     return Choice(runnable[0], runnable[1] if len(runnable) > 1 else None, tuple(found))
 
 
+def trial_candidates(found: list[Candidate], k: int) -> list[Candidate]:
+    """The `k` candidates `tilework plan --trial` runs: the fastest that fits of each family
+    (mesh split, table placement, sync and compression, batch shares), in predicted order,
+    then the next fastest of any. Where the model errs most is between families (on CPU ranks
+    the servers and the all-gather were priced 1% apart and measured 8-33% apart:
+    docs/planner.md), more than between a plan and its own recompute or ZeRO variant."""
+    runnable = [c for c in found if c.step_s is not None and "peak_bytes" in c.parts]
+    firsts, rest, seen = [], [], set()
+    for c in runnable:
+        key = _family(c.config)
+        (rest if key in seen else firsts).append(c)
+        seen.add(key)
+    return (firsts + rest)[:k]
+
+
+def _family(cfg: ParallelConfig) -> tuple:
+    return (cfg.tp, cfg.pp, cfg.cp, cfg.mode, tuple(sorted((cfg.overrides or {}).items())),
+            cfg.sync, cfg.grad_compress, cfg.batch_shares is not None)
+
+
 def auto(model: nn.Module, config: ParallelConfig, cluster: Cluster, example_inputs: tuple,
          flops_per_s: float, optimizer="adam", traffic: dict | None = None,
          budget_bytes: float | None = None, space: Space | None = None,
@@ -596,4 +616,4 @@ def search_mesh(model: nn.Module, cluster: Cluster, batch: int, seq: int,
 
 
 __all__ = ["Candidate", "Choice", "MeshCandidate", "Space", "auto", "candidates", "choose",
-           "configs", "label", "predict", "price", "search", "search_mesh"]
+           "configs", "label", "predict", "price", "search", "search_mesh", "trial_candidates"]

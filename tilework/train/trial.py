@@ -1,5 +1,6 @@
-"""Trials of the planner's closest calls: `tilework plan --auto --trial K` trains each of the K
-fastest candidates that fit for a few steps on this host's ranks, as `tilework train` would
+"""Trials of the planner's closest calls: `tilework plan --auto --trial K` trains each of K
+candidates that fit (planner/search.trial_candidates: the fastest predicted of each family,
+then the next fastest) for a few steps on this host's ranks, as `tilework train` would
 (the job's own model, data and optimizer; `[train]` cut to a warm-up window and a measured one,
 no checkpoints), and keeps the fastest measured (NeMo's auto-configurator measures everything;
 here the model ranks and the trial only settles what it ranks close). The measured step is the
