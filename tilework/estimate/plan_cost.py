@@ -124,14 +124,17 @@ def comm_seconds(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> f
 def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | None = None,
              *, traffic: dict | None = None, optimizer="adam", flops: float | None = None,
              replica_batch: int | None = None, seq: int | None = None,
-             message_overhead_s: float = 0.0, with_memory: bool = True) -> PlanCost:
+             message_overhead_s: float = 0.0, with_memory: bool = True,
+             cache: dict | None = None) -> PlanCost:
     """One step of `plan` on `cluster`. `model` (meta device will do) with `example_inputs`
     (one rank's batch; on a mesh one dp replica's) adds every rank's memory; `flops` (FLOP/s
     per rank) adds the step: the reference GPT's step model (estimate/step.py) for it, with
     `replica_batch` sequences of `seq` tokens (default: the inputs' shape), any other model's
     counted FLOPs (estimate/compute.py) plus its data-parallel exchanges. `message_overhead_s`:
     LogP's o per message; a step that cannot run says why and skips the memory (as
-    `with_memory=False` does: a search prices memory only where the step could win)."""
+    `with_memory=False` does: a search prices memory only where the step could win).
+    `cache`: a search's, where plans that recompute alike share their counted compute (its
+    FLOP-counting meta forward is most of a candidate's price: 0.7 s for LM1B's LSTM)."""
     entries = tuple(entry_costs(plan, cluster, traffic))
     config = config_of(plan)
 
@@ -148,8 +151,14 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
             return PlanCost(comm, memory=memory(), entries=entries)
         # Any model: its counted FLOPs at the rate, then the data-parallel exchanges (not
         # overlapped: the bound the step cannot exceed).
-        compute = _counted_compute(model, example_inputs, plan.recompute, flops) \
-            * pace(plan, cluster)
+        cache = {} if cache is None else cache
+        key = ("counted compute", plan.recompute,
+               flops if isinstance(flops, (int, float)) else id(flops),
+               tuple(tuple(x.shape) if hasattr(x, "shape") else repr(x)
+                     for x in example_inputs))
+        if key not in cache:
+            cache[key] = _counted_compute(model, example_inputs, plan.recompute, flops)
+        compute = cache[key] * pace(plan, cluster)
         runtime = _runtime_seconds(model, example_inputs, plan, cluster, flops, optimizer)
         return PlanCost(comm, compute, compute + comm + runtime, memory(), entries,
                         {"compute": compute, "dp": comm, "runtime": runtime})
