@@ -187,12 +187,12 @@ def _cmd_plan(a, argv, env) -> int:
         except ConfigError as e:   # Host's own bounds on procs, named by this flag
             raise UserError(f"--world-size: {e.problem}") from None
         where = f"{a.world_size} local ranks"
+    if a.write_job is not None and (a.search or not (a.auto or job.parallel.plan == "auto")):
+        raise UserError("--write-job: with --auto (or the job's [parallel] plan = \"auto\"): "
+                        "it writes the job as the planner chose it")
     if a.search:
         return _search(a, job, cluster, where)
     found = None
-    if a.write_job is not None and not (a.auto or job.parallel.plan == "auto"):
-        raise UserError("--write-job: with --auto (or the job's [parallel] plan = \"auto\"): "
-                        "it writes the job as the planner chose it")
     if a.auto or job.parallel.plan == "auto":
         job, found = _auto(a, job, cluster)
         if a.write_job is not None:
@@ -260,7 +260,7 @@ def _auto(a, job, cluster):
         chosen = best["config"]
         found["trials"] = [{k: v for k, v in t.items() if k != "config"} for t in trials]
         found["chosen"] = best["plan"]
-        found["why"] += (f"; trials of the {len(trials)} fastest predicted: {best['plan']} "
+        found["why"] += (f"; trials of {len(trials)} candidates: {best['plan']} "
                          f"measured fastest ({best['measured_step_s'] * 1e3:,.1f} ms a step)")
     return dataclasses.replace(job, parallel=chosen), found
 

@@ -49,31 +49,35 @@ def test_fit_clamps_a_negative_alpha_and_rejects_what_gives_no_bandwidth():
         fit_alpha_beta([1000, 2000], [0.0, 1e-3])
 
 
-def test_a_small_call_decides_alpha_and_the_sweep_the_slope_through_it():
-    """What a step's small exchanges pay (calls between computes) is alpha; least squares would let
-    the large sizes set it: here their intercept is 0.1 ms where a small call takes 1 ms."""
+def test_a_small_call_decides_alpha_and_the_sweep_the_slope():
+    """What a step's small exchanges pay (calls between computes) is alpha; least squares would
+    let the large sizes set it: here their intercept is 0.1 ms where a small call takes 1 ms.
+    The slope stays the sweep's, so large messages keep their bandwidth."""
     beta = 1e9
     sizes = [4096, 1 << 20, 4 << 20, 16 << 20]
     times = [100e-6 + x / beta for x in sizes]
     small = (4096, 1e-3)
     a, b = fit_alpha_beta(sizes, times, small)
     assert a + 4096 / b == pytest.approx(1e-3, rel=1e-12)    # the line passes through it
-    # Through a higher alpha the slope flattens a little to keep the large sizes' times.
-    assert b == pytest.approx(beta, rel=0.1) and a == pytest.approx(1e-3, rel=0.01)
+    assert b == pytest.approx(beta, rel=1e-9)
     assert fit_alpha_beta(sizes, times) == pytest.approx((100e-6, beta))
-    # Exact points and the small call on their line: the same fit either way.
+    # The small call on the sweep's line: the same fit either way.
     assert fit_alpha_beta(sizes, times, (4096, times[0])) == pytest.approx((100e-6, beta))
-    # The sweep's point at the small call's size does not move the slope (the barrier-timed
-    # 4 KB point is not what alpha is).
-    moved = [5e-3, *times[1:]]
-    assert fit_alpha_beta(sizes, moved, small) == pytest.approx((a, b))
-    with pytest.raises(ValueError, match="larger than the small call"):
-        fit_alpha_beta([4096, 4096 * 2], [1e-3, 2e-3], (8192, 1e-3))
     with pytest.raises(ValueError, match="small call"):
         fit_alpha_beta(sizes, times, (4096, 0.0))
     # A small call faster than its bytes at the sweep's rate: alpha 0, through the origin.
     a, b = fit_alpha_beta(sizes, times, (4 << 20, 1e-6))
     assert a == 0.0 and b > 0
+
+
+def test_a_small_call_lost_in_noise_falls_back_to_least_squares():
+    """No extra over the computes (a median block of 0): the fit the sweep gives alone, not a
+    failed calibration."""
+    points = [(4096, 4096, 2e-4), (1 << 20, 1 << 20, 1.2e-3), (4 << 20, 4 << 20, 4.3e-3)]
+    lost = fit_points("all_reduce", 2, points, (4096, 4096, 0.0))
+    plain = fit_points("all_reduce", 2, points)
+    assert (lost.alpha_s, lost.bytes_per_s, lost.small_call) == (plain.alpha_s,
+                                                                  plain.bytes_per_s, None)
 
 
 def test_a_measurement_keeps_its_small_call_through_its_dict():

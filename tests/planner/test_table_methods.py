@@ -89,8 +89,12 @@ def test_the_servers_are_offered_only_for_an_optimizer_they_can_run():
 def test_tables_the_user_placed_stay_where_they_are():
     model, cluster = _meta(), _cluster(1000)
     base = ParallelConfig(overrides={"tables.2.weight": "allreduce"})
-    for c in _search(model, cluster, base=base):
+    found = _search(model, cluster, base=base)
+    for c in found:
         assert c.config.overrides["tables.2.weight"] == "allreduce", label(c)
+    # The user's override is not a variant: every candidate's label stays its own.
+    labels = [label(c) for c in found]
+    assert "dp2" in labels and len(labels) == len(set(labels))
 
 
 def test_a_variant_runs_as_the_search_priced_it():

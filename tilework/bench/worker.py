@@ -44,7 +44,7 @@ def _setup(workload, system: str, world_size: int, shares=None):
 
         return torchrec_peer.setup(workload, system, world_size)
     torch.manual_seed(0)
-    model = workload.make(system in ("ddp-sparse", "ps", "allgather")
+    model = workload.make(system in ("ddp-sparse", "ps", "allgather", "auto")
                           or system.startswith("hybrid"))
     if system.startswith("ddp"):
         if world_size > 1:

@@ -14,14 +14,15 @@ every collective's fit into `<cluster stem>.calibration.json` beside it.
 Alpha is what a small call costs busy ranks, as a step's exchanges fall between its compute: the
 extra time `SMALL_CALLS` calls on the smallest buffer add to a loop of short computes (the
 median of `SMALL_BLOCKS` blocks, so a burst of load elsewhere is dropped), the fit passing
-through that point; beta is the least-squares slope of the sweep through it, so the large sizes
-decide it. (An ordinary least-squares intercept, as before, let the large sizes decide alpha
-too: on CPU ranks it came out anywhere from 0 to 0.94 ms a message between runs, where a 4 KB
-all-reduce after compute cost 0.9-2.2 ms a call; the median of single calls timed from a barrier
-misses the slow mode of calls that are bimodal on few cores, which a step pays on average.
-Weighting by 1/t, to give small sizes a say, was tried and fails on shaped links: a tbf bucket
-lets the first ~125 KB through unshaped, so small sizes look fast, and a relative fit took beta
-from them: 1.5 to 9 times too high for large messages; see docs/comm-model.md.)
+through that point; beta is the least-squares slope of the sweep, so the large sizes decide it
+(a small call lost in noise falls back to the least-squares intercept). (An ordinary least-
+squares intercept, as before, let the large sizes decide alpha too: on CPU ranks it came out
+anywhere from 0 to 0.94 ms a message between runs, where a 4 KB all-reduce after compute cost
+0.9-2.2 ms a call; the median of single calls timed from a barrier misses the slow mode of calls
+that are bimodal on few cores, which a step pays on average. Weighting by 1/t, to give small
+sizes a say, was tried and fails on shaped links: a tbf bucket lets the first ~125 KB through
+unshaped, so small sizes look fast, and a relative fit took beta from them: 1.5 to 9 times too
+high for large messages; see docs/comm-model.md.)
 
 `python -m tilework.cluster.calibrate` is a bare worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 in the environment, gloo over TCP) for benchmarks that start processes themselves, e.g. inside
@@ -76,12 +77,12 @@ class CalibrationError(UserError):
 
 def fit_alpha_beta(sizes_bytes, seconds, small: tuple[float, float] | None = None
                    ) -> tuple[float, float]:
-    """(alpha in s, beta in bytes/s) of `t = alpha + bytes / beta`. Without `small`, ordinary
-    least squares; with `small` = (bytes, seconds) of a small call (`time_small_calls`), the
-    line through that point whose slope fits the points best (least squares about it), so
-    the small call decides alpha and the large sizes beta. alpha is clamped at 0 (refitting
-    beta alone, through the origin) since a latency cannot be negative; times that do not
-    grow with the size raise ValueError."""
+    """(alpha in s, beta in bytes/s) of `t = alpha + bytes / beta`: beta from the ordinary
+    least-squares slope of the points (the large sizes decide it), alpha from the intercept,
+    or, given `small` = (bytes, seconds) of a small call (`time_small_calls`), from that point
+    (alpha = seconds - bytes / beta). alpha is clamped at 0 (refitting beta alone, through the
+    origin) since a latency cannot be negative; times that do not grow with the size raise
+    ValueError, as does an unusable `small`."""
     x = np.asarray(sizes_bytes, dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64)
     if x.shape != t.shape or x.ndim != 1:
@@ -91,17 +92,12 @@ def fit_alpha_beta(sizes_bytes, seconds, small: tuple[float, float] | None = Non
         raise ValueError("need points at two or more distinct sizes")
     if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(np.isfinite(x)) and np.all(x >= 0)):
         raise ValueError("sizes must be finite and >= 0, seconds finite and > 0")
-    if small is None:
-        design = np.stack([np.ones_like(x), x], axis=1)
-        (alpha, inv_beta), *_ = np.linalg.lstsq(design, t, rcond=None)
-    else:
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(design, t, rcond=None)
+    if small is not None:
         x0, t0 = (float(v) for v in small)
         if not (np.isfinite(x0) and x0 >= 0 and np.isfinite(t0) and t0 > 0):
             raise ValueError(f"the small call must be (bytes >= 0, seconds > 0), got {small}")
-        dx = x - x0
-        if not np.any(dx > 0):
-            raise ValueError(f"need points larger than the small call's {x0:g} bytes")
-        inv_beta = float(np.sum(dx * (t - t0)) / np.sum(dx * dx))
         alpha = t0 - x0 * inv_beta
     if alpha < 0:
         alpha = 0.0
@@ -333,7 +329,10 @@ def time_small_calls(group, world_size: int, nbytes: int = DEFAULT_SIZES[0],
     issue = _issuer(group)
     send, recv = torch.ones(size // 4), torch.empty(size // 4)
     compute = _small_compute(group)
-    times = torch.zeros(len(collectives), blocks, dtype=torch.float64)
+    # [talking, quiet] per collective and block: each the slowest rank's, then subtracted,
+    # so that a slow rank's longer computes (which the fast ranks wait for when they talk) are
+    # not taken for the calls' cost: the planner prices a slow rank by its pace.
+    times = torch.zeros(2, len(collectives), blocks, dtype=torch.float64)
     for c, name in enumerate(collectives):
         for _ in range(3):   # connections and buffers come up on the first calls
             issue(name, send, recv)
@@ -343,15 +342,15 @@ def time_small_calls(group, world_size: int, nbytes: int = DEFAULT_SIZES[0],
             for _ in range(calls):
                 compute()
                 share = issue(name, send, recv)
-            talking = time.perf_counter() - start
+            times[0, c, b] = (time.perf_counter() - start) * share
             dist.barrier(group=group)
             start = time.perf_counter()
             for _ in range(calls):
                 compute()
-            quiet = time.perf_counter() - start
-            times[c, b] = max(0.0, talking - quiet) * share / calls
+            times[1, c, b] = (time.perf_counter() - start) * share
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return {name: (size, WIRE[name].sent(size, world_size), statistics.median(times[c].tolist()))
+    extra = (times[0] - times[1]).clamp(min=0.0) / calls
+    return {name: (size, WIRE[name].sent(size, world_size), statistics.median(extra[c].tolist()))
             for c, name in enumerate(collectives)}
 
 
@@ -407,7 +406,10 @@ def fit_points(collective: str, world_size: int, points,
     try:
         alpha, beta = fit_alpha_beta(wire, seconds, None if small is None else small[1:])
     except ValueError as e:
-        raise CalibrationError(f"{collective}: {e}") from None
+        if small is None:
+            raise CalibrationError(f"{collective}: {e}") from None
+        # A small call lost in noise (no extra over the computes): least squares, as before.
+        return fit_points(collective, world_size, points)
     return Measurement(collective, world_size, buffers, wire, seconds, alpha, beta, small)
 
 

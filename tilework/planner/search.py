@@ -416,6 +416,11 @@ def priced_steps(model: nn.Module, cluster: Cluster, example_inputs: tuple, flop
     priced = [price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
                          message_overhead_s, cache=cache, optimizer=optimizer)
               for c in enumerated]
+    for c in priced:   # the variants' one method, which `label` names (the user's aside)
+        placed = {k: v for k, v in (c.config.overrides or {}).items()
+                  if k not in (base.overrides or {})}
+        if placed and len(set(placed.values())) == 1:
+            c.parts["tables"] = next(iter(placed.values()))
     return sorted(_distinct_placements(priced, base), key=_order)
 
 
@@ -580,10 +585,9 @@ def label(c: Candidate) -> str:
             "to a loss)"
     elif cfg.grad_compress == "topk":
         out += f", top-{cfg.topk_ratio:.2%} (weighed at x{TOPK_STEPS:g} steps to a loss)"
-    methods = set((cfg.overrides or {}).values())
-    if len(methods) == 1:
+    if "tables" in c.parts:   # with_table_methods' variant
         out += ", tables " + {"allgather": "all-gathered", "ps": "on the servers",
-                              "allreduce": "all-reduced"}[methods.pop()]
+                              "allreduce": "all-reduced"}[c.parts["tables"]]
     if cfg.sync == "diloco":
         out += f", local SGD every {cfg.sync_every} steps" + (
             f" in {cfg.outer_compress}" if cfg.outer_compress != "none" else "") + (
