@@ -105,3 +105,30 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: fl
             p.join(timeout=5)
         del master
     return [out[r] for r in range(world_size)]
+
+
+def spawn_on_cpu_quotas(fn: Callable[..., Any], cores: list[float], args: tuple = (),
+                        timeout: float = 60.0) -> list[Any]:
+    """`spawn(fn, len(cores), (quota_paths, *args))` with a CPU cgroup of `cores[r]` cores made
+    for each rank (tilework/bench/cgroup.CpuQuota), which `fn` joins by writing its pid to
+    `quota_paths[rank]/cgroup.procs`; the cgroups removed after. The test is skipped where
+    that needs root or no cgroup exists."""
+    import pytest
+
+    from .bench.cgroup import CpuQuota
+
+    if os.geteuid() != 0:
+        pytest.skip("a rank's CPU quota needs root")
+    quotas = []
+    try:
+        for r, share in enumerate(cores):
+            quotas.append(CpuQuota(share, name=f"rank{r}"))
+    except OSError as e:
+        for q in quotas:
+            q.remove()
+        pytest.skip(f"no cpu cgroup here: {e}")
+    try:
+        return spawn(fn, len(cores), args=([q.path for q in quotas], *args), timeout=timeout)
+    finally:
+        for q in quotas:
+            q.remove()

@@ -314,19 +314,9 @@ def test_measured_speeds_see_a_slow_host():
     """Two ranks as two hosts, one in a quarter-core CPU cgroup: it reads at most half the
     other's speed (a quarter when the machine is otherwise idle; under load the fast rank
     slows too, so no tighter bound is asserted). Root only."""
-    if os.geteuid() != 0:
-        pytest.skip("the slow host's CPU quota needs root")
-    from tilework.bench.cgroup import CpuQuota
+    from tilework.testing import spawn_on_cpu_quotas
 
-    try:
-        quotas = [CpuQuota(1.0, name="fast"), CpuQuota(0.25, name="slow")]
-    except OSError as e:
-        pytest.skip(f"no cpu cgroup here: {e}")
-    try:
-        speeds = spawn(_speeds_at, 2, args=([q.path for q in quotas],), timeout=60)[0]
-    finally:
-        for q in quotas:
-            q.remove()
+    speeds = spawn_on_cpu_quotas(_speeds_at, [1.0, 0.25])[0]
     assert speeds[0] == 1.0 and 0.05 <= speeds[1] <= 0.5, speeds
 
 

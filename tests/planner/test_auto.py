@@ -501,21 +501,8 @@ def test_a_live_plan_auto_measures_the_hosts_speeds_and_gives_the_slow_one_less(
     each rank at once) and the search prices shares by speed. Two ranks as two hosts, one in a
     quarter-core CPU cgroup: it is given the smaller share of the global batch of 8. Root
     only."""
-    import os
+    from tilework.testing import spawn_on_cpu_quotas
 
-    if os.geteuid() != 0:
-        pytest.skip("the slow host's CPU quota needs root")
-    from tilework.bench.cgroup import CpuQuota
-    from tilework.testing import spawn
-
-    try:
-        quotas = [CpuQuota(1.0, name="fast"), CpuQuota(0.25, name="slow")]
-    except OSError as e:
-        pytest.skip(f"no cpu cgroup here: {e}")
-    try:
-        shares = spawn(_shares_live, 2, args=([q.path for q in quotas],), timeout=120)
-    finally:
-        for q in quotas:
-            q.remove()
+    shares = spawn_on_cpu_quotas(_shares_live, [1.0, 0.25], timeout=120)
     assert shares[0] == shares[1]
     assert sum(shares[0]) == 8 and shares[0][0] > shares[0][1] >= 1, shares[0]
