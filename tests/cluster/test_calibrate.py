@@ -124,6 +124,20 @@ def test_zero_exchange_factors_are_their_times_over_the_all_reduce_fits_price():
     assert exchange_factors({}, link, n) == {}
 
 
+def test_exchange_factors_come_from_the_points_the_bandwidth_decides():
+    """The link's latency is a small call's cost between computes; a 4 KB reduce-scatter timed
+    from a barrier does not pay it and would read well under 1. Only the points whose bytes
+    outlast the latency set the factor (all of them where none do)."""
+    n, link = 2, Link(bandwidth_gbps=8.0, latency_us=1000.0)   # 1 GB/s, 1 ms a message
+    messages = Measurement("reduce_scatter", n, (), (), (), 0.0, 1.0).messages
+    small = [(w, 0.3e-3) for w in (2 << 10, 8 << 10)]           # far below the latency
+    large = [(w, 1.7 * cost.seconds(w, link, messages)) for w in (2 << 20, 8 << 20)]
+    got = exchange_factors({"reduce_scatter": small + large}, link, n)
+    assert got["reduce_scatter_factor"] == pytest.approx(1.7)
+    only_small = exchange_factors({"reduce_scatter": small}, link, n)["reduce_scatter_factor"]
+    assert only_small < 1
+
+
 def test_hand_written_toml_reads_back():
     data = {"rendezvous": "node0:29500", "flag": True, "ratio": 0.25, "list": [1, 2],
             "hosts": [{"name": "node0", "address": "192.0.2.1", "procs": 2},

@@ -31,13 +31,18 @@ def exchange_factors(points: dict, link: Link, world_size: int) -> dict[str, flo
     """Each of the `EXCHANGES` timed in `points` (collective -> [(wire bytes, seconds)], as
     calibrate times them on `world_size` ranks): the median over its points of its time over
     what `link` (the all-reduce's fit) prices its bytes and messages at; a Link's
-    `reduce_scatter_factor`, `all_gather_factor` and `ring_shift_factor`."""
+    `reduce_scatter_factor`, `all_gather_factor` and `ring_shift_factor`. Only the points
+    whose bytes take the link longer than its latency count, where any do: the factors scale
+    large exchanges (ZeRO's buckets, cp's blocks), and the link's latency is what a small call
+    costs between computes, which a point timed from a barrier does not pay."""
     out = {}
     for name in EXCHANGES:
         if points.get(name):
             messages = COLLECTIVES[name].messages(world_size)
+            large = [(w, t) for w, t in points[name]
+                     if w / link.bytes_per_s >= messages * link.latency_s]
             out[f"{name}_factor"] = statistics.median(
-                t / seconds(w, link, messages) for w, t in points[name])
+                t / seconds(w, link, messages) for w, t in large or points[name])
     return out
 
 
