@@ -82,6 +82,15 @@ def averaged_by_hand(pseudo: list[torch.Tensor], per_worker: int, codec: str,
 def diloco_by_hand(world, hosts, worker, codec):
     """One model copy per worker, on the mean of its ranks' gradients; every EVERY steps the
     Nesterov outer step on the average above; every copy restarts from the anchor."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as each rank computes (tilework.testing): conv kernels' sums
+    try:                       # differ by thread count, and int4 turns that into a level
+        return _diloco_by_hand(world, hosts, worker, codec)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _diloco_by_hand(world, hosts, worker, codec):
     per_host = world // hosts
     workers, per_worker = (hosts, per_host) if worker == "host" else (world, 1)
     works = [build(job("cnn")) for _ in range(workers)]
