@@ -197,13 +197,13 @@ def with_table_methods(found: list[ParallelConfig], model: nn.Module, base: Para
     apart). A variant whose plan is the by-cost one's is dropped when priced
     (`priced_steps`); "ps" is offered only where the servers can run `optimizer` (given as
     the live one) on every table."""
-    from ..estimate.plan_cost import _steps_like_the_reference_gpt
+    from ..parallel.pipeline.model import is_reference_gpt
     from ..plans.analysis import analyze
 
     # The reference GPT's step model prices every parameter all-reduced: it would price each
     # placement alike (estimate/plan_cost.estimate).
     if not space.tables or world_size < 2 or base.mode != "hybrid" \
-            or _steps_like_the_reference_gpt(model):
+            or is_reference_gpt(model):
         return found
     placed = base.overrides or {}
     tables = [i for i in analyze(model) if i.is_table and not i.tied and i.name not in placed]
