@@ -209,19 +209,20 @@ def with_table_methods(found: list[ParallelConfig], model: nn.Module, base: Para
     tables = [i for i in analyze(model) if i.is_table and not i.tied and i.name not in placed]
     if not tables:
         return found
+    # Each method's tables, the same for every candidate: worked out once.
+    placements = []
+    for method in space.tables:
+        chosen = {i.name: method for i in tables if method != "allgather" or i.kind == "sparse"}
+        if chosen and (method != "ps" or _servers_step(optimizer, model, chosen)):
+            placements.append(chosen)
     out = []
     for c in found:
         out.append(c)
         if c.model_parallel:
             continue
-        for method in space.tables:
-            chosen = {i.name: method for i in tables if method != "allgather"
-                      or i.kind == "sparse"}
-            if method == "ps" and not _servers_step(optimizer, model, chosen):
-                continue
-            if chosen:
-                out += _allowed(lambda c=c, chosen=chosen: dataclasses.replace(
-                    c, overrides={**(c.overrides or {}), **chosen}))
+        for chosen in placements:
+            out += _allowed(lambda c=c, chosen=chosen: dataclasses.replace(
+                c, overrides={**(c.overrides or {}), **chosen}))
     return out
 
 
