@@ -181,12 +181,13 @@ def test_the_recorded_exchanges_are_the_formula_s_and_recompute_adds_the_forward
     """The message ends counted on the shape-only exchanges equal tensor/cost's and ring
     attention's per-layer count; recompute runs the forward's exchanges a second time, which
     the formula leaves out."""
+    from tilework.estimate.model_facts import ModelFacts
     from tilework.estimate.step import _message_ends
 
     model = gpt()
     plain = ParallelConfig(**{axis: 2})
     counted = stage_recordings(model, plain, 8, 8)[0].messages[axis]
-    assert counted == _message_ends(model, plain, None, None)[axis][0] > 0
+    assert counted == _message_ends(ModelFacts(model), plain, None, None)[axis][0] > 0
     again = stage_recordings(model, ParallelConfig(**{axis: 2}, recompute="full"), 8,
                              8)[0].messages[axis]
     assert again > counted

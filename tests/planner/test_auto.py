@@ -499,10 +499,10 @@ def _shares_live(rank, world_size, quota_paths):
 def test_a_live_plan_auto_measures_the_hosts_speeds_and_gives_the_slow_one_less():
     """No cluster file: plan='auto' with batch_shares='auto' times every host (a matmul rate,
     each rank at once) and the search prices shares by speed. Two ranks as two hosts, one in a
-    half-core CPU cgroup: it is given the smaller share of the global batch of 8. Root
+    quarter-core CPU cgroup: it is given the smaller share of the global batch of 8. Root
     only."""
     from tilework.testing import spawn_on_cpu_quotas
 
-    shares = spawn_on_cpu_quotas(_shares_live, [1.0, 0.5], timeout=120)
+    shares = spawn_on_cpu_quotas(_shares_live, [1.0, 0.25], timeout=120)
     assert shares[0] == shares[1]
     assert sum(shares[0]) == 8 and shares[0][0] > shares[0][1] >= 1, shares[0]

@@ -123,3 +123,28 @@ def test_the_per_message_overhead_is_charged_on_every_exchange():
     gap = (predict(model, cp, cluster(1, 2), BATCH, SEQ, 1e11, message_overhead_s=o).parts["cp"]
            - predict(model, cp, cluster(1, 2), BATCH, SEQ, 1e11).parts["cp"])
     assert gap == pytest.approx(o * 2 * 4 * (3 * 2 - 2))   # 4 layers
+
+
+def test_candidates_sharing_the_models_facts_are_priced_as_alone():
+    """The search works out the model's stage cuts, layouts and shapes once for all its
+    candidates (estimate/model_facts.py): each candidate's predicted step and parts are what
+    pricing it alone gives, whichever candidates came before it, curve and recompute
+    included, on hosts alike and unlike."""
+    from tilework.cluster.matmul_curve import MatmulCurve
+    from tilework.estimate.model_facts import ModelFacts
+
+    model, where = gpt(), cluster(2, 4, Links(inter=Link(1.0, 50.0)))
+    curve = MatmulCurve((64, 512), (((2e10, 3e10), (3e10, 5e10)), ((4e10, 6e10), (6e10, 8e10))))
+    configs = [ParallelConfig(pp=2, microbatches=4), ParallelConfig(tp=2, pp=2, microbatches=2),
+               ParallelConfig(cp=2, tp=2, recompute="full"),
+               ParallelConfig(pp=4, microbatches=8, zero=3), ParallelConfig(tp=4, zero=3),
+               ParallelConfig(tp=4, pp=2, microbatches=2),   # a stage per host: cut by speed
+               ParallelConfig(pp=2, microbatches=4, schedule="interleaved", recompute="full")]
+    uneven = Cluster([Host("fast", 4), Host("slow", 4, speed=0.5)], links=where.links)
+    shared = ModelFacts(model)
+    for rate, where in ((1e11, where), (curve, where), (1e11, uneven)):
+        for config in configs + configs[::-1]:
+            alone = predict(model, config, where, BATCH, SEQ, rate)
+            together = predict(model, config, where, BATCH, SEQ, rate, facts=shared)
+            assert alone.step_s is not None, alone.why
+            assert (together.step_s, together.parts) == (alone.step_s, alone.parts), config

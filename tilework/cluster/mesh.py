@@ -9,6 +9,7 @@ tensor, pipeline, context parallel) are more names in the same tuple.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from math import prod
 
@@ -77,14 +78,7 @@ class Mesh:
     def groups(self, axis: str | tuple[str, ...]) -> list[tuple[int, ...]]:
         """Every group along `axis` (or along several axes: the ranks that differ only in
         those), each in increasing rank, ordered by their first rank."""
-        axes = (axis,) if isinstance(axis, str) else tuple(axis)
-        for a in axes:
-            self._index(a)
-        out: dict[tuple, list[int]] = {}
-        for r in range(self.size):
-            at = self.coords(r)
-            out.setdefault(tuple(v for k, v in at.items() if k not in axes), []).append(r)
-        return sorted(tuple(g) for g in out.values())
+        return list(_groups(self, (axis,) if isinstance(axis, str) else tuple(axis)))
 
     def as_dict(self) -> dict:
         return {"axes": [{"name": n, "size": s} for n, s in self.axes]}
@@ -100,6 +94,19 @@ class Mesh:
         if axis not in self.names:
             raise ValueError(f"no mesh axis {axis!r} (axes: {', '.join(self.names)})")
         return self.names.index(axis)
+
+
+@functools.lru_cache(maxsize=1024)
+def _groups(mesh: Mesh, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Mesh.groups, once per mesh and axes: a mesh search asks for the same few thousands of
+    times."""
+    for a in axes:
+        mesh._index(a)
+    out: dict[tuple, list[int]] = {}
+    for r in range(mesh.size):
+        at = mesh.coords(r)
+        out.setdefault(tuple(v for k, v in at.items() if k not in axes), []).append(r)
+    return tuple(sorted(tuple(g) for g in out.values()))
 
 
 PARALLEL_AXES = ("dp", "pp", "cp", "tp")

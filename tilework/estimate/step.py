@@ -34,6 +34,7 @@ from ..cluster.mesh import parallel_mesh, pp_speeds
 from ..cluster.topology import Cluster, Link
 from ..config.parallel import ParallelConfig
 from .cost import seconds
+from .model_facts import ModelFacts
 from .op_stages import stage_recordings
 from .ops import OpTimes
 
@@ -56,20 +57,50 @@ def _attention(model: nn.Module) -> list[nn.MultiheadAttention]:
     return [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
 
 
-def forward_flops(modules: list[nn.Module], tokens: int, seq: int, tp: int) -> float:
+@dataclass(frozen=True)
+class _Shapes:
+    """What forward_flops and stage_seconds read of a list of modules."""
+    weights: int        # matmul_params: every weight and bias that meets each token
+    products: tuple     # in module order: ("weight", in, out) of each 2-D weight outside
+    #                     embeddings, ("attention", heads, head_dim) of each attention
+    other: int          # the rest of those parameters' elements (biases, norms)
+    attention: tuple    # each attention's embed_dim
+
+    @staticmethod
+    def of(modules: list[nn.Module], facts: ModelFacts | None = None) -> _Shapes:
+        """`facts`: the search's, which keeps them per module list (the model unchanged)."""
+        if facts is not None:
+            return facts.once(("shapes", *map(id, modules)), lambda: _Shapes.of(modules))
+        from ..parallel.pipeline.stages import matmul_params
+
+        products, other = [], 0
+        for module in modules:
+            for sub in module.modules():
+                if isinstance(sub, nn.Embedding):
+                    continue
+                for p in sub.parameters(recurse=False):
+                    if p.dim() == 2:
+                        products.append(("weight", p.shape[1], p.shape[0]))
+                    else:
+                        other += p.numel()
+            products += [("attention", a.num_heads, a.head_dim) for a in _attention(module)]
+        return _Shapes(sum(matmul_params(m) for m in modules), tuple(products), other,
+                       tuple(a.embed_dim for m in modules for a in _attention(m)))
+
+
+def forward_flops(modules: list[nn.Module], tokens: int, seq: int, tp: int,
+                  facts: ModelFacts | None = None) -> float:
     """Forward FLOPs of `modules` on `tokens` tokens of sequences `seq` long, split tp ways: 2
     per matmul weight and bias per token (stages.balance's weights: an embedding is looked
     up, not multiplied) and the causal attention scores and their weighted sum (2 x 2 x dim
     per key, seq / 2 keys per query on average)."""
-    from ..parallel.pipeline.stages import matmul_params
-
-    weights = sum(matmul_params(m) for m in modules)
-    scores = sum(4 * a.embed_dim * seq / 2 for m in modules for a in _attention(m))
-    return (2 * weights + scores) * tokens / tp
+    shapes = _Shapes.of(modules, facts)
+    scores = sum(4 * dim * seq / 2 for dim in shapes.attention)
+    return (2 * shapes.weights + scores) * tokens / tp
 
 
 def stage_seconds(modules: list[nn.Module], tokens: float, seq: int, tp: int,
-                  rate) -> tuple[float, float]:
+                  rate, facts: ModelFacts | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of `modules` on `tokens` tokens (one microbatch's) at `rate`:
     one FLOP/s (backward twice the forward), or a MatmulCurve pricing each product by its
     shape: every 2-D weight (out x in) a (tokens x in) @ (in x out / tp) product forward and
@@ -78,22 +109,17 @@ def stage_seconds(modules: list[nn.Module], tokens: float, seq: int, tp: int,
     from ..cluster.matmul_curve import MatmulCurve
 
     if not isinstance(rate, MatmulCurve):
-        f = forward_flops(modules, tokens, seq, tp) / float(rate)
+        f = forward_flops(modules, tokens, seq, tp, facts) / float(rate)
         return f, 2 * f
-    products, other = [], 0.0
-    for module in modules:
-        for sub in module.modules():
-            if isinstance(sub, nn.Embedding):
-                continue
-            for p in sub.parameters(recurse=False):
-                if p.dim() == 2:
-                    products.append((tokens, p.shape[1], p.shape[0] / tp, 1.0))
-                else:
-                    other += 2 * p.numel() * tokens / tp
-        for a in _attention(module):
-            count = tokens / seq * a.num_heads / tp / 2
-            products += [(seq, a.head_dim, seq, count), (seq, seq, a.head_dim, count)]
-    rest = other / float(rate)
+    shapes = _Shapes.of(modules, facts)
+    products = []
+    for kind, a, b in shapes.products:
+        if kind == "weight":
+            products.append((tokens, a, b / tp, 1.0))
+        else:
+            count = tokens / seq * a / tp / 2
+            products += [(seq, b, seq, count), (seq, seq, b, count)]
+    rest = 2 * shapes.other * tokens / tp / float(rate)
     forward = sum(rate.seconds(m, k, n, c) for m, k, n, c in products) + rest
     backward = sum(rate.seconds(m, n, k, c) + rate.seconds(k, m, n, c)
                    for m, k, n, c in products) + 2 * rest
@@ -133,31 +159,32 @@ def allreduce_seconds(sent: int, n: int, link: Link, bucket_mb: float,
     return seconds(sent, link, messages) + message_overhead_s * 2 * messages
 
 
-def _message_ends(model, config: ParallelConfig, stages, schedule) -> dict:
+def _message_ends(facts: ModelFacts, config: ParallelConfig, stages, schedule) -> dict:
     """Per stage, the message ends (sends and receives) its tp and cp exchanges make on one
     microbatch: a ring all-reduce 4 (n - 1), an all-gather or reduce-scatter 2 (n - 1)
     (tensor.cost.tp_step_calls), and ring attention's shifts, 3 cp - 2 a layer each way."""
-    from ..parallel.tensor import layout_for, plan_layout
     from ..parallel.tensor.cost import tp_step_calls
 
-    names = {id(m): n for n, m in model.named_modules()}
-    parts = [model] if stages is None else stages
+    names = facts.names()
+    parts = [facts.model] if stages is None else stages
     out = {"tp": [0] * len(parts), "cp": [0] * len(parts)}
-    layout = plan_layout(model, config.layout or layout_for(model), config.tp,
-                         config.sequence_parallel) if config.tp > 1 else None
+    layout = facts.layout(config.layout, config.tp, config.sequence_parallel) \
+        if config.tp > 1 else None
     for k, part in enumerate(parts):
-        held = {names[id(m)] for m in part.modules() if id(m) in names}
+        held, layers = facts.once(("names and attentions of", id(part)), lambda: (
+            {names[id(m)] for m in part.modules() if id(m) in names},
+            sum(isinstance(m, nn.MultiheadAttention) for m in part.modules())))
         if layout is not None:
             reduces, gathers = tp_step_calls(layout, held)
             out["tp"][k] = (4 * reduces + 2 * gathers) * (config.tp - 1)
-        layers = sum(isinstance(m, nn.MultiheadAttention) for m in part.modules())
         out["cp"][k] = 2 * layers * (3 * config.cp - 2) if config.cp > 1 else 0
     return out
 
 
 def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_batch: int,
             seq: int, flops_per_s, itemsize: int = 4,
-            message_overhead_s: float = 0.0, optimizer: str = "adam") -> MeshCandidate:
+            message_overhead_s: float = 0.0, optimizer: str = "adam",
+            facts: ModelFacts | None = None) -> MeshCandidate:
     """One candidate's predicted step (see the module's docstring) for `replica_batch`
     sequences per dp replica, or why it cannot run. `flops_per_s`: one rate, a MatmulCurve
     (stage_seconds), or OpTimes: each stage's recorded ops at their measured times
@@ -166,10 +193,12 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     measures it on busy CPU ranks; about 0 where collectives run on their own engines).
     Given OpTimes, what each rank's runtime runs around its stages (the buckets' and ZeRO's
     copies, `optimizer`'s update: estimate/runtime_ops.py) is priced too, after the
-    pipeline."""
-    from ..parallel.pipeline import build, simulate, split_stages
+    pipeline. `facts`: the search's, shared by its candidates (estimate/model_facts.py)."""
+    from ..parallel.pipeline import build, simulate
     from ..parallel.pipeline.model import stage_modules
     from .step_bytes import mesh_step_bytes
+
+    facts = facts or ModelFacts(model)
 
     world, sizes = cluster.world_size, {h.procs for h in cluster.hosts}
     m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
@@ -187,10 +216,9 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         speeds = pp_speeds(mesh, cluster, config.pp)
         stage_speeds = None if speeds is None else \
             [speeds[schedule.rank_of(k)] for k in range(schedule.stages)]
-        stages = split_stages(model, schedule.stages, speeds=stage_speeds) \
-            if config.pp > 1 else None
+        stages = facts.stages(schedule.stages, stage_speeds) if config.pp > 1 else None
         first = [r for r in range(world) if _first_of_replica(mesh, r)]
-        per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize)
+        per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize, facts)
                     for r in first]
     except (ValueError, AttributeError, IndexError) as e:
         # ValueError: a split the layout, the schedule or the batch refuses; the others: a
@@ -203,13 +231,13 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     tokens = replica_batch * seq // config.cp
     modules = [[*model.children()]] if stages is None else [stage_modules(s) for s in stages]
     links = {"tp": _link(cluster, mesh.groups("tp"))[0], "cp": _link(cluster, mesh.groups("cp"))[0]}
-    ends = _message_ends(model, config, stages, schedule)
-    recomputed = _recomputed(model, config)
+    ends = _message_ends(facts, config, stages, schedule)
+    recomputed = _recomputed(facts, config)
     fwd, bwd, comm, compute, flops = [], [], {"tp": 0.0, "cp": 0.0}, 0.0, []
     recorded = stage_recordings(model, config, replica_batch, seq) \
         if isinstance(flops_per_s, OpTimes) else None
     for k, mods in enumerate(modules):
-        flops.append(forward_flops(mods, tokens, seq, config.tp) / m)
+        flops.append(forward_flops(mods, tokens, seq, config.tp, facts) / m)
         if recorded is not None:
             # Every op the stage's microbatch runs at its measured time, what recompute runs
             # again included.
@@ -217,10 +245,10 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         else:
             # A microbatch's products are what the rate (a curve: by shape) applies to.
             f, b = (m * t for t in stage_seconds(mods, tokens / m, seq, config.tp,
-                                                 flops_per_s))
+                                                 flops_per_s, facts))
             # Full recompute runs the stage's recomputed blocks' forward again in backward.
-            again = m * stage_seconds(_inside(mods, recomputed), tokens / m, seq, config.tp,
-                                      flops_per_s)[0]
+            again = m * stage_seconds(_inside(mods, recomputed, facts), tokens / m, seq, config.tp,
+                                      flops_per_s, facts)[0]
         if stage_speeds is not None:   # ranks that differ: this stage's at its own speed
             f, b, again = (t / stage_speeds[k] for t in (f, b, again))
         compute = max(compute, f + b + again)
@@ -253,9 +281,9 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     # an all-reduce's bytes (reduce-scatter, all-gather of the values); ZeRO-1 all-reduces the
     # gradient and all-gathers the values, ZeRO-3 gathers them again for backward: three
     # half-ring passes for two.
+    units = max(1, facts.units() // config.pp) if config.zero == 3 else 1
     dp_s = max(dp_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb,
-                          config.zero, compute, max(1, _units(model) // config.pp), dp_spans,
-                          message_overhead_s)
+                          config.zero, compute, units, dp_spans, message_overhead_s)
                for s in per_rank)
     group = mesh.groups(("dp", "cp") if config.cp > 1 else "dp")[0]
     topo = cluster.topology()
@@ -324,25 +352,21 @@ def dp_seconds(sent: float, n: int, link: Link, bucket_mb: float, zero: int,
     return waits + messages * (link.latency_s + 2 * message_overhead_s)
 
 
-def _units(model: nn.Module) -> int:
-    """How many units ZeRO-3 gathers the model in (plans.analysis.owning_units); a pipeline
-    rank holds about its share of them."""
-    from ..plans.analysis import owning_units
-
-    return len(set(owning_units(model).values()))
-
-
-def _recomputed(model: nn.Module, config: ParallelConfig) -> list[nn.Module]:
+def _recomputed(facts: ModelFacts, config: ParallelConfig) -> list[nn.Module]:
     """The modules full recompute runs twice (selective keeps the matmuls' outputs: ~0)."""
     from ..plans.analysis import recompute_choices
 
-    return [model.get_submodule(name) for name, policy
-            in recompute_choices(model, config.recompute) if policy == "full"]
+    model = facts.model
+    return facts.once(("recomputed", repr(config.recompute)), lambda: [
+        model.get_submodule(name) for name, policy in recompute_choices(model, config.recompute)
+        if policy == "full"])
 
 
-def _inside(modules: list[nn.Module], chosen: list[nn.Module]) -> list[nn.Module]:
+def _inside(modules: list[nn.Module], chosen: list[nn.Module],
+            facts: ModelFacts) -> list[nn.Module]:
     """The chosen modules that sit inside `modules` (a stage's)."""
-    held = {id(m) for top in modules for m in top.modules()}
+    held = facts.once(("modules under", *map(id, modules)),
+                      lambda: {id(m) for top in modules for m in top.modules()})
     return [m for m in chosen if id(m) in held]
 
 

@@ -24,38 +24,36 @@ from ..comm.wire import CHECK_WORDS, ring_allreduce_bytes
 from ..config.parallel import ParallelConfig
 from ..plans.plan import bucket_bytes
 from .cost import dense_sync_bytes
+from .model_facts import ModelFacts
 
 
 def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, rank: int,
-                    batch: int, seq: int, itemsize: int = 4) -> dict[str, int]:
+                    batch: int, seq: int, itemsize: int = 4,
+                    facts: ModelFacts | None = None) -> dict[str, int]:
     """`batch` sequences of `seq` tokens per dp replica; dense all-reduced parameters only
-    (ZeRO and server placements are costed by estimate/cost.py as in data parallelism)."""
-    from ..parallel.pipeline import build, p2p_bytes, split_stages
-    from ..parallel.pipeline.model import local_part, stage_modules
-    from ..parallel.tensor import layout_for, plan_layout
+    (ZeRO and server placements are costed by estimate/cost.py as in data parallelism).
+    `facts`: the search's, for the model's stage cuts and layouts."""
+    from ..parallel.pipeline import build, p2p_bytes
     from ..parallel.tensor.cost import placement_bytes
 
+    facts = facts or ModelFacts(model)
     mesh = parallel_mesh(world_size, None, tp=config.tp, pp=config.pp, cp=config.cp)
     at = mesh.coords(rank)
-    names = {id(m): n for n, m in model.named_modules()}
     out = {"tp": 0, "pipeline": 0, "allreduce": 0}
-    part = model
+    held_stages = None
     if config.pp > 1:
         m = config.microbatches or 2 * config.pp
         schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
-        stages = split_stages(model, schedule.stages)
-        mine = [mod for s in schedule.stages_of(at["pp"]) for mod in stage_modules(stages[s])]
-        part = local_part(model, mine)
+        held_stages = (schedule.stages, tuple(schedule.stages_of(at["pp"])))
         # A boundary carries this rank's part of the sequence: cp's, and tp's slice under
         # sequence parallelism.
         sliced = config.tp if config.sequence_parallel else 1
         out["pipeline"] = p2p_bytes(schedule, batch // m * (seq // config.cp // sliced)
                                     * model.head.in_features * itemsize)[at["pp"]]
-    local_modules = {names[id(mod)] for mod in part.modules() if id(mod) in names}
-    shapes = {n: tuple(p.shape) for n, p in part.named_parameters()}
+    local_modules, shapes, attention = facts.once(("rank's part", held_stages),
+                                                  lambda: _part(facts, held_stages))
     if config.tp > 1:
-        layout = plan_layout(model, config.layout or layout_for(model), config.tp,
-                             config.sequence_parallel)
+        layout = facts.layout(config.layout, config.tp, config.sequence_parallel)
         # On this rank's part of the sequence (cp cuts it before any layer).
         # Per microbatch under pp: what a step moves per token adds up over them, what it
         # moves per parameter (sequence parallelism's norm and position gradients) repeats.
@@ -63,13 +61,12 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
         out["tp"] = m * sum(placement_bytes(p, batch // m, seq // config.cp, config.tp,
                                              config.sequence_parallel, itemsize)
                             for p in layout.placements if p.module in local_modules)
-        held = layout.local_shapes()
+        held = facts.once(("local shapes", id(layout)), layout.local_shapes)
         shapes = {n: held[n] for n in shapes}
     if config.cp > 1:
         from ..parallel.context import cp_attention_bytes
 
         # The rank's stages' attentions, each ringing its own heads (tp splits them).
-        attention = [m for m in part.modules() if isinstance(m, nn.MultiheadAttention)]
         out["cp"] = cp_attention_bytes(batch, attention[0].num_heads // config.tp, seq,
                                        attention[0].head_dim, config.cp, len(attention),
                                        itemsize)
@@ -80,3 +77,19 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
     if carried and config.tp > 1:   # the input checks' verdict crosses the tp group (checks.py)
         out["check"] = ring_allreduce_bytes(2 * 8, config.tp)
     return {k: v for k, v in out.items() if v}
+
+
+def _part(facts: ModelFacts, held_stages: tuple[int, tuple[int, ...]] | None) -> tuple:
+    """Of the part of the model a rank holds (all of it, or the stages `held_stages` names:
+    of how many, which): its modules' names, its parameters' shapes, its attentions."""
+    from ..parallel.pipeline.model import local_part, stage_modules
+
+    part = facts.model
+    if held_stages is not None:
+        count, which = held_stages
+        stages = facts.stages(count)
+        part = local_part(facts.model, [mod for s in which for mod in stage_modules(stages[s])])
+    names = facts.names()
+    return (frozenset(names[id(mod)] for mod in part.modules() if id(mod) in names),
+            {n: tuple(p.shape) for n, p in part.named_parameters()},
+            [m for m in part.modules() if isinstance(m, nn.MultiheadAttention)])

@@ -32,6 +32,7 @@ from torch import nn
 from ..cluster.topology import Cluster
 from ..config.parallel import ParallelConfig
 from ..errors import ConfigError, PlanError
+from ..estimate.model_facts import ModelFacts
 from ..estimate.ops import OpTimes
 from ..estimate.step import MeshCandidate, predict  # noqa: F401 - the search's record
 
@@ -318,8 +319,10 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
         key = repr(dataclasses.replace(config, offload="none") if measured_ops else
                    dataclasses.replace(config, zero_scope="world", offload="none"))
         if key not in cache:
+            facts = cache.setdefault(("model facts", id(model)), ModelFacts(model))
             cache[key] = predict(model, config, cluster, batch, inputs[0].shape[1], flops_per_s,
-                                 message_overhead_s=message_overhead_s, optimizer=optimizer)
+                                 message_overhead_s=message_overhead_s, optimizer=optimizer,
+                                 facts=facts)
         found = cache[key]
         if found.step_s is None:
             return Candidate(config, None, found.why, {"dp_size": dp})
@@ -374,8 +377,8 @@ def _replica_inputs(inputs: tuple, config: ParallelConfig, replica: bool) -> tup
     ways = config.tp * config.pp * config.cp
     if replica or ways == 1:
         return tuple(inputs)
-    return tuple(torch.cat([x.to("meta")] * ways) if torch.is_tensor(x) and x.dim() else x
-                 for x in inputs)
+    return tuple(x.new_empty((ways * x.shape[0], *x.shape[1:]), device="meta")
+                 if torch.is_tensor(x) and x.dim() else x for x in inputs)
 
 
 def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_s: float,

@@ -196,14 +196,19 @@ def owning_units(model: nn.Module) -> dict[str, str]:
             if name in owner:
                 owner[name] = unit
     # A parameter shared by two modules (tied weights) is gathered with the model, which is
-    # gathered whenever either runs.
+    # gathered whenever either runs. Every registration once, not once a parameter: a walk
+    # of the model per parameter made this quadratic (most of a mesh search's time).
+    registered: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        registered.setdefault(id(p), []).append(name)
     for name, p in model.named_parameters():
-        if len(units_of[id(p)]) > 1 or (units_of[id(p)] and _tied_outside(model, p, owner[name])):
+        if len(units_of[id(p)]) > 1 or (units_of[id(p)] and _tied_outside(registered[id(p)],
+                                                                          owner[name])):
             owner[name] = ""
     return owner
 
 
-def _tied_outside(model: nn.Module, p: nn.Parameter, unit: str) -> bool:
-    """`p` is also registered under a module outside `unit` (tied to the model's head, say)."""
-    return any(q is p and not name.startswith(unit + ".")
-               for name, q in model.named_parameters(remove_duplicate=False))
+def _tied_outside(names: list[str], unit: str) -> bool:
+    """One of a parameter's registered `names` lies outside `unit` (tied to the model's head,
+    say)."""
+    return any(not name.startswith(unit + ".") for name in names)

@@ -17,6 +17,7 @@ each message it receives from and sends to another rank, before its compute. Pur
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -51,13 +52,19 @@ def p2p_bytes(schedule: Schedule, activation_bytes: int) -> list[int]:
     """Per rank, the bytes one step sends: an F's output to the next stage and a B's input
     gradient to the previous one, when that stage is on another rank (every boundary carries
     `activation_bytes`, the activation of one microbatch). The runtime's counters show these."""
+    return [n * SEND_RECV.sent(activation_bytes, 2) for n in _boundary_sends(schedule)]
+
+
+@functools.lru_cache(maxsize=256)
+def _boundary_sends(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank, how many of its actions send to another rank (once per schedule: a mesh
+    search prices thousands of candidates on a few schedules)."""
     sent = [0] * schedule.pp
     for r, actions in enumerate(schedule.ranks):
         for a in actions:
             peer = _peer(schedule, a)
-            if peer is not None and schedule.rank_of(peer) != r:
-                sent[r] += SEND_RECV.sent(activation_bytes, 2)
-    return sent
+            sent[r] += peer is not None and schedule.rank_of(peer) != r
+    return tuple(sent)
 
 
 def _peer(schedule: Schedule, a: Action) -> int | None:
@@ -163,6 +170,12 @@ def messages(schedule: Schedule, a: Action) -> int:
     return sum(schedule.rank_of(s) != r for s in peers)
 
 
+@functools.lru_cache(maxsize=256)
+def _message_counts(schedule: Schedule) -> dict[Action, int]:
+    """`messages` of every action, once per schedule (read only)."""
+    return {a: messages(schedule, a) for actions in schedule.ranks for a in actions}
+
+
 def simulate(schedule: Schedule, forward_s: Sequence[float],
              backward_s: Sequence[float] | None = None, link: Link | None = None,
              activation_bytes: int = 0, weight_s: Sequence[float] | None = None,
@@ -176,8 +189,7 @@ def simulate(schedule: Schedule, forward_s: Sequence[float],
     times = durations(schedule, forward_s, backward_s, weight_s)
     hop = 0.0 if link is None else seconds(SEND_RECV.sent(activation_bytes, 2), link,
                                            SEND_RECV.messages(2))
-    overhead = {a: message_overhead_s * messages(schedule, a)
-                for actions in schedule.ranks for a in actions}
+    overhead = {a: message_overhead_s * n for a, n in _message_counts(schedule).items()}
     args = (schedule, lambda a: times[a.kind][a.stage] + overhead[a], lambda src, dst: hop)
     if processors is not None and processors < schedule.pp:
         done, spent = _shared(*args, processors, overhead.__getitem__)
