@@ -91,6 +91,32 @@ def test_a_model_too_large_for_a_rank_gets_zero_3():
             assert c.step_s is None and "exceeds its budget" in c.why, label(c)
 
 
+def test_a_host_with_less_memory_gets_the_smaller_pipeline_stage():
+    """pp=2 over two hosts of one speed, one with the memory for less than half the model: the
+    even cut (the default, by speed) is refused by that rank's peak, the cut by memory
+    (stage_weights, the hosts' memory_gb) gives it fewer blocks and is chosen. Hosts of equal
+    memory get no such candidate."""
+    model, inputs = gpt(layers=8, dim=256), tokens(batch=8)
+    config = ParallelConfig(plan="auto", pp=2, microbatches=4)
+    roomy = Cluster([Host("a", 1, memory_gb=100.0), Host("b", 1, memory_gb=100.0)])
+    even = max(estimate_memory(model, ParallelConfig(pp=2, microbatches=4), inputs, roomy,
+                               rank=r).peak for r in range(2))
+    small = 0.6 * even / 0.8 / 1e9   # a budget of 60% of the even cut's larger peak
+    tight = Cluster([Host("a", 1, memory_gb=100.0), Host("b", 1, memory_gb=small)])
+    space = Space(zero=(0,), recompute=("none",), offload=())
+    found = search(model, tight, inputs, RATE, base=config, space=space, every=True)
+    chosen = choose(found).chosen
+    assert chosen.config.stage_weights == [100.0, small], label(chosen)
+    assert "stages by memory" in label(chosen)
+    assert chosen.parts["plan"].parallel.stages[1][1] - chosen.parts["plan"].parallel.stages[1][0] \
+        < 4
+    by_speed = [c for c in found if c.config.stage_weights is None]
+    assert by_speed and all(c.step_s is None and "exceeds its budget" in c.why
+                            for c in by_speed), [label(c) for c in by_speed]
+    alike = search(model, roomy, inputs, RATE, base=config, space=space)
+    assert all(c.config.stage_weights is None for c in alike)
+
+
 def _chosen_between(model, inputs, fits: float, misses: float) -> ParallelConfig:
     """plan="auto" on 2 ranks whose budget (80% of their memory) lies between two peaks."""
     budget = Cluster([Host("a", 2, memory_gb=(fits + misses) / 2 / 0.8 / 1e9)])

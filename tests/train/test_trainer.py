@@ -355,7 +355,8 @@ def test_hosts_of_different_speeds_get_batch_shares_and_train_as_one_process(tmp
 def test_a_pipeline_over_hosts_of_different_speeds_gives_the_faster_more_blocks(tmp_path):
     """pp=2 over hosts of speeds 3 and 1: the plan cuts the 4 blocks 3 and 1 (balance over
     each stage's speed, as AMP cuts them), the runtime runs that cut, and the losses are one
-    process's."""
+    process's. stage_weights (as the planner sets them from memory) override the speeds: 1
+    and 3 cut the blocks 1 and 3, and train as one process too."""
     from tilework.cluster.topology import Cluster, Host
     from tilework.testing import spawn
 
@@ -369,6 +370,10 @@ def test_a_pipeline_over_hosts_of_different_speeds_gives_the_faster_more_blocks(
 
     ran_on = job_cluster(Topology.uniform(2, 1), cluster)
     assert job_plan(job, ran_on).parallel.stages == ((0, 3), (3, 4))
+    weighed = gpt_job(tmp_path / "weighed", steps=4, pp=2, microbatches=4, stage_weights=[1, 3])
+    for losses, evals in spawn(_train_on_hosts, 2, (weighed, cluster), timeout=240):
+        _assert_close(losses, one.losses)
+    assert job_plan(weighed, ran_on).parallel.stages == ((0, 1), (1, 4))
 
 
 def test_local_sgd_trains_and_resumes_bit_exact_from_a_sync(tmp_path):

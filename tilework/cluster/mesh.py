@@ -148,3 +148,16 @@ def pp_speeds(mesh: Mesh, cluster, pp: int) -> list[float] | None:
     speeds = cluster.speeds()
     return [min(speeds[r] for r in range(mesh.size) if mesh.coords(r)["pp"] == p)
             for p in range(pp)]
+
+
+def pp_memory(mesh: Mesh, cluster, pp: int) -> list[float] | None:
+    """Each pipeline rank's memory on `cluster` (the least `memory_gb` of the ranks at that pp
+    coordinate), where every host gives one and they differ across the pp coordinates; None
+    otherwise, or without a pipeline."""
+    if pp == 1 or cluster is None or cluster.world_size != mesh.size \
+            or any(h.memory_gb is None for h in cluster.hosts):
+        return None
+    memory = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
+    least = [min(memory[r] for r in range(mesh.size) if mesh.coords(r)["pp"] == p)
+             for p in range(pp)]
+    return least if len(set(least)) > 1 else None

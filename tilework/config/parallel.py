@@ -240,6 +240,13 @@ class ParallelConfig:
     more partitions, each served by the rank that is furthest below its weight
     (planner/shares.server_map)."""
 
+    stage_weights: list[float] | None = None
+    """Under pp: how much of the model each pipeline rank takes, relative to the others, in pp
+    order (blocks balanced by their cost over each rank's weight, as by speed). None: each
+    rank's speed (the slowest host at that pp coordinate; all alike on equal hosts). The
+    planner sets it from memory where hosts hold different amounts, so that a rank with less
+    takes fewer blocks."""
+
     @property
     def model_parallel(self) -> bool:
         return self.tp * self.pp * self.cp > 1
@@ -404,6 +411,17 @@ class ParallelConfig:
                 "layout", f"a table of module-name pattern = style, got {self.layout!r}")
         check(isinstance(self.sequence_parallel, bool), "sequence_parallel",
               f"true or false, got {self.sequence_parallel!r}")
+        weights = self.stage_weights
+        if weights is not None:
+            check(isinstance(weights, (list, tuple)) and len(weights) >= 2 and all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")
+                for w in weights), "stage_weights",
+                f"a list of positive weights, one per pipeline rank, got {weights!r}")
+            self.stage_weights = [float(w) for w in weights]
+            check("pp" not in (self.auto_axes or ()), "stage_weights",
+                  "no weights with pp='auto' (the planner cuts the stages)")
+            check(len(weights) == self.pp, "stage_weights",
+                  f"one weight per pipeline rank (pp={self.pp}), got {len(weights)}")
         if self.model_parallel:
             check(self.mode != "ps", "mode", "'hybrid' or 'allreduce' with tp, pp or cp > 1: "
                   "mode='ps' would serve the split layers' shards")

@@ -196,7 +196,7 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     pipeline. `facts`: the search's, shared by its candidates (estimate/model_facts.py)."""
     from ..parallel.pipeline import build, simulate
     from ..parallel.pipeline.model import stage_modules
-    from .step_bytes import mesh_step_bytes
+    from .step_bytes import mesh_step_bytes, stage_weights
 
     facts = facts or ModelFacts(model)
 
@@ -216,7 +216,10 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         speeds = pp_speeds(mesh, cluster, config.pp)
         stage_speeds = None if speeds is None else \
             [speeds[schedule.rank_of(k)] for k in range(schedule.stages)]
-        stages = facts.stages(schedule.stages, stage_speeds) if config.pp > 1 else None
+        # Cut as the plan cuts (planner/model_parallel.py): by the config's weights where it
+        # gives them, else by speed; each stage still computes at its ranks' speed.
+        stages = facts.stages(schedule.stages, stage_weights(config, schedule) or stage_speeds) \
+            if config.pp > 1 else None
         first = [r for r in range(world) if _first_of_replica(mesh, r)]
         per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize, facts)
                     for r in first]

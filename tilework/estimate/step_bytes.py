@@ -44,7 +44,8 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
     if config.pp > 1:
         m = config.microbatches or 2 * config.pp
         schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
-        held_stages = (schedule.stages, tuple(schedule.stages_of(at["pp"])))
+        held_stages = (schedule.stages, tuple(schedule.stages_of(at["pp"])),
+                       stage_weights(config, schedule))
         # A boundary carries this rank's part of the sequence: cp's, and tp's slice under
         # sequence parallelism.
         sliced = config.tp if config.sequence_parallel else 1
@@ -79,17 +80,26 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
     return {k: v for k, v in out.items() if v}
 
 
-def _part(facts: ModelFacts, held_stages: tuple[int, tuple[int, ...]] | None) -> tuple:
+def _part(facts: ModelFacts, held_stages: tuple | None) -> tuple:
     """Of the part of the model a rank holds (all of it, or the stages `held_stages` names:
-    of how many, which): its modules' names, its parameters' shapes, its attentions."""
+    of how many, which, cut by what weights): its modules' names, its parameters' shapes, its
+    attentions."""
     from ..parallel.pipeline.model import local_part, stage_modules
 
     part = facts.model
     if held_stages is not None:
-        count, which = held_stages
-        stages = facts.stages(count)
+        count, which, weights = held_stages
+        stages = facts.stages(count, weights)
         part = local_part(facts.model, [mod for s in which for mod in stage_modules(stages[s])])
     names = facts.names()
     return (frozenset(names[id(mod)] for mod in part.modules() if id(mod) in names),
             {n: tuple(p.shape) for n, p in part.named_parameters()},
             [m for m in part.modules() if isinstance(m, nn.MultiheadAttention)])
+
+
+def stage_weights(config: ParallelConfig, schedule) -> tuple[float, ...] | None:
+    """Each stage's weight in the cut from the config's per-pp-rank stage_weights (None where
+    it gives none)."""
+    weights = config.stage_weights
+    return None if weights is None else \
+        tuple(weights[schedule.rank_of(k)] for k in range(schedule.stages))

@@ -36,7 +36,8 @@ def plan_mesh(model: nn.Module, config: ParallelConfig, topology: Topology, clus
                          pp=config.pp, cp=config.cp)
     meta, layout = shape_only_copy(model, config, {"tp": 0, "cp": 0})
     specs = layout.specs() if layout is not None else {}
-    parts, cut, schedule = pipeline_parts(meta, config, pp_speeds(mesh, cluster, config.pp))
+    parts, cut, schedule = pipeline_parts(meta, config, config.stage_weights
+                                          or pp_speeds(mesh, cluster, config.pp))
     axes = ("dp", "cp") if config.cp > 1 else ("dp",)
     merged: dict[str, ParamPlan] = {}
     dp_mesh = None
@@ -83,7 +84,7 @@ def plan_part(model: nn.Module, part: nn.Module, config: ParallelConfig, topolog
 
 def _flat(config: ParallelConfig) -> ParallelConfig:
     return dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None,
-                               sequence_parallel=False)
+                               sequence_parallel=False, stage_weights=None)
 
 
 def _spec_text(spec) -> str:
@@ -117,7 +118,8 @@ def shape_only_copy(model: nn.Module, config: ParallelConfig, at: dict[str, int]
 def pipeline_parts(meta: nn.Module, config: ParallelConfig, rank_speeds=None):
     """Each pp rank's part of `meta` (one part, `meta` itself, without pp), the cut as
     (stack, block ranges) or None, and the schedule (None without pp). `rank_speeds`: each pp
-    rank's speed, so a slower rank's stages get fewer blocks."""
+    rank's speed (or its config's stage_weights), so a slower rank's stages get fewer
+    blocks."""
     if config.pp == 1:
         return [meta], None, None
     from ..parallel.pipeline import build

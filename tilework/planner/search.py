@@ -180,6 +180,7 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
                             batch_shares=None if base.batch_shares == "auto"
                             else base.batch_shares,
                             server_weights=base.server_weights if pp * tp * cp == 1 else None,
+                            stage_weights=base.stage_weights if pp == base.pp else None,
                             zero=zero, zero_scope=scope, offload=offload, recompute=recompute,
                             schedule=schedule, microbatches=microbatches,
                             mode="hybrid" if pp * tp * cp > 1 and base.mode == "ps"
@@ -241,6 +242,30 @@ def _servers_step(optimizer, model: nn.Module, names) -> bool:
     except (PlanError, KeyError, StopIteration):
         return False
     return True
+
+
+def with_stage_weights(found: list[ParallelConfig], cluster: Cluster) -> list[ParallelConfig]:
+    """Each pipeline candidate also with its stages cut by memory (stage_weights: each pp
+    rank's, the least at its coordinate) where the hosts hold different amounts: a rank with
+    less takes fewer blocks. The cut by speed (the default) stays a candidate; the search
+    weighs the two by step, and memory refuses what does not fit."""
+    from ..cluster.mesh import parallel_mesh, pp_memory
+
+    sizes = {h.procs for h in cluster.hosts}
+    out = []
+    for c in found:
+        out.append(c)
+        if c.pp == 1 or c.stage_weights is not None:
+            continue
+        try:
+            mesh = parallel_mesh(cluster.world_size, sizes.pop() if len(sizes) == 1 else None,
+                                 c.tp, c.pp, c.cp)
+        except (ValueError, PlanError):   # a split the pricing refuses with its reason
+            continue
+        memory = pp_memory(mesh, cluster, c.pp)
+        if memory is not None:
+            out.append(dataclasses.replace(c, stage_weights=memory))
+    return out
 
 
 def _allowed(make) -> list[ParallelConfig]:
@@ -414,7 +439,8 @@ def priced_steps(model: nn.Module, cluster: Cluster, example_inputs: tuple, flop
     enumerated = configs(base, space, cluster, _layers(model))
     if base.batch_shares == "auto":   # the loop reads its count: shares may be chosen
         enumerated = with_shares(enumerated, cluster, example_inputs)
-    enumerated = with_compression(with_sync(enumerated, base), base)
+    enumerated = with_stage_weights(with_compression(with_sync(enumerated, base), base),
+                                    cluster)
     enumerated = with_table_methods(enumerated, model, base, space, cluster.world_size,
                                     optimizer)
     priced = [price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
@@ -466,7 +492,7 @@ def _complexity(c: Candidate) -> tuple:
             cfg.zero,
             cfg.offload != "none",
             cfg.zero_scope != "world", ("none", "selective", "full").index(cfg.recompute),
-            cfg.microbatches or 0,
+            cfg.microbatches or 0, cfg.stage_weights is not None,
             len(cfg.overrides or {}))   # a tie goes to the tables placed each by its own cost
 
 
@@ -521,7 +547,8 @@ def trial_candidates(found: list[Candidate], k: int) -> list[Candidate]:
 
 def _family(cfg: ParallelConfig) -> tuple:
     return (cfg.tp, cfg.pp, cfg.cp, cfg.mode, tuple(sorted((cfg.overrides or {}).items())),
-            cfg.sync, cfg.grad_compress, cfg.batch_shares is not None)
+            cfg.sync, cfg.grad_compress, cfg.batch_shares is not None,
+            cfg.stage_weights is not None)
 
 
 def auto(model: nn.Module, config: ParallelConfig, cluster: Cluster, example_inputs: tuple,
@@ -540,6 +567,8 @@ def options_of(config: ParallelConfig) -> dict:
     out = {k: getattr(config, k) for k in ("tp", "pp", "cp") if getattr(config, k) > 1}
     if config.pp > 1:
         out |= {"microbatches": config.microbatches, "schedule": config.schedule}
+    if config.stage_weights is not None:
+        out["stage_weights"] = list(config.stage_weights)
     if config.zero:
         out["zero"] = config.zero
         if config.zero_scope != "world":
@@ -580,6 +609,8 @@ def label(c: Candidate) -> str:
         out += f", recompute={cfg.recompute}"
     if cfg.pp > 1:
         out += f", {cfg.microbatches} microbatches {cfg.schedule}"
+    if cfg.stage_weights is not None:
+        out += f", stages by memory {'/'.join(f'{w:g}' for w in cfg.stage_weights)}"
     if cfg.batch_shares is not None:
         out += f", shares {'/'.join(map(str, cfg.batch_shares))}"
     if cfg.grad_compress in ("bf16", "fp16"):
