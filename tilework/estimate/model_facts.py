@@ -20,6 +20,15 @@ class ModelFacts:
         self.model = model
         self._known: dict[Hashable, object] = {}
 
+    @classmethod
+    def of(cls, model: nn.Module, facts: ModelFacts | None = None) -> ModelFacts:
+        """`facts`, which must be `model`'s, or new ones."""
+        if facts is None:
+            return cls(model)
+        if facts.model is not model:
+            raise ValueError("these ModelFacts are another model's")
+        return facts
+
     def once(self, key: Hashable, make: Callable[[], T]) -> T:
         """`make()`, the first time `key` is asked for."""
         if key not in self._known:

@@ -70,7 +70,7 @@ class _Shapes:
     def of(modules: list[nn.Module], facts: ModelFacts | None = None) -> _Shapes:
         """`facts`: the search's, which keeps them per module list (the model unchanged)."""
         if facts is not None:
-            return facts.once(("shapes", *map(id, modules)), lambda: _Shapes.of(modules))
+            return facts.once(("shapes", *modules), lambda: _Shapes.of(modules))
         from ..parallel.pipeline.stages import matmul_params
 
         products, other = [], 0
@@ -171,7 +171,7 @@ def _message_ends(facts: ModelFacts, config: ParallelConfig, stages, schedule) -
     layout = facts.layout(config.layout, config.tp, config.sequence_parallel) \
         if config.tp > 1 else None
     for k, part in enumerate(parts):
-        held, layers = facts.once(("names and attentions of", id(part)), lambda: (
+        held, layers = facts.once(("names and attentions of", part), lambda: (
             {names[id(m)] for m in part.modules() if id(m) in names},
             sum(isinstance(m, nn.MultiheadAttention) for m in part.modules())))
         if layout is not None:
@@ -198,7 +198,7 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     from ..parallel.pipeline.model import stage_modules
     from .step_bytes import mesh_step_bytes, stage_weights
 
-    facts = facts or ModelFacts(model)
+    facts = ModelFacts.of(model, facts)
 
     world, sizes = cluster.world_size, {h.procs for h in cluster.hosts}
     m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
@@ -221,7 +221,8 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         stages = facts.stages(schedule.stages, stage_weights(config, schedule) or stage_speeds) \
             if config.pp > 1 else None
         first = [r for r in range(world) if _first_of_replica(mesh, r)]
-        per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize, facts)
+        per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize, facts,
+                                    None if stage_speeds is None else tuple(stage_speeds))
                     for r in first]
     except (ValueError, AttributeError, IndexError) as e:
         # ValueError: a split the layout, the schedule or the batch refuses; the others: a
@@ -368,7 +369,7 @@ def _recomputed(facts: ModelFacts, config: ParallelConfig) -> list[nn.Module]:
 def _inside(modules: list[nn.Module], chosen: list[nn.Module],
             facts: ModelFacts) -> list[nn.Module]:
     """The chosen modules that sit inside `modules` (a stage's)."""
-    held = facts.once(("modules under", *map(id, modules)),
+    held = facts.once(("modules under", *modules),
                       lambda: {id(m) for top in modules for m in top.modules()})
     return [m for m in chosen if id(m) in held]
 

@@ -29,14 +29,17 @@ from .model_facts import ModelFacts
 
 def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, rank: int,
                     batch: int, seq: int, itemsize: int = 4,
-                    facts: ModelFacts | None = None) -> dict[str, int]:
+                    facts: ModelFacts | None = None,
+                    stage_speeds: tuple[float, ...] | None = None) -> dict[str, int]:
     """`batch` sequences of `seq` tokens per dp replica; dense all-reduced parameters only
     (ZeRO and server placements are costed by estimate/cost.py as in data parallelism).
-    `facts`: the search's, for the model's stage cuts and layouts."""
+    `facts`: the search's, for the model's stage cuts and layouts; `stage_speeds`: each
+    stage's ranks' speed, by which the plan cuts the stages where the config gives no
+    stage_weights (planner/model_parallel.py)."""
     from ..parallel.pipeline import build, p2p_bytes
     from ..parallel.tensor.cost import placement_bytes
 
-    facts = facts or ModelFacts(model)
+    facts = ModelFacts.of(model, facts)
     mesh = parallel_mesh(world_size, None, tp=config.tp, pp=config.pp, cp=config.cp)
     at = mesh.coords(rank)
     out = {"tp": 0, "pipeline": 0, "allreduce": 0}
@@ -45,7 +48,7 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
         m = config.microbatches or 2 * config.pp
         schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
         held_stages = (schedule.stages, tuple(schedule.stages_of(at["pp"])),
-                       stage_weights(config, schedule))
+                       stage_weights(config, schedule) or stage_speeds)
         # A boundary carries this rank's part of the sequence: cp's, and tp's slice under
         # sequence parallelism.
         sliced = config.tp if config.sequence_parallel else 1
@@ -62,7 +65,7 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
         out["tp"] = m * sum(placement_bytes(p, batch // m, seq // config.cp, config.tp,
                                              config.sequence_parallel, itemsize)
                             for p in layout.placements if p.module in local_modules)
-        held = facts.once(("local shapes", id(layout)), layout.local_shapes)
+        held = facts.once(("local shapes", layout), layout.local_shapes)
         shapes = {n: held[n] for n in shapes}
     if config.cp > 1:
         from ..parallel.context import cp_attention_bytes

@@ -403,7 +403,8 @@ def _replica_inputs(inputs: tuple, config: ParallelConfig, replica: bool) -> tup
     if replica or ways == 1:
         return tuple(inputs)
     return tuple(x.new_empty((ways * x.shape[0], *x.shape[1:]), device="meta")
-                 if torch.is_tensor(x) and x.dim() else x for x in inputs)
+                 .requires_grad_(x.requires_grad) if torch.is_tensor(x) and x.dim() else x
+                 for x in inputs)
 
 
 def search(model: nn.Module, cluster: Cluster, example_inputs: tuple, flops_per_s: float,
