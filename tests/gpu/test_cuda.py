@@ -173,3 +173,41 @@ def refuse_cpu_model(rank, world_size):
 
 def test_an_nccl_world_refuses_a_cpu_model_by_name():
     assert spawn(refuse_cpu_model, 1, backend="nccl", timeout=120) == [True]
+
+
+def calibrate_on_gpu(rank, world_size, own_gpu, collectives):
+    """calibrate's timers and rates on this rank's GPU, every tensor they make there; NCCL
+    carries no CPU tensor, so one made on the CPU fails the call."""
+    from tilework.cluster import calibrate
+
+    device = torch.device("cuda", rank if own_gpu else 0)
+    torch.cuda.set_device(device)
+    world = torch.distributed.group.WORLD
+    with Created() as created:
+        fits = calibrate.measure(world, world_size, calibrate.QUICK_SIZES, 3, collectives,
+                                 device=device)
+        flops = calibrate.measure_compute(world, world_size, device)
+        speeds = calibrate.measure_speeds(world, world_size, [[0], [1]], device)
+    off = sorted({where for where, made in created.seen if made.type != "cuda"})
+    return {"off": off, "fits": sorted(fits), "flops": flops, "speeds": speeds,
+            "made": len(created.seen)}
+
+
+def test_calibration_times_on_the_gpu_through_gloo():
+    """Two gloo ranks on one GPU: calibrate's buffers, times and rates are CUDA tensors (the
+    all-reduce, which gloo carries on CUDA)."""
+    for r in spawn(calibrate_on_gpu, 2, args=(False, ("all_reduce",)), backend="gloo",
+                   timeout=180):
+        assert r["made"] > 0 and r["off"] == [], r["off"]
+        assert r["fits"] == ["all_reduce"] and r["flops"] > 0
+
+
+@two_gpus
+def test_calibration_runs_on_nccl():
+    """`tilework calibrate` and a live plan="auto" time NCCL's collectives on the GPUs (before,
+    their buffers were CPU tensors, which NCCL refuses)."""
+    for r in spawn(calibrate_on_gpu, 2, args=(True, ("all_reduce", "all_gather",
+                                                      "reduce_scatter", "all_to_all")),
+                   backend="nccl", timeout=180):
+        assert r["off"] == [], r["off"]
+        assert "all_reduce" in r["fits"] and r["flops"] > 0

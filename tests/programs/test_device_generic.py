@@ -53,9 +53,6 @@ ALLOWED = {
     ("tilework/bench/worker.py", "*"):
         "the benchmark worker joins a gloo world on the CPU: its timing and memory figures "
         "are host numbers reduced over gloo",
-    ("tilework/cluster/calibrate.py", "*"):
-        "calibration measures gloo over TCP on the CPU (its own gloo world); its buffers are "
-        "what it times",
 }
 
 

@@ -180,25 +180,28 @@ def _elements(nbytes: int, n: int) -> int:
 
 
 def time_points(group, world_size: int, sizes, repeats: int = DEFAULT_REPEATS,
-                collectives=COLLECTIVES,
-                warmup: int = 1) -> dict[str, list[tuple[int, int, float]]]:
+                collectives=COLLECTIVES, warmup: int = 1,
+                device=None) -> dict[str, list[tuple[int, int, float]]]:
     """Time each collective on every buffer size in `group` (every rank calls this, with the same
     arguments): {collective: [(buffer bytes, wire bytes, median seconds)]}, the same on every rank.
 
     A call's time is the slowest rank's, from a barrier to the collective's return; send/recv is
     a ping-pong between group ranks 0 and 1, timed on rank 0 as half the round trip. Buffers are
-    float32, rounded down to a multiple of `world_size` elements (the points carry the real size).
+    float32, rounded down to a multiple of `world_size` elements (the points carry the real size),
+    on `device` (default the CPU; a GPU's where the group is NCCL's, which carries no other).
     """
     import torch
     import torch.distributed as dist
 
     _check_timing_args(group, world_size, collectives, repeats, warmup)
     sizes = sorted({_elements(int(s), world_size) * 4 for s in sizes})
-    call = _call_timer(group)
-    _open_connections(call, collectives, sizes[0], rounds=3 if warmup else 0)
-    times = torch.zeros(len(collectives), len(sizes), repeats, dtype=torch.float64)
+    device = torch.device(device or "cpu")
+    call = _call_timer(group, device)
+    _open_connections(call, collectives, sizes[0], rounds=3 if warmup else 0, device=device)
+    times = torch.zeros(len(collectives), len(sizes), repeats, dtype=torch.float64,
+                        device=device)
     for c, name in enumerate(collectives):
-        times[c] = _time_sizes(call, name, sizes, repeats, warmup)
+        times[c] = _time_sizes(call, name, sizes, repeats, warmup, device)
     # Every rank must report the same points, and a call is only as fast as its slowest rank.
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return {name: [(b, WIRE[name].sent(b, world_size), statistics.median(times[c, s].tolist()))
@@ -263,39 +266,52 @@ def _issuer(group):
     return issue
 
 
-def _call_timer(group):
+def _call_timer(group, device):
     """`call(name, send, recv) -> seconds`: one call of a collective in `group`, timed from a
-    barrier (so that every rank starts together) to its return on this rank."""
+    barrier (so that every rank starts together) to its return on this rank (on a GPU, to its
+    end: NCCL's calls return once queued)."""
     import torch.distributed as dist
 
-    issue = _issuer(group)
+    issue, done = _issuer(group), _finisher(device)
 
     def call(name: str, send, recv) -> float:
         dist.barrier(group=group)
+        done()
         start = time.perf_counter()
         share = issue(name, send, recv)
+        done()
         return (time.perf_counter() - start) * share
 
     return call
 
 
-def _open_connections(call, collectives, nbytes: int, rounds: int) -> None:
+def _finisher(device):
+    """`done()`: waits for `device`'s queued work (a GPU's); nothing on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _open_connections(call, collectives, nbytes: int, rounds: int, device) -> None:
     """Connections and buffers come up on the first calls, which a per-size warm-up of one
     would charge to the smallest size: a few untimed calls of each collective first."""
     import torch
 
-    first = torch.ones(nbytes // 4)
+    first = torch.ones(nbytes // 4, device=device)
     for name in collectives:
         for _ in range(rounds):
             call(name, first, torch.empty_like(first))
 
 
-def _time_sizes(call, name: str, sizes, repeats: int, warmup: int):
+def _time_sizes(call, name: str, sizes, repeats: int, warmup: int, device):
     """Seconds of `repeats` calls of collective `name` on each size: a [size, repeat] tensor."""
     import torch
 
-    times = torch.zeros(len(sizes), repeats, dtype=torch.float64)
-    buffers = [(torch.ones(nbytes // 4), torch.empty(nbytes // 4)) for nbytes in sizes]
+    times = torch.zeros(len(sizes), repeats, dtype=torch.float64, device=device)
+    buffers = [(torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device))
+               for nbytes in sizes]
     for send, recv in buffers:
         for _ in range(warmup):
             call(name, send, recv)
@@ -309,7 +325,8 @@ def _time_sizes(call, name: str, sizes, repeats: int, warmup: int):
 
 def time_small_calls(group, world_size: int, nbytes: int = DEFAULT_SIZES[0],
                      collectives=COLLECTIVES, calls: int = SMALL_CALLS,
-                     blocks: int = SMALL_BLOCKS) -> dict[str, tuple[int, int, float]]:
+                     blocks: int = SMALL_BLOCKS,
+                     device=None) -> dict[str, tuple[int, int, float]]:
     """What a small call costs busy ranks, as a step's exchanges fall between its compute
     (every rank calls this, with the same arguments): `calls` rounds of a short compute (about
     `SMALL_COMPUTE_S` of matmuls) each followed by one call on a buffer of about `nbytes`,
@@ -318,7 +335,7 @@ def time_small_calls(group, world_size: int, nbytes: int = DEFAULT_SIZES[0],
     rank's; the same on every rank. A mean over many calls, not the median of single calls
     from a barrier: on few cores a small call is bimodal (about 0.3 ms or 3 ms here) and a
     step pays the mixture; and after compute, as in a step, not back to back (which measured
-    twice as slow on CPU ranks here)."""
+    twice as slow on CPU ranks here). On `device` (time_points's)."""
     import torch
     import torch.distributed as dist
 
@@ -326,13 +343,14 @@ def time_small_calls(group, world_size: int, nbytes: int = DEFAULT_SIZES[0],
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
     size = _elements(int(nbytes), world_size) * 4
-    issue = _issuer(group)
-    send, recv = torch.ones(size // 4), torch.empty(size // 4)
-    compute = _small_compute(group)
+    device = torch.device(device or "cpu")
+    issue, done = _issuer(group), _finisher(device)
+    send, recv = torch.ones(size // 4, device=device), torch.empty(size // 4, device=device)
+    compute = _small_compute(group, device)
     # [talking, quiet] per collective and block: each the slowest rank's, then subtracted,
     # so that a slow rank's longer computes (which the fast ranks wait for when they talk) are
     # not taken for the calls' cost: the planner prices a slow rank by its pace.
-    times = torch.zeros(2, len(collectives), blocks, dtype=torch.float64)
+    times = torch.zeros(2, len(collectives), blocks, dtype=torch.float64, device=device)
     for c, name in enumerate(collectives):
         for _ in range(3):   # connections and buffers come up on the first calls
             issue(name, send, recv)
@@ -342,11 +360,14 @@ def time_small_calls(group, world_size: int, nbytes: int = DEFAULT_SIZES[0],
             for _ in range(calls):
                 compute()
                 share = issue(name, send, recv)
+            done()
             times[0, c, b] = (time.perf_counter() - start) * share
             dist.barrier(group=group)
+            done()
             start = time.perf_counter()
             for _ in range(calls):
                 compute()
+            done()
             times[1, c, b] = (time.perf_counter() - start) * share
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     extra = (times[0] - times[1]).clamp(min=0.0) / calls
@@ -357,18 +378,23 @@ def time_small_calls(group, world_size: int, nbytes: int = DEFAULT_SIZES[0],
 SMALL_COMPUTE_S = 0.5e-3
 
 
-def _small_compute(group):
+def _small_compute(group, device):
     """`compute()`: about SMALL_COMPUTE_S of 128 x 128 matmuls on every rank (the count is the
     largest any rank needs, so every rank runs the same)."""
     import torch
     import torch.distributed as dist
 
-    a = torch.randn(128, 128)
+    a, done = torch.randn(128, 128, device=device), _finisher(device)
+    for _ in range(3):   # a GPU's first products load its kernels
+        a @ a
+    done()
     start = time.perf_counter()
     for _ in range(20):
         a @ a
+    done()
     each = (time.perf_counter() - start) / 20
-    count = torch.tensor([max(1, round(SMALL_COMPUTE_S / each))], dtype=torch.int64)
+    count = torch.tensor([max(1, round(SMALL_COMPUTE_S / each))], dtype=torch.int64,
+                         device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     rounds = int(count.item())
 
@@ -380,16 +406,16 @@ def _small_compute(group):
 
 
 def measure(group, world_size: int, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
-            collectives=COLLECTIVES, warmup: int = 1) -> dict[str, Measurement]:
+            collectives=COLLECTIVES, warmup: int = 1, device=None) -> dict[str, Measurement]:
     """`time_points` and `time_small_calls` (on the smallest size), then each collective's
     alpha-beta fit (at least two sizes). Every rank returns the same result. A collective
     other than the all-reduce (whose fit is the link) whose times give no fit (a burst of
     load) is left out: ZeRO's exchanges then keep a factor of 1 rather than stop the
-    calibration."""
-    small = time_small_calls(group, world_size, min(sizes), collectives)
+    calibration. On `device` (time_points's)."""
+    small = time_small_calls(group, world_size, min(sizes), collectives, device=device)
     out = {}
     for name, pts in time_points(group, world_size, sizes, repeats, collectives,
-                                 warmup).items():
+                                 warmup, device).items():
         try:
             out[name] = fit_points(name, world_size, pts, small[name])
         except CalibrationError:
@@ -424,11 +450,7 @@ def matmul_flops(size: int = 512, repeats: int = 20, device=None) -> float:
     device = torch.device(device or "cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-
-    def done() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    done = _finisher(device)
     try:
         a = torch.randn(size, size, device=device)
         b = torch.randn(size, size, device=device)
@@ -552,13 +574,14 @@ def message_overhead(group, world_size: int, compute, x, actions: int = 40, lag:
             "message_bytes": x.numel() * x.element_size()}
 
 
-def measure_compute(group, world_size: int) -> float:
-    """Every rank's matmul FLOP/s at once (ranks share the host as in training), the slowest
-    rank's: a step waits for it."""
+def measure_compute(group, world_size: int, device=None) -> float:
+    """Every rank's matmul FLOP/s at once (ranks share the host as in training; on `device`,
+    default the CPU), the slowest rank's: a step waits for it."""
     import torch
     import torch.distributed as dist
 
-    rate = torch.tensor([matmul_flops()], dtype=torch.float64)
+    rate = torch.tensor([matmul_flops(device=device)], dtype=torch.float64,
+                        device=device or torch.device("cpu"))
     if world_size > 1:
         dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
     return float(rate.item())

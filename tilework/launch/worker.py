@@ -104,10 +104,14 @@ def _calibrate(spec: dict, env: WorkerEnv) -> int:
     groups = _groups(env)
     sizes, repeats = ((calibrate.QUICK_SIZES, calibrate.QUICK_REPEATS) if spec["quick"]
                       else (calibrate.DEFAULT_SIZES, calibrate.DEFAULT_REPEATS))
-    results = calibrate.measure(groups.world, groups.world_size, sizes, repeats)
-    flops = calibrate.measure_compute(groups.world, groups.world_size)
-    curve = calibrate.measure_curve(groups.world, groups.world_size)
-    speeds = calibrate.measure_speeds(groups.world, groups.world_size, groups.topology.hosts)
+    # On the ranks' own device: a GPU's under NCCL, which carries no CPU tensor, and whose
+    # rate is the one the plans are priced at.
+    device = groups.device
+    results = calibrate.measure(groups.world, groups.world_size, sizes, repeats, device=device)
+    flops = calibrate.measure_compute(groups.world, groups.world_size, device)
+    curve = calibrate.measure_curve(groups.world, groups.world_size, device)
+    speeds = calibrate.measure_speeds(groups.world, groups.world_size, groups.topology.hosts,
+                                      device)
     if groups.rank == 0:
         key, json_path = calibrate.write_calibration(spec["cluster"], results,
                                                      spans_hosts=groups.topology.num_hosts > 1,

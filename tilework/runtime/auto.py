@@ -100,8 +100,9 @@ def _timed_links(groups: Groups) -> Links | None:
         try:
             points = time_points(group, size, sizes, repeats=5,
                                  collectives=("all_reduce", "reduce_scatter", "all_gather",
-                                              "ring_shift"))
-            small = time_small_calls(group, size, sizes[0], ("all_reduce",))
+                                              "ring_shift"), device=groups.device)
+            small = time_small_calls(group, size, sizes[0], ("all_reduce",),
+                                     device=groups.device)
             ring = fit_points("all_reduce", size, points["all_reduce"],
                               small["all_reduce"]).link()
             raw = {c: [(w, t) for _, w, t in pts] for c, pts in points.items()}
