@@ -46,7 +46,7 @@ from ..plans.analysis import embedding_modules
 from ..plans.plan import Plan
 from .changes import Changes, leave_optimizer, replace_module
 from .clip import clip_norm, clip_value_with_servers
-from .hooks import PicklesAsNoop, plain_no_sync
+from .hooks import PicklesAsNoop, plain_no_sync, post_accumulate_grad_hook
 from .preflight import (
     check_device,
     check_not_tied,
@@ -145,7 +145,7 @@ class Engine:
                                                        mean=plan.sparse_reduce == "mean")
                 self.changes.hook(f"{pp.name}: post-accumulate-grad hook (rows all-gathered)",
                                   p.register_post_accumulate_grad_hook(
-                                      PicklesAsNoop(self._served_grad)))
+                                      post_accumulate_grad_hook(self._served_grad)))
             elif pp.name in self.embeddings:
                 check_not_tied(model, pp.name, p)
                 table = PSTable(pp, p.data, groups, self.stats, plan.local_aggregation,
@@ -161,7 +161,7 @@ class Engine:
                                                                  lazy=False))
                 self.changes.hook(f"{pp.name}: post-accumulate-grad hook (served by the servers)",
                                   p.register_post_accumulate_grad_hook(
-                                      PicklesAsNoop(self._served_grad)))
+                                      post_accumulate_grad_hook(self._served_grad)))
         if self.optimizer is not None:
             # Names only: the full tables must not stay alive through this list.
             self.original_groups = [[self.param_names[id(p)] for p in g["params"]]

@@ -29,7 +29,7 @@ from torch import nn
 from ...comm.counted import Stats, all_gather_async, all_reduce_async, all_to_all_v
 from ...comm.wire import CHECK_WORDS, bucket_rides_push
 from ...plans.plan import assign_buckets
-from ...runtime.hooks import PicklesAsNoop
+from ...runtime.hooks import post_accumulate_grad_hook
 from .powersgd import PowerSGD
 from .topk import TopK
 
@@ -95,8 +95,8 @@ class DenseSync:
         self.hold_last = self.carry or self.rideable or self.push_ride
         self.active = False  # a synchronised backward has produced gradients not yet averaged
         self.on_grad = on_grad  # the engine's "this backward touched us" (queues its callback)
-        self.handles = [p.register_post_accumulate_grad_hook(PicklesAsNoop(self._on_grad))
-                        for _, p in params]
+        self.handles = [p.register_post_accumulate_grad_hook(
+                            post_accumulate_grad_hook(self._on_grad)) for _, p in params]
 
     def _on_grad(self, p: nn.Parameter) -> None:
         sync = self.on_grad() if self.on_grad is not None else True

@@ -30,7 +30,7 @@ from torch import nn
 from ...comm.counted import Stats, all_gather_async, all_reduce_async, reduce_scatter_async
 from ...errors import PlanError
 from ...plans.plan import assign_buckets
-from ...runtime.hooks import PicklesAsNoop
+from ...runtime.hooks import PicklesAsNoop, post_accumulate_grad_hook
 from .offload import Offload
 from .shards import Sharded, ShardedGradient, check_elementwise
 
@@ -106,7 +106,8 @@ class ZeroSync:
                                        self.bucket_bytes)
         self.where = {id(s.param): (b, i) for b, bucket in enumerate(self.grad_buckets)
                       for i, s in enumerate(bucket.shards)}
-        handles = [s.param.register_post_accumulate_grad_hook(PicklesAsNoop(self._on_grad))
+        handles = [s.param.register_post_accumulate_grad_hook(
+                       post_accumulate_grad_hook(self._on_grad))
                    for s in self.shards if s.stage >= 2]
         changes.record("sharded parameters: post-accumulate-grad hooks (reduce-scatter buckets)",
                        lambda: [handle.remove() for handle in handles])

@@ -16,6 +16,7 @@ world. With local aggregation: first to the rank of this host that shares the ow
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -266,7 +267,10 @@ class ShardedEmbedding(nn.Module):
                 rows = torch.cat([self.table.head.weight[ids[:hot]], rows])
             if torch.is_grad_enabled():
                 rows.requires_grad_(True)
-                rows.register_hook(lambda g: self.table.accumulate(ids, g))
+                # The table held weakly: torch keeps a leaf's hooks in its C++ autograd state,
+                # which a kept output's graph reaches (runtime/hooks.post_accumulate_grad_hook).
+                table = weakref.ref(self.table)
+                rows.register_hook(lambda g: table().accumulate(ids, g))
             if self.bag:
                 return F.embedding_bag(local, rows, offsets, mode=self.mode,
                                        per_sample_weights=per_sample_weights,
