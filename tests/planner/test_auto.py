@@ -117,6 +117,19 @@ def test_a_host_with_less_memory_gets_the_smaller_pipeline_stage():
     assert all(c.config.stage_weights is None for c in alike)
 
 
+@pytest.mark.parametrize("options, expected", [
+    ({"pp": 2, "stage_weights": [1]}, "one weight per pipeline rank (pp=2), got 1"),
+    ({"pp": 2, "stage_weights": [1, 0]}, "a list of positive weights, one per pipeline rank"),
+    ({"pp": 2, "stage_weights": "1,2"}, "a list of positive weights"),
+    ({"plan": "auto", "pp": "auto", "stage_weights": [1, 2]}, "no weights with pp='auto'"),
+])
+def test_stage_weights_are_refused_by_name(options, expected):
+    with pytest.raises(tilework.errors.ConfigError, match="stage_weights") as refused:
+        ParallelConfig(**options)
+    assert expected in str(refused.value)
+    assert ParallelConfig(pp=2, stage_weights=(3, 1)).stage_weights == [3.0, 1.0]
+
+
 def _chosen_between(model, inputs, fits: float, misses: float) -> ParallelConfig:
     """plan="auto" on 2 ranks whose budget (80% of their memory) lies between two peaks."""
     budget = Cluster([Host("a", 2, memory_gb=(fits + misses) / 2 / 0.8 / 1e9)])

@@ -368,13 +368,8 @@ class ParallelConfig:
                                      "built yet)")
 
     def _check_shares(self) -> None:
-        weights = self.server_weights
-        if weights is not None:
-            check(isinstance(weights, (list, tuple)) and len(weights) >= 1 and all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")
-                for w in weights), "server_weights",
-                f"a list of positive weights, one per rank, got {weights!r}")
-            self.server_weights = [float(w) for w in weights]
+        if self.server_weights is not None:
+            self.server_weights = _weights(self.server_weights, "server_weights", "rank")
             check(not self.model_parallel and not self.auto_axes, "server_weights",
                   "uneven serving for data parallelism only: with tp, pp or cp it is not "
                   "built yet")
@@ -411,17 +406,13 @@ class ParallelConfig:
                 "layout", f"a table of module-name pattern = style, got {self.layout!r}")
         check(isinstance(self.sequence_parallel, bool), "sequence_parallel",
               f"true or false, got {self.sequence_parallel!r}")
-        weights = self.stage_weights
-        if weights is not None:
-            check(isinstance(weights, (list, tuple)) and len(weights) >= 2 and all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")
-                for w in weights), "stage_weights",
-                f"a list of positive weights, one per pipeline rank, got {weights!r}")
-            self.stage_weights = [float(w) for w in weights]
+        if self.stage_weights is not None:
+            self.stage_weights = _weights(self.stage_weights, "stage_weights", "pipeline rank")
             check("pp" not in (self.auto_axes or ()), "stage_weights",
                   "no weights with pp='auto' (the planner cuts the stages)")
-            check(len(weights) == self.pp, "stage_weights",
-                  f"one weight per pipeline rank (pp={self.pp}), got {len(weights)}")
+            check(len(self.stage_weights) == self.pp, "stage_weights",
+                  f"one weight per pipeline rank (pp={self.pp}), got "
+                  f"{len(self.stage_weights)}")
         if self.model_parallel:
             check(self.mode != "ps", "mode", "'hybrid' or 'allreduce' with tp, pp or cp > 1: "
                   "mode='ps' would serve the split layers' shards")
@@ -438,3 +429,11 @@ class ParallelConfig:
             check(self.recompute in ("none", *policies), "recompute",
                   f"'none', 'full', 'selective' or {{pattern: 'full' | 'selective'}}, "
                   f"got {self.recompute!r}")
+
+
+def _weights(weights, field: str, each: str) -> list[float]:
+    """`weights` as floats, refused by `field` unless a list of positive finite numbers."""
+    check(isinstance(weights, (list, tuple)) and len(weights) >= 1 and all(
+        isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")
+        for w in weights), field, f"a list of positive weights, one per {each}, got {weights!r}")
+    return [float(w) for w in weights]
