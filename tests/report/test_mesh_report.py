@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tilework.cli import main
 from tilework.cluster.topology import Cluster, Host, Link, Links
@@ -177,3 +178,26 @@ def test_cli_search_ranks_the_meshes_and_prunes_what_does_not_fit(tmp_path, caps
     charged = json.loads(capsys.readouterr().out)["candidates"]
     by_mesh = {c["mesh"]: c["predicted_step_s"] for c in out["candidates"]}
     assert all(c["predicted_step_s"] > by_mesh[c["mesh"]] for c in charged)
+
+
+def test_the_report_and_the_estimate_cut_the_stages_as_the_plan_does():
+    """stage_weights (and, without them, the hosts' speeds) cut the report's stages and the
+    estimate of a made plan as the plan cuts them, not evenly: the blocks the report shows are
+    the plan's, and estimate(plan) prices the step predict(config) prices."""
+    from tilework.estimate.plan_cost import estimate
+    from tilework.estimate.step import predict
+    from tilework.train.planning import job_plan
+
+    cluster = Cluster([Host("a", 1), Host("b", 1)])
+    uneven = Cluster([Host("a", 1, speed=3.0), Host("b", 1, speed=1.0)])
+    for job, where in ((gpt_job(pp=2, microbatches=4, stage_weights=[1, 3]), cluster),
+                       (gpt_job(pp=2, microbatches=4), uneven)):
+        plan = job_plan(job, where)
+        cut = [list(blocks) for blocks in plan.parallel.stages]
+        assert cut != [[0, 2], [2, 4]]   # not the even cut
+        out = report(job, where, FLOPS)
+        assert [s["blocks"] for s in out["stages"]] == cut
+        model = meta_model(job)
+        priced = predict(model, job.parallel, where, 8, 8, FLOPS)
+        assert estimate(plan, where, model, (torch.zeros(8, 8, dtype=torch.long),) * 2,
+                        flops=FLOPS).step_s == pytest.approx(priced.step_s)

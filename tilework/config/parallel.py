@@ -410,6 +410,7 @@ class ParallelConfig:
             self.stage_weights = _weights(self.stage_weights, "stage_weights", "pipeline rank")
             check("pp" not in (self.auto_axes or ()), "stage_weights",
                   "no weights with pp='auto' (the planner cuts the stages)")
+            check(self.pp > 1, "stage_weights", "weights for pipeline stages: pp > 1")
             check(len(self.stage_weights) == self.pp, "stage_weights",
                   f"one weight per pipeline rank (pp={self.pp}), got "
                   f"{len(self.stage_weights)}")

@@ -46,6 +46,13 @@ class ModelFacts:
         return self.once(("stages", count, None if speeds is None else tuple(speeds)),
                           lambda: split_stages(self.model, count, speeds=speeds))
 
+    def cut(self, count: int, blocks: tuple[tuple[int, int], ...]) -> list:
+        """split_stages taking a plan's cut as it is (`blocks`: each stage's block range)."""
+        from ..parallel.pipeline import split_stages
+
+        return self.once(("cut", count, tuple(blocks)), lambda: split_stages(
+            self.model, count, blocks=[range(a, b) for a, b in blocks]))
+
     def layout(self, layout: dict[str, str] | None, tp: int, sequence_parallel: bool):
         """parallel.tensor.plan_layout's resolution of `layout` (the model's default where
         None) on `tp` ranks."""

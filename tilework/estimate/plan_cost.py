@@ -166,7 +166,9 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
         if example_inputs is None:
             return PlanCost(comm, memory=memory(), entries=entries)
         replica_batch, seq = example_inputs[0].shape[:2]
-    found = predict_step(model, config, cluster, replica_batch, seq, flops,
+    # The plan's own stage cut: config_of cannot give back the weights it was made by.
+    cut = plan.parallel.stages if plan.parallel is not None and plan.parallel.stages else None
+    found = predict_step(model, config, cluster, replica_batch, seq, flops, cut=cut,
                          message_overhead_s=message_overhead_s, optimizer=optimizer)
     parts = dict(found.parts)
     if found.step_s is None:

@@ -184,7 +184,8 @@ def _message_ends(facts: ModelFacts, config: ParallelConfig, stages, schedule) -
 def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_batch: int,
             seq: int, flops_per_s, itemsize: int = 4,
             message_overhead_s: float = 0.0, optimizer: str = "adam",
-            facts: ModelFacts | None = None) -> MeshCandidate:
+            facts: ModelFacts | None = None,
+            cut: tuple[tuple[int, int], ...] | None = None) -> MeshCandidate:
     """One candidate's predicted step (see the module's docstring) for `replica_batch`
     sequences per dp replica, or why it cannot run. `flops_per_s`: one rate, a MatmulCurve
     (stage_seconds), or OpTimes: each stage's recorded ops at their measured times
@@ -193,10 +194,12 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     measures it on busy CPU ranks; about 0 where collectives run on their own engines).
     Given OpTimes, what each rank's runtime runs around its stages (the buckets' and ZeRO's
     copies, `optimizer`'s update: estimate/runtime_ops.py) is priced too, after the
-    pipeline. `facts`: the search's, shared by its candidates (estimate/model_facts.py)."""
+    pipeline. `facts`: the search's, shared by its candidates (estimate/model_facts.py); `cut`:
+    a plan's stage cut (each stage's block range), taken as it is, where the config's weights
+    or the speeds would cut it otherwise (estimate(plan) passes its plan's)."""
     from ..parallel.pipeline import build, simulate
     from ..parallel.pipeline.model import stage_modules
-    from .step_bytes import mesh_step_bytes, stage_weights
+    from .step_bytes import cut_weights, mesh_step_bytes
 
     facts = ModelFacts.of(model, facts)
 
@@ -218,11 +221,12 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
             [speeds[schedule.rank_of(k)] for k in range(schedule.stages)]
         # Cut as the plan cuts (planner/model_parallel.py): by the config's weights where it
         # gives them, else by speed; each stage still computes at its ranks' speed.
-        stages = facts.stages(schedule.stages, stage_weights(config, schedule) or stage_speeds) \
-            if config.pp > 1 else None
+        stages = None if config.pp == 1 else \
+            facts.stages(schedule.stages, cut_weights(config, schedule, stage_speeds)) \
+            if cut is None else facts.cut(schedule.stages, cut)
         first = [r for r in range(world) if _first_of_replica(mesh, r)]
         per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize, facts,
-                                    None if stage_speeds is None else tuple(stage_speeds))
+                                    None if stage_speeds is None else tuple(stage_speeds), cut)
                     for r in first]
     except (ValueError, AttributeError, IndexError) as e:
         # ValueError: a split the layout, the schedule or the batch refuses; the others: a

@@ -30,12 +30,14 @@ from .model_facts import ModelFacts
 def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, rank: int,
                     batch: int, seq: int, itemsize: int = 4,
                     facts: ModelFacts | None = None,
-                    stage_speeds: tuple[float, ...] | None = None) -> dict[str, int]:
+                    stage_speeds: tuple[float, ...] | None = None,
+                    cut: tuple[tuple[int, int], ...] | None = None) -> dict[str, int]:
     """`batch` sequences of `seq` tokens per dp replica; dense all-reduced parameters only
     (ZeRO and server placements are costed by estimate/cost.py as in data parallelism).
     `facts`: the search's, for the model's stage cuts and layouts; `stage_speeds`: each
     stage's ranks' speed, by which the plan cuts the stages where the config gives no
-    stage_weights (planner/model_parallel.py)."""
+    stage_weights (planner/model_parallel.py); `cut`: a plan's cut (each stage's block range),
+    taken as it is."""
     from ..parallel.pipeline import build, p2p_bytes
     from ..parallel.tensor.cost import placement_bytes
 
@@ -48,7 +50,7 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
         m = config.microbatches or 2 * config.pp
         schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
         held_stages = (schedule.stages, tuple(schedule.stages_of(at["pp"])),
-                       stage_weights(config, schedule) or stage_speeds)
+                       cut_weights(config, schedule, stage_speeds), cut)
         # A boundary carries this rank's part of the sequence: cp's, and tp's slice under
         # sequence parallelism.
         sliced = config.tp if config.sequence_parallel else 1
@@ -85,14 +87,14 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
 
 def _part(facts: ModelFacts, held_stages: tuple | None) -> tuple:
     """Of the part of the model a rank holds (all of it, or the stages `held_stages` names:
-    of how many, which, cut by what weights): its modules' names, its parameters' shapes, its
-    attentions."""
+    of how many, which, cut by what weights or as what block ranges): its modules' names, its
+    parameters' shapes, its attentions."""
     from ..parallel.pipeline.model import local_part, stage_modules
 
     part = facts.model
     if held_stages is not None:
-        count, which, weights = held_stages
-        stages = facts.stages(count, weights)
+        count, which, weights, blocks = held_stages
+        stages = facts.stages(count, weights) if blocks is None else facts.cut(count, blocks)
         part = local_part(facts.model, [mod for s in which for mod in stage_modules(stages[s])])
     names = facts.names()
     return (frozenset(names[id(mod)] for mod in part.modules() if id(mod) in names),
@@ -106,3 +108,10 @@ def stage_weights(config: ParallelConfig, schedule) -> tuple[float, ...] | None:
     weights = config.stage_weights
     return None if weights is None else \
         tuple(weights[schedule.rank_of(k)] for k in range(schedule.stages))
+
+
+def cut_weights(config: ParallelConfig, schedule,
+                speeds: tuple[float, ...] | list[float] | None) -> tuple[float, ...] | None:
+    """Each stage's weight in the cut a plan makes (planner/model_parallel.py): the config's
+    stage_weights, else its ranks' `speeds` (per stage), else None (by cost alone)."""
+    return stage_weights(config, schedule) or (None if speeds is None else tuple(speeds))

@@ -252,14 +252,14 @@ def with_stage_weights(found: list[ParallelConfig], cluster: Cluster) -> list[Pa
     from ..cluster.mesh import parallel_mesh, pp_memory
 
     sizes = {h.procs for h in cluster.hosts}
+    per_host = next(iter(sizes)) if len(sizes) == 1 else None
     out = []
     for c in found:
         out.append(c)
         if c.pp == 1 or c.stage_weights is not None:
             continue
         try:
-            mesh = parallel_mesh(cluster.world_size, sizes.pop() if len(sizes) == 1 else None,
-                                 c.tp, c.pp, c.cp)
+            mesh = parallel_mesh(cluster.world_size, per_host, c.tp, c.pp, c.cp)
         except (ValueError, PlanError):   # a split the pricing refuses with its reason
             continue
         memory = pp_memory(mesh, cluster, c.pp)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..cluster.mesh import Mesh, parallel_mesh
+from ..cluster.mesh import Mesh, parallel_mesh, pp_speeds
 from ..cluster.topology import Cluster
 from ..config.parallel import ParallelConfig
 from ..errors import PlanError
@@ -35,7 +35,7 @@ from ..estimate.cost import ring_allreduce, sparse_allgather
 from ..estimate.memory import with_budget
 from ..estimate.plan_cost import comm_seconds, entry_costs
 from ..estimate.step import predict
-from ..estimate.step_bytes import mesh_step_bytes
+from ..estimate.step_bytes import cut_weights, mesh_step_bytes
 from ..parallel.pipeline.stages import matmul_params
 from ..plans.analysis import analyze
 from ..plans.plan import Plan
@@ -175,7 +175,10 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
     except ValueError as e:
         raise PlanError(f"parallel.schedule: {e}") from None
     model, seq = meta_model(job), job.gpt.seq_len
-    stages = _stages(model, schedule)
+    speeds = pp_speeds(mesh, cluster, config.pp)
+    stage_speeds = None if speeds is None else \
+        tuple(speeds[schedule.rank_of(k)] for k in range(schedule.stages))
+    stages = _stages(model, schedule, cut_weights(config, schedule, stage_speeds))
     found = predict(model, config, cluster, batch, seq, flops)
     if found.step_s is None:
         raise PlanError(f"[parallel]: {found.why}")
@@ -196,7 +199,7 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
             "pipeline_step_s": parts["pipeline"], "bubble": parts["bubble"],
             "bubbles": parts["bubbles"], "tp_s": parts["tp"], "cp_s": parts["cp"],
             "dp_allreduce_s": parts["dp"], "predicted_step_s": found.step_s,
-            "bytes_per_rank": _bytes_per_rank(model, config, mesh, batch, seq),
+            "bytes_per_rank": _bytes_per_rank(model, config, mesh, batch, seq, stage_speeds),
             "bytes_note": "dense all-reduce as replicated parameters (ZeRO's and the servers' "
                           "bytes are not in this model)" if config.zero else None}
 
@@ -220,13 +223,14 @@ def _replica_batch(job: Job, dp: int) -> int:
     return job.data.batch_size // dp
 
 
-def _stages(model: nn.Module, schedule) -> list[dict]:
-    """Each stage: its pp rank, the modules it holds (blocks as a range) and its share of the
-    balance's cost (its time is estimate/step.predict's)."""
+def _stages(model: nn.Module, schedule, weights) -> list[dict]:
+    """Each stage: its pp rank, the modules it holds (blocks as a range, cut by `weights` as
+    the plan cuts them) and its share of the balance's cost (its time is
+    estimate/step.predict's)."""
     from ..parallel.pipeline import split_stages
 
     try:
-        stages = split_stages(model, schedule.stages)
+        stages = split_stages(model, schedule.stages, speeds=weights)
     except ValueError as e:
         raise PlanError(f"parallel.pp: {e}") from None
     ends = matmul_params(model.head) + matmul_params(model.norm)
@@ -246,9 +250,10 @@ def _blocks(r: range) -> str:
     return f"block {r.start}" if len(r) == 1 else f"blocks {r.start}-{r.stop - 1}"
 
 
-def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: int
-                    ) -> list[dict]:
-    """mesh_step_bytes of every rank; computed once per (pp, cp, tp) coordinate, which is all
+def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: int,
+                    stage_speeds=None) -> list[dict]:
+    """mesh_step_bytes of every rank (its stages cut as the plan cuts them: by the config's
+    weights, else `stage_speeds`); computed once per (pp, cp, tp) coordinate, which is all
     they depend on (a dp replica's ranks mirror every other's)."""
     seen: dict[tuple, dict] = {}
     out = []
@@ -256,6 +261,7 @@ def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: 
         at = mesh.coords(rank)
         key = (at["pp"], at["cp"], at["tp"])
         if key not in seen:
-            seen[key] = mesh_step_bytes(model, config, mesh.size, rank, batch, seq)
+            seen[key] = mesh_step_bytes(model, config, mesh.size, rank, batch, seq,
+                                        stage_speeds=stage_speeds)
         out.append({"rank": rank, **seen[key]})
     return out
