@@ -217,16 +217,15 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
         schedule = build(config.schedule if config.pp > 1 else "1f1b", config.pp, m,
                          config.stages_per_rank)
         speeds = pp_speeds(mesh, cluster, config.pp)
-        stage_speeds = None if speeds is None else \
-            [speeds[schedule.rank_of(k)] for k in range(schedule.stages)]
+        stage_speeds = schedule.per_stage(speeds)
         # Cut as the plan cuts (planner/model_parallel.py): by the config's weights where it
         # gives them, else by speed; each stage still computes at its ranks' speed.
         stages = None if config.pp == 1 else \
-            facts.stages(schedule.stages, cut_weights(config, schedule, stage_speeds)) \
+            facts.stages(schedule.stages, cut_weights(config, schedule, speeds)) \
             if cut is None else facts.cut(schedule.stages, cut)
         first = [r for r in range(world) if _first_of_replica(mesh, r)]
         per_rank = [mesh_step_bytes(model, config, world, r, replica_batch, seq, itemsize, facts,
-                                    None if stage_speeds is None else tuple(stage_speeds), cut)
+                                    speeds, cut)
                     for r in first]
     except (ValueError, AttributeError, IndexError) as e:
         # ValueError: a split the layout, the schedule or the batch refuses; the others: a

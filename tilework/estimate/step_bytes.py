@@ -30,12 +30,12 @@ from .model_facts import ModelFacts
 def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, rank: int,
                     batch: int, seq: int, itemsize: int = 4,
                     facts: ModelFacts | None = None,
-                    stage_speeds: tuple[float, ...] | None = None,
+                    rank_speeds: tuple[float, ...] | list[float] | None = None,
                     cut: tuple[tuple[int, int], ...] | None = None) -> dict[str, int]:
     """`batch` sequences of `seq` tokens per dp replica; dense all-reduced parameters only
     (ZeRO and server placements are costed by estimate/cost.py as in data parallelism).
-    `facts`: the search's, for the model's stage cuts and layouts; `stage_speeds`: each
-    stage's ranks' speed, by which the plan cuts the stages where the config gives no
+    `facts`: the search's, for the model's stage cuts and layouts; `rank_speeds`: each pp
+    rank's speed (mesh.pp_speeds), by which the plan cuts the stages where the config gives no
     stage_weights (planner/model_parallel.py); `cut`: a plan's cut (each stage's block range),
     taken as it is."""
     from ..parallel.pipeline import build, p2p_bytes
@@ -50,7 +50,7 @@ def mesh_step_bytes(model: nn.Module, config: ParallelConfig, world_size: int, r
         m = config.microbatches or 2 * config.pp
         schedule = build(config.schedule, config.pp, m, config.stages_per_rank)
         held_stages = (schedule.stages, tuple(schedule.stages_of(at["pp"])),
-                       cut_weights(config, schedule, stage_speeds), cut)
+                       cut_weights(config, schedule, rank_speeds), cut)
         # A boundary carries this rank's part of the sequence: cp's, and tp's slice under
         # sequence parallelism.
         sliced = config.tp if config.sequence_parallel else 1
@@ -102,16 +102,8 @@ def _part(facts: ModelFacts, held_stages: tuple | None) -> tuple:
             [m for m in part.modules() if isinstance(m, nn.MultiheadAttention)])
 
 
-def stage_weights(config: ParallelConfig, schedule) -> tuple[float, ...] | None:
-    """Each stage's weight in the cut from the config's per-pp-rank stage_weights (None where
-    it gives none)."""
-    weights = config.stage_weights
-    return None if weights is None else \
-        tuple(weights[schedule.rank_of(k)] for k in range(schedule.stages))
-
-
 def cut_weights(config: ParallelConfig, schedule,
-                speeds: tuple[float, ...] | list[float] | None) -> tuple[float, ...] | None:
-    """Each stage's weight in the cut a plan makes (planner/model_parallel.py): the config's
-    stage_weights, else its ranks' `speeds` (per stage), else None (by cost alone)."""
-    return stage_weights(config, schedule) or (None if speeds is None else tuple(speeds))
+                rank_speeds: tuple[float, ...] | list[float] | None) -> tuple[float, ...] | None:
+    """Each stage's weight in the cut a plan makes (planner/model_parallel.py): from the
+    config's stage_weights, else from the pp ranks' speeds, else None (by cost alone)."""
+    return schedule.per_stage(config.stage_weights or rank_speeds)

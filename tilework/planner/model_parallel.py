@@ -127,9 +127,7 @@ def pipeline_parts(meta: nn.Module, config: ParallelConfig, rank_speeds=None):
 
     schedule = build(config.schedule, config.pp, config.microbatches or 2 * config.pp,
                      config.stages_per_rank)
-    speeds = None if rank_speeds is None else \
-        [rank_speeds[schedule.rank_of(k)] for k in range(schedule.stages)]
-    stages = cut_stages(meta, schedule.stages, speeds=speeds)
+    stages = cut_stages(meta, schedule.stages, speeds=schedule.per_stage(rank_speeds))
     parts = [local_part(meta, [m for s in schedule.stages_of(r) for m in stage_modules(stages[s])])
              for r in range(config.pp)]
     stack = "blocks.layers" if is_reference_gpt(meta) else stages[0].stack_name

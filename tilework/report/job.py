@@ -176,9 +176,7 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
         raise PlanError(f"parallel.schedule: {e}") from None
     model, seq = meta_model(job), job.gpt.seq_len
     speeds = pp_speeds(mesh, cluster, config.pp)
-    stage_speeds = None if speeds is None else \
-        tuple(speeds[schedule.rank_of(k)] for k in range(schedule.stages))
-    stages = _stages(model, schedule, cut_weights(config, schedule, stage_speeds))
+    stages = _stages(model, schedule, cut_weights(config, schedule, speeds))
     found = predict(model, config, cluster, batch, seq, flops)
     if found.step_s is None:
         raise PlanError(f"[parallel]: {found.why}")
@@ -199,7 +197,7 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
             "pipeline_step_s": parts["pipeline"], "bubble": parts["bubble"],
             "bubbles": parts["bubbles"], "tp_s": parts["tp"], "cp_s": parts["cp"],
             "dp_allreduce_s": parts["dp"], "predicted_step_s": found.step_s,
-            "bytes_per_rank": _bytes_per_rank(model, config, mesh, batch, seq, stage_speeds),
+            "bytes_per_rank": _bytes_per_rank(model, config, mesh, batch, seq, speeds),
             "bytes_note": "dense all-reduce as replicated parameters (ZeRO's and the servers' "
                           "bytes are not in this model)" if config.zero else None}
 
@@ -251,9 +249,9 @@ def _blocks(r: range) -> str:
 
 
 def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: int,
-                    stage_speeds=None) -> list[dict]:
+                    rank_speeds=None) -> list[dict]:
     """mesh_step_bytes of every rank (its stages cut as the plan cuts them: by the config's
-    weights, else `stage_speeds`); computed once per (pp, cp, tp) coordinate, which is all
+    weights, else `rank_speeds`); computed once per (pp, cp, tp) coordinate, which is all
     they depend on (a dp replica's ranks mirror every other's)."""
     seen: dict[tuple, dict] = {}
     out = []
@@ -262,6 +260,6 @@ def _bytes_per_rank(model, config: ParallelConfig, mesh: Mesh, batch: int, seq: 
         key = (at["pp"], at["cp"], at["tp"])
         if key not in seen:
             seen[key] = mesh_step_bytes(model, config, mesh.size, rank, batch, seq,
-                                        stage_speeds=stage_speeds)
+                                        rank_speeds=rank_speeds)
         out.append({"rank": rank, **seen[key]})
     return out

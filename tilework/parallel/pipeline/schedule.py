@@ -71,6 +71,11 @@ class Schedule:
     def rank_of(self, stage: int) -> int:
         return stage % self.pp
 
+    def per_stage(self, values) -> tuple | None:
+        """Each stage's value from `values`, one per pp rank (None: None)."""
+        return None if values is None else tuple(values[self.rank_of(k)]
+                                                 for k in range(self.stages))
+
     def stages_of(self, rank: int) -> list[int]:
         return list(range(rank, self.stages, self.pp))
 
