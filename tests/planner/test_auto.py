@@ -117,6 +117,50 @@ def test_a_host_with_less_memory_gets_the_smaller_pipeline_stage():
     assert all(c.config.stage_weights is None for c in alike)
 
 
+class _Wide(nn.Module):
+    """Parameters and their Adam state dominate: sixteen wide layers on a batch of two."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(16))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return nn.functional.mse_loss(x, y)
+
+
+def test_a_host_with_less_memory_keeps_fewer_zero_chunks():
+    """ZeRO-3 over two hosts of one speed, one with the memory for 75% of the even cut's peak
+    and the other three times that: every even cut is refused by the small rank's budget, the
+    chunks by memory (zero_weights, the hosts' memory_gb) give it a quarter and are chosen
+    (the large rank's peak grows by more than the small one's falls: every chunk crosses
+    padded to the largest). Equal memories get no such candidate."""
+    with torch.device("meta"):
+        model = _Wide()
+    inputs = (torch.zeros(2, 512), torch.zeros(2, 512))
+    config = ParallelConfig(plan="auto", zero=3)
+    space = Space(zero=(3,), recompute=("none",), offload=(), tables=())
+    roomy = Cluster([Host("a", 1, memory_gb=100.0), Host("b", 1, memory_gb=100.0)])
+    even = max(estimate_memory(model, ParallelConfig(zero=3), inputs, roomy, rank=r).peak
+               for r in range(2))
+    small = 0.75 * even / 0.8 / 1e9
+    tight = Cluster([Host("a", 1, memory_gb=3 * small), Host("b", 1, memory_gb=small)])
+    found = search(model, tight, inputs, RATE, base=config, space=space, every=True)
+    chosen = choose(found).chosen
+    assert chosen.config.zero_weights == [3 * small, small], label(chosen)
+    assert "chunks by memory" in label(chosen)
+    plan = chosen.parts["plan"]
+    big = max(plan.params, key=lambda p: p.numel)
+    assert big.zero_chunks[0] == 3 * big.zero_chunks[1]
+    evenly = [c for c in found if c.config.zero_weights is None]
+    assert evenly and all(c.step_s is None and "exceeds its budget" in c.why
+                          for c in evenly), [label(c) for c in evenly]
+    alike = search(model, roomy, inputs, RATE, base=config, space=space)
+    assert all(c.config.zero_weights is None for c in alike)
+    assert options_of(chosen.config)["zero_weights"] == [3 * small, small]
+
+
 @pytest.mark.parametrize("options, expected", [
     ({"pp": 2, "stage_weights": [1]}, "one weight per pipeline rank (pp=2), got 1"),
     ({"pp": 2, "stage_weights": [1, 0]}, "a list of positive weights, one per pipeline rank"),

@@ -98,6 +98,29 @@ def test_a_host_with_less_memory_serves_fewer_rows():
     assert not own.of("ps")[0].servers
 
 
+def test_a_host_with_less_memory_keeps_fewer_zero_chunks():
+    """Hosts that differ in memory keep ZeRO's chunks (over the world) in proportion to it
+    (the job giving no zero_weights of its own), and the report's memory follows: the smaller
+    host's shards and optimizer state are a third of the model's, the larger's two thirds."""
+    from tilework.train.planning import job_config, job_plan
+
+    job = Job(workload="gpt", parallel=ParallelConfig(zero=3))
+    cluster = Cluster([Host("a", 1, memory_gb=32.0), Host("b", 1, memory_gb=16.0)])
+    assert job_config(job, cluster).zero_weights == [32.0, 16.0]
+    plan = job_plan(job, cluster)
+    big = max(plan.params, key=lambda p: p.numel)
+    assert big.zero_chunks == (-(-2 * big.numel // 3), big.numel // 3)
+    state = [m["optimizer_state"] for m in report(job, cluster)["memory"]]
+    assert 1.9 < state[0] / state[1] < 2.1
+    # Equal memories, a job's own weights, or ZeRO inside each host are left as they are.
+    even = Cluster([Host("a", 1, memory_gb=16.0), Host("b", 1, memory_gb=16.0)])
+    assert job_config(job, even).zero_weights is None
+    own = Job(workload="gpt", parallel=ParallelConfig(zero=3, zero_weights=[1, 1]))
+    assert not any(p.zero_chunks for p in job_plan(own, cluster).params)
+    host = Job(workload="gpt", parallel=ParallelConfig(zero=3, zero_scope="host"))
+    assert job_config(host, cluster).zero_weights is None
+
+
 def test_a_homogeneous_cluster_runs_the_plan_it_ran_before_speeds_and_memories_existed():
     """Issue 27's paired homogeneous check, on the plan side: hosts that give equal `speed`
     and `memory_gb` get exactly the plan, the configuration and the predicted step of hosts

@@ -240,6 +240,13 @@ class ParallelConfig:
     more partitions, each served by the rank that is furthest below its weight
     (planner/shares.server_map)."""
 
+    zero_weights: list[float] | None = None
+    """Under ZeRO (zero_scope 'world'): how much of every sharded parameter, its optimizer
+    state and (stages 2, 3) its gradient and values each rank keeps, relative to the others,
+    in rank order (e.g. each rank's memory: `tilework train` sets it from the cluster file's
+    `memory_gb` where hosts differ, as Cephalo sizes state apart from compute). None: even
+    chunks. On the wire each chunk is padded to the largest, so an uneven cut sends more."""
+
     stage_weights: list[float] | None = None
     """Under pp: how much of the model each pipeline rank takes, relative to the others, in pp
     order (blocks balanced by their cost over each rank's weight, as by speed). None: each
@@ -368,6 +375,14 @@ class ParallelConfig:
                                      "built yet)")
 
     def _check_shares(self) -> None:
+        if self.zero_weights is not None:
+            self.zero_weights = _weights(self.zero_weights, "zero_weights", "rank")
+            check(self.zero in (1, 2, 3) and self.zero_scope == "world", "zero_weights",
+                  f"weights for ZeRO's chunks: zero 1-3 with zero_scope='world', got zero="
+                  f"{self.zero!r}, zero_scope={self.zero_scope!r}")
+            check(not self.model_parallel and not self.auto_axes, "zero_weights",
+                  "uneven ZeRO chunks for data parallelism only: with tp, pp or cp it is not "
+                  "built yet")
         if self.server_weights is not None:
             self.server_weights = _weights(self.server_weights, "server_weights", "rank")
             check(not self.model_parallel and not self.auto_axes, "server_weights",

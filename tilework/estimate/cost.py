@@ -268,9 +268,20 @@ def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int =
 
 def zero_shard(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:
     """(ranks a ZeRO parameter is sharded over, bytes of each one's padded chunk) on n ranks in
-    `hosts` equal hosts: all of them, or one host's with `zero_scope="host"`."""
+    `hosts` equal hosts: all of them, or one host's with `zero_scope="host"`. Under an uneven
+    cut (`zero_chunks`) every chunk crosses padded to the largest."""
     ranks = n // hosts if plan.zero_scope == "host" and hosts > 1 else n
-    return ranks, -(-plan.numel // ranks) * dtype_bytes(plan.dtype)
+    widest = max(plan.zero_chunks) if plan.zero_chunks else -(-plan.numel // ranks)
+    return ranks, widest * dtype_bytes(plan.dtype)
+
+
+def zero_own_bytes(plan: ParamPlan, n: int, hosts: int = 1, rank: int = 0) -> int:
+    """The bytes of a ZeRO parameter that `rank` keeps (its shard, and the state and gradient
+    chunk of that size): its padded chunk under the even cut, its own count under an uneven
+    one."""
+    if plan.zero_chunks:
+        return plan.zero_chunks[rank] * dtype_bytes(plan.dtype)
+    return zero_shard(plan, n, hosts)[1]
 
 
 def zero_sync_bytes(plan: ParamPlan, n: int, hosts: int = 1) -> tuple[int, int]:

@@ -201,19 +201,32 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
                and group.get("amsgrad", False) for name in names}
     if facts is None:
         facts = meta_forward(model, example_inputs, plan.recompute)
-    zero = zero_figures(plan, per_element, STEP_COUNTER_BYTES.get(kind, 0), amsgrad)
+    uneven = any(pp.zero_chunks for pp in plan.params)
+
+    def figures(rank: int) -> DenseFigures:   # alike on every rank, but for uneven chunks
+        return zero_figures(plan, per_element, STEP_COUNTER_BYTES.get(kind, 0), amsgrad,
+                            rank if uneven else 0)
+
     served = [(pp, TableLayout(pp, plan.world_size, device="meta").shard_sizes)
               for pp in plan.of("ps")]
     dtypes = {pp.name: pp.dtype for pp in plan.params}
     device = _step_device(model, plan)
-    dense_step = 0   # the user's optimizer on what this rank updates (whole or the shards)
-    for group, names in groups:
-        rule = AdamStep.of(kind, group, device)
-        if rule is not None:
-            dense_step = max(dense_step, rule.temporaries(
-                [(zero.updated[n], dtypes[n]) for n in names if n in zero.updated]))
-    out = []
+    def dense_step(zero: DenseFigures) -> int:
+        """The user's optimizer on what this rank updates (whole or the shards)."""
+        peak = 0
+        for group, names in groups:
+            rule = AdamStep.of(kind, group, device)
+            if rule is not None:
+                peak = max(peak, rule.temporaries(
+                    [(zero.updated[n], dtypes[n]) for n in names if n in zero.updated]))
+        return peak
+
+    out, alike = [], None
     for rank in range(plan.world_size) if ranks is None else ranks:
+        if uneven or alike is None:
+            zero = figures(rank)
+            alike = (zero, dense_step(zero))
+        zero, zero_step = alike
         params, grads, state = zero.parameters, zero.gradients, zero.state
         received = row_step = 0   # the servers' step, before the dense one (engine._prepare_step)
         for pp, sizes in served:
@@ -232,7 +245,7 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
             state += (per_element + (pp.name in amsgrad)) * shard
             received += rows
             row_step = max(row_step, copies * rows)
-        step = max(dense_step, zero.after_step, received + row_step if served else 0)
+        step = max(zero_step, zero.after_step, received + row_step if served else 0)
         out.append(MemoryEstimate(rank, params, grads, state, facts.activations, zero.buckets,
                                   2 * facts.largest, step, facts.recomputed, zero.gathered,
                                   zero.offloaded, zero.last_flight))
@@ -279,11 +292,13 @@ class DenseFigures:
 
 
 def zero_figures(plan, per_element: int, counter_bytes: int,
-                 amsgrad: frozenset[str] | set[str] = frozenset()) -> DenseFigures:
+                 amsgrad: frozenset[str] | set[str] = frozenset(), rank: int = 0) -> DenseFigures:
     """Per rank, for the plan's all-reduced parameters (the module docstring's rules);
-    `amsgrad`: the names whose state has one element more."""
+    `amsgrad`: the names whose state has one element more. `rank` matters only where ZeRO
+    cuts unevenly (ParamPlan.zero_chunks): what it keeps is its own chunk, what crosses is
+    padded to the largest."""
     from ..plans.plan import assign_buckets
-    from .cost import zero_shard
+    from .cost import zero_own_bytes, zero_shard
 
     n = plan.world_size
     # A table whose rows are all-gathered is replicated like an all-reduced parameter; its
@@ -293,14 +308,15 @@ def zero_figures(plan, per_element: int, counter_bytes: int,
     shard = {pp.name: zero_shard(pp, n, hosts) for pp in dense}
     over = {name: ranks for name, (ranks, _) in shard.items()}     # ranks it is sharded over
     chunk = {name: nbytes for name, (_, nbytes) in shard.items()}  # each one's padded bytes
+    own = {pp.name: zero_own_bytes(pp, n, hosts, rank) for pp in dense}   # what this rank keeps
     # Offloaded state leaves the computing memory: mapped files on a CPU host, pinned host
     # memory beside a GPU (where "optimizer" also moves the shards: not modelled here).
     files = plan.offload != "none"
     params = grads = state = offloaded = 0
     for pp in dense:
-        shard = chunk[pp.name] if pp.zero else 0
+        shard = own[pp.name] if pp.zero else 0
         params += (pp.nbytes if pp.zero < 3 else 0) + (0 if plan.offload == "all" else shard)
-        grads += pp.nbytes if pp.zero <= 1 else chunk[pp.name]
+        grads += pp.nbytes if pp.zero <= 1 else shard
         grads += shard if pp.zero == 1 else 0
         held = ((per_element + (pp.name in amsgrad)) * (shard if pp.zero else pp.nbytes)
                 + counter_bytes)
@@ -334,7 +350,7 @@ def zero_figures(plan, per_element: int, counter_bytes: int,
     # The model's own unit is reduce-scattered last, its values freed as it is packed: sent and
     # received whole, alone.
     last_flight = 2 * units.get("", 0) if n > 1 else 0
-    updated = {pp.name: chunk[pp.name] if pp.zero else pp.nbytes for pp in dense}
+    updated = {pp.name: own[pp.name] if pp.zero else pp.nbytes for pp in dense}
     # After the step, stages 1 and 2 gather bucket by bucket, two in flight: while one bucket's
     # gathered values are copied out, its shards' copy (still held by the finished collective)
     # and the next bucket's both exist.

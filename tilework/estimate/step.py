@@ -289,8 +289,11 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
     # gradient and all-gathers the values, ZeRO-3 gathers them again for backward: three
     # half-ring passes for two.
     units = max(1, facts.units() // config.pp) if config.zero == 3 else 1
+    # Uneven chunks (zero_weights) cross padded to the largest.
+    weights = config.zero_weights if config.zero else None
+    padding = len(weights) * max(weights) / sum(weights) if weights else 1.0
     dp_s = max(dp_seconds(s.get("allreduce", 0), averaged, dp_link, config.bucket_mb,
-                          config.zero, compute, units, dp_spans, message_overhead_s)
+                          config.zero, compute, units, dp_spans, message_overhead_s, padding)
                for s in per_rank)
     group = mesh.groups(("dp", "cp") if config.cp > 1 else "dp")[0]
     topo = cluster.topology()
@@ -330,7 +333,7 @@ def _runtime_seconds(times, recorded, schedule, config: ParallelConfig, shards: 
 
 def dp_seconds(sent: float, n: int, link: Link, bucket_mb: float, zero: int,
                compute: float = 0.0, units: int = 1, beside: bool = False,
-               message_overhead_s: float = 0.0) -> float:
+               message_overhead_s: float = 0.0, padding: float = 1.0) -> float:
     """The dp group's wait on the wire for the `sent` bytes of one rank's gradient all-reduce
     over `n` ranks in buckets of `bucket_mb`, as parallel/data/zero.py moves them
     (estimate/cost.zero_sync_bytes replays it): a reduce-scatter and an all-gather are the
@@ -340,20 +343,23 @@ def dp_seconds(sent: float, n: int, link: Link, bucket_mb: float, zero: int,
     exchange's messages on the critical path; with `beside` (its exchanges cross hosts) the
     transfers run beside `compute` (the next unit's gather launched as one is used, each
     unit's reduce-scatter as its backward ends): only what exceeds it waits, and at least one
-    unit's share. Inside a host on CPU ranks an exchange is the cores' own copying, which the
-    compute cannot hide. Measured on 2 emulated hosts at 1 Gbit/s: ZeRO-3's step 0.90-1.01x
-    plain dp's though it moves 1.5x the bytes, ZeRO-2's 1.23-1.32x."""
+    unit's share. `padding`: ZeRO's exchanges over the even cut's (chunks cut unevenly cross
+    padded to the largest: n x the largest weight's share). Inside a host on CPU ranks an
+    exchange is the cores' own copying, which the compute cannot hide. Measured on 2 emulated
+    hosts at 1 Gbit/s: ZeRO-3's step 0.90-1.01x plain dp's though it moves 1.5x the bytes,
+    ZeRO-2's 1.23-1.32x."""
     from ..comm.wire import ALL_GATHER, REDUCE_SCATTER
 
     ring = allreduce_seconds(sent, n, link, bucket_mb, message_overhead_s)
-    half = ring / 2
     if zero == 0 or n == 1:
         return ring
+    half = allreduce_seconds(sent * padding, n, link, bucket_mb, message_overhead_s) / 2
     if zero == 1:
         return ring + half * link.all_gather_factor
     if zero == 2:
         return half * (link.reduce_scatter_factor + link.all_gather_factor)
-    moved = sent / 2 / link.bytes_per_s * (link.reduce_scatter_factor + 2 * link.all_gather_factor)
+    moved = sent * padding / 2 / link.bytes_per_s \
+        * (link.reduce_scatter_factor + 2 * link.all_gather_factor)
     messages = units * (REDUCE_SCATTER.messages(n) + 2 * ALL_GATHER.messages(n))
     waits = max(moved - compute, moved / units) if beside else moved
     return waits + messages * (link.latency_s + 2 * message_overhead_s)

@@ -181,6 +181,8 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
                             else base.batch_shares,
                             server_weights=base.server_weights if pp * tp * cp == 1 else None,
                             stage_weights=base.stage_weights if pp == base.pp else None,
+                            zero_weights=base.zero_weights if pp * tp * cp == 1 and zero
+                            and scope == "world" else None,
                             zero=zero, zero_scope=scope, offload=offload, recompute=recompute,
                             schedule=schedule, microbatches=microbatches,
                             mode="hybrid" if pp * tp * cp > 1 and base.mode == "ps"
@@ -265,6 +267,26 @@ def with_stage_weights(found: list[ParallelConfig], cluster: Cluster) -> list[Pa
         memory = pp_memory(mesh, cluster, c.pp)
         if memory is not None:
             out.append(dataclasses.replace(c, stage_weights=memory))
+    return out
+
+
+def with_zero_weights(found: list[ParallelConfig], cluster: Cluster) -> list[ParallelConfig]:
+    """Each data-parallel ZeRO candidate (sharded over the world) also with its chunks cut by
+    memory (zero_weights: each rank's `memory_gb`) where the hosts hold different amounts: a
+    rank with less keeps less of the shards, their state and gradients (Cephalo's state share
+    apart from the compute share). The even cut stays a candidate: it sends less (every chunk
+    crosses padded to the largest), which the search weighs; memory refuses what does not
+    fit."""
+    if any(h.memory_gb is None for h in cluster.hosts) \
+            or len({h.memory_gb for h in cluster.hosts}) < 2:
+        return found
+    memory = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
+    out = []
+    for c in found:
+        out.append(c)
+        if c.zero and c.zero_scope == "world" and c.zero_weights is None \
+                and not c.model_parallel:
+            out += _allowed(lambda c=c: dataclasses.replace(c, zero_weights=memory))
     return out
 
 
@@ -440,8 +462,8 @@ def priced_steps(model: nn.Module, cluster: Cluster, example_inputs: tuple, flop
     enumerated = configs(base, space, cluster, _layers(model))
     if base.batch_shares == "auto":   # the loop reads its count: shares may be chosen
         enumerated = with_shares(enumerated, cluster, example_inputs)
-    enumerated = with_stage_weights(with_compression(with_sync(enumerated, base), base),
-                                    cluster)
+    enumerated = with_zero_weights(with_stage_weights(
+        with_compression(with_sync(enumerated, base), base), cluster), cluster)
     enumerated = with_table_methods(enumerated, model, base, space, cluster.world_size,
                                     optimizer)
     priced = [price_step(model, c, cluster, example_inputs, flops_per_s, traffic,
@@ -493,7 +515,7 @@ def _complexity(c: Candidate) -> tuple:
             cfg.zero,
             cfg.offload != "none",
             cfg.zero_scope != "world", ("none", "selective", "full").index(cfg.recompute),
-            cfg.microbatches or 0, cfg.stage_weights is not None,
+            cfg.microbatches or 0, cfg.stage_weights is not None, cfg.zero_weights is not None,
             len(cfg.overrides or {}))   # a tie goes to the tables placed each by its own cost
 
 
@@ -574,6 +596,8 @@ def options_of(config: ParallelConfig) -> dict:
         out["zero"] = config.zero
         if config.zero_scope != "world":
             out["zero_scope"] = config.zero_scope
+        if config.zero_weights is not None:
+            out["zero_weights"] = list(config.zero_weights)
     if config.offload != "none":
         out["offload"] = config.offload
     if config.recompute != "none":
@@ -604,6 +628,8 @@ def label(c: Candidate) -> str:
     if cfg.zero:
         out += f", zero={cfg.zero}" + (f" ({cfg.zero_scope})" if cfg.zero_scope != "world"
                                        else "")
+        if cfg.zero_weights is not None:
+            out += f", chunks by memory {'/'.join(f'{w:g}' for w in cfg.zero_weights)}"
     if cfg.offload != "none":
         out += f", offload={cfg.offload}"
     if cfg.recompute != "none":

@@ -102,5 +102,24 @@ def server_map(partitions: int, weights) -> tuple[int, ...]:
     return tuple(out)
 
 
+def zero_chunks(numel: int, weights) -> tuple[int, ...]:
+    """Each rank's elements of a ZeRO parameter of `numel` elements, in proportion to
+    `weights` (its memory), summing to `numel`: the largest remainders round up (ties to the
+    lower rank). Equal weights give () (the even cut, which pads instead)."""
+    weights = [float(w) for w in weights]
+    if not weights or any(not 0 < w < float("inf") for w in weights):
+        raise ConfigError("zero_weights", f"expected a positive weight for every rank, got "
+                                          f"{weights}")
+    if len(set(weights)) == 1:
+        return ()
+    total = sum(weights)
+    exact = [numel * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda r: (-(exact[r] - counts[r]), r))
+    for r in by_remainder[:numel - sum(counts)]:
+        counts[r] += 1
+    return tuple(counts)
+
+
 __all__ = ["batch_shares", "gradient_weights", "ideal_time", "server_map", "server_partitions",
-           "step_time"]
+           "step_time", "zero_chunks"]

@@ -15,6 +15,7 @@ dense anyway; sending it to the servers by mode="ps" or an override is refused.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..cluster.mesh import Mesh
 from ..cluster.topology import Cluster, Links, Topology
@@ -33,7 +34,7 @@ from ..estimate.cost import (
 )
 from ..plans.analysis import ParamInfo, analyze, owning_units, recompute_choices
 from ..plans.plan import OVERRIDDEN, OuterSync, ParamPlan, Plan, bucket_bytes
-from .shares import server_map, server_partitions
+from .shares import server_map, server_partitions, zero_chunks
 
 
 def recompute_choices_in(model, part, recompute) -> tuple[tuple[str, str], ...]:
@@ -71,7 +72,7 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      units=(units if units is not None else owning_units(model))
                      if config.zero == 3 else None,
                      offload=(config.offload, config.offload_dir), zero_scope=config.zero_scope,
-                     server_weights=config.server_weights,
+                     server_weights=config.server_weights, zero_weights=config.zero_weights,
                      # Compressed buckets and local SGD's carry nothing (parallel/data/dense.py).
                      riders=config.grad_compress == "none" and config.sync != "diloco",
                      push_dtype=PUSH_DTYPES[config.push_compress])
@@ -165,7 +166,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               units: dict[str, str] | None = None,
               offload: tuple[str, str | None] = ("none", None),
               zero_scope: str = "world", server_weights: list[float] | None = None,
-              riders: bool = True, push_dtype: str = "") -> Plan:
+              riders: bool = True, push_dtype: str = "",
+              zero_weights: list[float] | None = None) -> Plan:
     overrides = _checked(infos, mode, sparse_reduce, overrides)
     topology = topology or Topology.from_sizes([world_size])
     if topology.world_size != world_size:
@@ -174,6 +176,12 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
         raise ConfigError("server_weights", f"one weight per rank ({world_size}), got "
                                             f"{len(server_weights)}")
     uneven = server_weights is not None and len(set(server_weights)) > 1
+    if zero_weights is not None and len(zero_weights) != world_size:
+        raise ConfigError("zero_weights", f"one weight per rank ({world_size}), got "
+                                          f"{len(zero_weights)}")
+    if zero_weights is not None and zero_scope != "world":
+        raise ConfigError("zero_weights", "weights for ZeRO's chunks over the world "
+                                          f"(zero_scope='world'), got {zero_scope!r}")
     links, traffic = links or Links(), traffic or {}
     if zero and zero_scope == "host" and len({len(h) for h in topology.hosts}) > 1:
         raise PlanError(f"zero_scope: 'host' shards inside each host, which needs hosts of one "
@@ -226,6 +234,9 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
                           if zero == 3 and method == "allreduce" else None,
                           zero_scope=zero_scope if zero and method == "allreduce" else "world",
                           servers=servers,
+                          zero_chunks=zero_chunks(math.prod(info.shape), zero_weights)
+                          if zero and method == "allreduce" and zero_weights is not None
+                          and world_size > 1 else (),
                           push_dtype=_push_dtype(push_dtype, method, info, searched,
                                                  world_size))
         params.append(dataclasses.replace(entry, predicted=predict(

@@ -121,6 +121,10 @@ class ParamPlan(TensorFacts):
     # ps tables: the dtype its gradient rows cross in on the push ("": its own; "bfloat16"
     # under ParallelConfig.push_compress, parallel/rows/push.py).
     push_dtype: str = ""
+    # ZeRO (zero_scope "world"): the elements each rank's chunk holds, in rank order, where
+    # ranks hold different amounts (by their memory: planner/shares.zero_chunks); () is the
+    # even cut, ceil(numel / n) each. On the wire every chunk is padded to the largest.
+    zero_chunks: tuple[int, ...] = ()
 
     @property
     def push_row_bytes(self) -> int:
@@ -130,6 +134,14 @@ class ParamPlan(TensorFacts):
 
     def __post_init__(self):
         object.__setattr__(self, "servers", tuple(int(r) for r in self.servers))
+        object.__setattr__(self, "zero_chunks", tuple(int(c) for c in self.zero_chunks))
+        if self.zero_chunks and (not self.zero or self.zero_scope != "world"
+                                 or sum(self.zero_chunks) != self.numel
+                                 or min(self.zero_chunks) < 0):
+            raise ValueError(f"{self.name}: zero_chunks gives each rank's share of a ZeRO "
+                             f"parameter's {self.numel} elements (zero_scope 'world'), got "
+                             f"{list(self.zero_chunks)} (zero={self.zero}, "
+                             f"scope {self.zero_scope!r})")
         dtype_bytes(self.dtype)
         if self.push_dtype and (self.push_dtype != "bfloat16"
                                 or self.method != "ps" or not self.is_table):
@@ -160,7 +172,8 @@ class ParamPlan(TensorFacts):
         """Where it lives along the data-parallel axis (the tp and pp axes: `tp_split`,
         `pp_ranks`)."""
         if self.method == "allreduce":
-            where = " in each host" if self.zero_scope == "host" else ""
+            where = " in each host" if self.zero_scope == "host" else \
+                ", uneven chunks" if self.zero_chunks else ""
             if self.zero == 3:
                 return f"{ZERO_PLACEMENTS[3]}{where}, gathered by {self.unit or 'the model'}"
             return "allreduce (replicated)" if not self.zero else ZERO_PLACEMENTS[self.zero] + where
@@ -411,6 +424,7 @@ def _entry_dict(p: ParamPlan) -> dict:
     d["shape"] = list(p.shape)
     d["pp_ranks"] = list(p.pp_ranks)
     d["servers"] = list(p.servers)
+    d["zero_chunks"] = list(p.zero_chunks)
     d["predicted"] = None if p.predicted is None else vars(p.predicted).copy()
     d["placement"] = p.placement   # for readers; derived, so from_dict drops it
     return d
@@ -444,6 +458,11 @@ def config_of(plan: Plan) -> ParallelConfig:
         zero=max((p.zero for p in zeros), default=0),
         # A plan whose ZeRO shards nothing (every parameter on the servers) offloads nothing.
         zero_scope=zeros[0].zero_scope if zeros else "world",
+        # An uneven cut's weights as the largest parameter's counts (proportional to the
+        # weights it was cut by, to one element).
+        zero_weights=[max(c, 1) for c in max((p for p in zeros if p.zero_chunks),
+                                             key=lambda p: p.numel).zero_chunks]
+        if any(p.zero_chunks for p in zeros) else None,
         offload=plan.offload if zeros else "none",
         offload_dir=plan.offload_dir, recompute=dict(plan.recompute) or "none", **sizes,
         layout=dict(par.layout) or None, sequence_parallel=par.sequence_parallel,

@@ -179,7 +179,8 @@ class Engine:
         check_inputs = check_inputs and self.plan.outer is None
         self.checks = InputChecks(groups, self.stats, successor_remote) if check_inputs else None
         entry, stage = self.plan.by_name(), {p.name: p.zero for p in self.plan.params if p.zero}
-        self.zero = ZeroSync([(n, p, stage[n], entry[n].unit) for n, p in dense if n in stage],
+        self.zero = ZeroSync([(n, p, stage[n], entry[n].unit, entry[n].zero_chunks)
+                              for n, p in dense if n in stage],
                              groups, self.stats, self.plan.bucket_bytes, self.checks, self._touched,
                              Offload(self.plan.offload, self.plan.offload_dir, groups.rank,
                                      groups.device), {entry[n].zero_scope for n in stage},

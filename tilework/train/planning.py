@@ -92,13 +92,17 @@ def job_config(job: Job, cluster: Cluster):
     the report then flags).
 
     Hosts that give different `memory_gb` (every host giving one) also serve server tables'
-    rows in proportion to it (`server_weights`), unless the job set its own."""
+    rows in proportion to it (`server_weights`), and keep ZeRO's chunks over the world in
+    proportion to it (`zero_weights`), unless the job set its own."""
     config = job.parallel
     memories = {h.memory_gb for h in cluster.hosts} - {None}   # the hosts that say
+    by_memory = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
     if (len(memories) > 1 and all(h.memory_gb is not None for h in cluster.hosts)
-            and config.server_weights is None and not config.model_parallel):
-        config = dataclasses.replace(config, server_weights=[
-            h.memory_gb for h in cluster.hosts for _ in range(h.procs)])
+            and not config.model_parallel):
+        if config.server_weights is None:
+            config = dataclasses.replace(config, server_weights=by_memory)
+        if config.zero_weights is None and config.zero and config.zero_scope == "world":
+            config = dataclasses.replace(config, zero_weights=by_memory)
     if config.plan == "auto" and config.batch_shares is None and cluster.heterogeneous:
         return dataclasses.replace(config, batch_shares="auto")   # the trainer hands them out
     if (config.batch_shares is not None or config.model_parallel or config.plan == "auto"

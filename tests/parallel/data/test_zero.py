@@ -82,10 +82,19 @@ def _rank(rank, world_size, zero, optimizer, options):
     tilework.parallelize(model, opt, zero=zero, log=False, groups=groups, **options)
     losses = train(model, opt, range(STEPS), rank, world_size)
     held = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
+    engine = model._tilework_engine
+    owned = {s.name: s.shard.numel() for s in engine.zero.shards}
     opt_state = opt.state_dict()   # a collective: the shards' state gathered whole
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "state": state, "opt": opt_state, "held": held,
-            "stats": tilework.stats(model)["last_step"]}
+    stats = tilework.stats(model)["last_step"]
+    model(*batch(STEPS, rank, world_size)).backward()   # what a shard's gradient holds on to
+    # each storage once: a bucket's summed row is shared by the shards that fill it
+    storages = {s.shard.grad.untyped_storage().data_ptr(): s.shard.grad.untyped_storage().nbytes()
+                for s in engine.zero.shards if s.stage >= 2 and s.shard.grad is not None}
+    grads = {"held": sum(storages.values()),
+             "owned": sum(4 * s.shard.numel() for s in engine.zero.shards if s.stage >= 2)}
+    return {"losses": losses, "state": state, "opt": opt_state, "held": held, "owned": owned,
+            "grads": grads, "stats": stats}
 
 
 def close(what, got, expected, tol):
@@ -120,7 +129,12 @@ CASES = [(1, 2, "adamw", {}), (2, 2, "adamw", {}), (3, 2, "adamw", {}), (2, 4, "
          (3, 2, "adamw", {"recompute": "full"}),
          (1, 4, "adamw", {"zero_scope": "host", "hosts": 2}),
          (2, 4, "adamw", {"zero_scope": "host", "hosts": 2}),
-         (3, 4, "sgd", {"zero_scope": "host", "hosts": 2, "overrides": {"tokens.weight": "ps"}})]
+         (3, 4, "sgd", {"zero_scope": "host", "hosts": 2, "overrides": {"tokens.weight": "ps"}}),
+         # chunks by weight (ranks of different memory): uneven shards, padded on the wire
+         (1, 2, "adamw", {"zero_weights": [3, 1]}),
+         (2, 4, "adam", {"zero_weights": [4, 1, 2, 1]}),
+         (3, 4, "adamw", {"zero_weights": [1, 3, 1, 2]}),
+         (3, 2, "sgd", {"zero_weights": [1, 2], "overrides": {"tokens.weight": "ps"}})]
 
 
 @pytest.mark.parametrize("zero, world_size, optimizer, options", CASES,
@@ -130,16 +144,26 @@ def test_trains_as_one_process(zero, world_size, optimizer, options):
     results = spawn(_rank, world_size, args=(zero, optimizer, options), timeout=120)
     # With a server table its optimizer state lives on the servers, in tilework's row layout.
     check_against_reference(results, optimizer, check_state="overrides" not in options)
+    weights = options.get("zero_weights")
+    if weights:   # each rank keeps its weight's share of every parameter, to an element
+        for name, numel in ((n, p.numel()) for n, p in new_model().named_parameters()):
+            got = [r["owned"][name] for r in results if name in r["owned"]]
+            if got:
+                assert sum(got) == numel
+                for w, n in zip(weights, got):
+                    assert abs(n - numel * w / sum(weights)) < 1, (name, got)
+        for r in results:   # and its gradients no more (not views of the padded bucket)
+            assert r["grads"]["held"] == r["grads"]["owned"], r["grads"]
     if zero == 3:   # between steps a rank holds no full value: only its shards
         for r in results:
             held = {n: b for n, b in r["held"].items() if b and n != "tokens.weight"}
             assert held == {}, f"full values held between steps: {sorted(held)}"
 
 
-def _save_then_resume(rank, world_size, zero, path, steps):
+def _save_then_resume(rank, world_size, zero, path, steps, options=None):
     model = new_model()
     opt = new_optimizer("adam", model.parameters())
-    tilework.parallelize(model, opt, zero=zero, log=False)
+    tilework.parallelize(model, opt, zero=zero, log=False, **(options or {}))
     if steps.start > 0:
         tilework.load(path, model, opt)
     losses = train(model, opt, steps, rank, world_size)
@@ -147,11 +171,19 @@ def _save_then_resume(rank, world_size, zero, path, steps):
     return losses
 
 
-def test_checkpoint_moves_between_world_sizes_and_stages(tmp_path):
-    """Saved at 2 ranks under stage 3, resumed at 4 under stage 1: as one process."""
+@pytest.mark.parametrize("first, then", [
+    ((2, 3, None), (4, 1, None)),
+    # uneven chunks to even ones and back: the checkpoint is the one-process layout
+    ((2, 3, {"zero_weights": [1, 3]}), (4, 2, {"zero_weights": [2, 1, 1, 3]}))],
+    ids=["even", "uneven"])
+def test_checkpoint_moves_between_world_sizes_and_stages(tmp_path, first, then):
+    """Saved at 2 ranks under stage 3, resumed at 4 under stage 1 (2, with other weights):
+    as one process."""
     path = str(tmp_path / "ckpt.pt")
-    spawn(_save_then_resume, 2, args=(3, path, range(0, 2)), timeout=120)
-    spawn(_save_then_resume, 4, args=(1, path, range(2, STEPS)), timeout=120)
+    spawn(_save_then_resume, first[0], args=(first[1], path, range(0, 2), first[2]),
+          timeout=120)
+    spawn(_save_then_resume, then[0], args=(then[1], path, range(2, STEPS), then[2]),
+          timeout=120)
     state, _, opt_state = reference("adam")
     saved = checkpoint.load(path)["state"]
     for k, v in state.items():
@@ -212,11 +244,58 @@ def test_counted_bytes_by_stage():
     assert sent[2] < sent[3] < 1.5 * sent[2] + 64
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_uneven_chunks_send_what_the_cost_model_prices_and_keep_what_memory_says(zero):
+    """Chunks by weight 3:1 on 2 ranks: the counted bytes equal the cost model's (every chunk
+    padded to the largest on the wire: 1.5x the even cut's reduce-scatter and gathers), and
+    the memory estimate gives the lighter rank its quarter of the shards and their state."""
+    from tilework.cluster.topology import Topology
+    from tilework.comm.wire import REDUCE_SCATTER, all_gather_bytes
+    from tilework.estimate.cost import zero_exchanges
+    from tilework.estimate.memory import estimate_per_rank
+
+    options = {"check_inputs": False, "zero_weights": [3, 1]}
+    results = spawn(_rank, 2, args=(zero, "adam", options), timeout=120)
+    topology = Topology.from_sizes([2])
+    plan = tilework.plan(new_model(), ParallelConfig(zero=zero, zero_weights=[3, 1]),
+                         topology=topology)
+    even = tilework.plan(new_model(), ParallelConfig(zero=zero), topology=topology)
+
+    def sent(priced):
+        return sum(times * (REDUCE_SCATTER.sent(chunk * 2, 2) if kind == "reduce_scatter"
+                            else all_gather_bytes(chunk, 2)) for kind, chunk, times in priced)
+
+    priced = zero_exchanges(list(plan.of("allreduce")), 2, 1, plan.bucket_bytes)
+    for r in results:
+        assert r["stats"]["zero"]["calls"] == sum(times for _, _, times in priced)
+        assert r["stats"]["zero"]["sent"] == sent(priced)
+    assert sent(priced) > 1.4 * sent(zero_exchanges(list(even.of("allreduce")), 2, 1,
+                                                    even.bucket_bytes))
+    model = new_model()
+    inputs = batch(0, 0, 2)
+    heavy, light = estimate_per_rank(model, plan, inputs, "adam")
+    alike = estimate_per_rank(model, even, inputs, "adam")[0]
+    params = sum(p.numel() * 4 for p in model.parameters())
+    count = len(list(model.parameters()))
+    # Adam: two moments of its share, a step counter per parameter, each share to an element
+    for got, share in ((heavy, 3 / 4), (light, 1 / 4)):
+        assert abs(got.optimizer_state - 2 * params * share - 4 * count) <= 2 * 4 * count
+    assert heavy.optimizer_state > alike.optimizer_state > light.optimizer_state
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ConfigError, match="zero: expected a ZeRO stage 0, 1, 2 or 3, got 4"):
         ParallelConfig(zero=4)
     with pytest.raises(ConfigError, match="offload: expected a ZeRO stage to offload from"):
         ParallelConfig(offload="optimizer")
+    with pytest.raises(ConfigError, match="zero_weights: expected weights for ZeRO's chunks"):
+        ParallelConfig(zero_weights=[1, 2])
+    with pytest.raises(ConfigError, match="zero_weights: expected weights .* zero_scope='host'"):
+        ParallelConfig(zero=2, zero_scope="host", zero_weights=[1, 2])
+    with pytest.raises(ConfigError, match="zero_weights: expected a list of positive weights"):
+        ParallelConfig(zero=2, zero_weights=[1, 0])
+    with pytest.raises(ConfigError, match=r"zero_weights: one weight per rank \(1\), got 2"):
+        tilework.plan(new_model(), ParallelConfig(zero=2, zero_weights=[1, 2]))
     model = new_model()
     with pytest.raises(PlanError, match="pass the optimizer"):
         tilework.parallelize(model, None, zero=2, log=False)

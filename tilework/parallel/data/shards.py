@@ -56,35 +56,58 @@ def check_elementwise(optimizer, names: list[str]) -> None:
 
 
 class Sharded:
-    """One parameter and this rank's chunk of it: `shard`, an nn.Parameter of `chunk`
-    elements that the user's optimizer updates in the parameter's place."""
+    """One parameter and this rank's chunk of it: `shard`, an nn.Parameter of `own` elements
+    that the user's optimizer updates in the parameter's place.
+
+    `counts` (ParamPlan.zero_chunks): the elements each rank owns, in rank order, where ranks
+    hold different amounts (by their memory); () is the even cut, every chunk ceil(numel / n)
+    with the last ones zero-padded. On the wire every rank's chunk is padded to `chunk`, the
+    largest, so the collectives stay equal-sized (an uneven cut sends n x its largest chunk
+    where the even one sends numel, rounded up)."""
 
     def __init__(self, name: str, param: nn.Parameter, stage: int, rank: int, n: int,
-                 unit: str | None = None, place=lambda values: values):
+                 unit: str | None = None, place=lambda values: values,
+                 counts: tuple[int, ...] = ()):
         self.name, self.param, self.stage, self.rank, self.n = name, param, stage, rank, n
         self.unit = unit   # stage 3: the module whose forward gathers it
         self.numel, self.shape = param.numel(), param.shape
-        self.chunk = chunk_size(self.numel, n)
+        if counts and (len(counts) != n or sum(counts) != self.numel):
+            raise PlanError(f"{name}: zero_chunks {list(counts)} must give each of {n} ranks "
+                            f"a count, {self.numel} elements in all")
+        self.counts = tuple(counts) if counts and len(set(counts)) > 1 else ()
+        self.chunk = max(self.counts) if self.counts else chunk_size(self.numel, n)
+        self.own = self.counts[rank] if self.counts else self.chunk   # this rank's elements
         # `place`: the shard's home (parallel/data/offload.py): beside the parameter, or offloaded.
         self.shard = nn.Parameter(place(self.take(param.detach())),
                                   requires_grad=param.requires_grad)
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk (a copy, zero-padded) of a tensor shaped like the parameter, on
-        the shard's device once the shard exists."""
-        chunk = self.rows(full)[self.rank].clone()
+        """This rank's chunk (a copy; zero-padded under the even cut) of a tensor shaped like
+        the parameter, on the shard's device once the shard exists."""
+        chunk = self.rows(full)[self.rank, :self.own].clone()
         home = self.__dict__.get("shard")
         return chunk if home is None else chunk.to(home.device)
 
+    def mine(self, row: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of its (chunk-wide) row of a reduce-scattered bucket: a copy
+        where it holds fewer, since a view would keep the whole padded row (the bucket's) alive
+        as the shard's gradient."""
+        return row if self.own == self.chunk else row[..., :self.own].clone()
+
     def values(self) -> torch.Tensor:
-        """The shard's values where the parameter computes (a copy up from offload: from pinned
-        memory it queues on the stream without stopping the host, and the all-gather that
-        reads it is queued behind it; the shard changes only at the next step)."""
-        return self.shard.detach().to(self.param.device, non_blocking=True)
+        """The shard's values where the parameter computes, padded to `chunk` for the
+        all-gather (a copy up from offload: from pinned memory it queues on the stream without
+        stopping the host, and the all-gather that reads it is queued behind it; the shard
+        changes only at the next step)."""
+        values = self.shard.detach().to(self.param.device, non_blocking=True)
+        return padded(values, self.chunk)
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:
-        """A parameter-shaped tensor as (n, chunk): row j is rank j's chunk."""
+        """A parameter-shaped tensor as (n, chunk): row j is rank j's chunk (zero-padded)."""
         flat = full.reshape(-1)
+        if self.counts:
+            return torch.stack([padded(part, self.chunk)
+                                for part in torch.split(flat, list(self.counts))])
         pad = self.n * self.chunk - self.numel
         return (F.pad(flat, (0, pad)) if pad else flat).view(self.n, self.chunk)
 
@@ -92,7 +115,14 @@ class Sharded:
         """`target` (contiguous, the parameter's shape) = `whole(rows)`, copied straight from
         the (n, chunk) rows, which may be a column slice of a bucket's gathered buffer: no
         parameter-sized temporary (`whole` of such a slice would make one)."""
-        flat, full = target.view(-1), (self.numel // self.chunk) * self.chunk
+        flat = target.view(-1)
+        if self.counts:
+            start = 0
+            for j, count in enumerate(self.counts):
+                flat[start:start + count].copy_(rows[j, :count])
+                start += count
+            return
+        full = (self.numel // self.chunk) * self.chunk
         if full:
             flat[:full].view(-1, self.chunk).copy_(rows[:full // self.chunk])
         if full < self.numel:
@@ -101,4 +131,12 @@ class Sharded:
     def whole(self, rows: torch.Tensor) -> torch.Tensor:
         """The inverse of `rows`: every rank's chunk, in rank order, back in the parameter's
         shape."""
+        if self.counts:
+            return torch.cat([rows[j, :count] for j, count in enumerate(self.counts)]
+                             ).view(self.shape)
         return rows.reshape(-1)[:self.numel].view(self.shape)
+
+
+def padded(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """A 1-D tensor zero-padded at its end to `width` (itself where it is that wide)."""
+    return flat if flat.numel() == width else F.pad(flat, (0, width - flat.numel()))

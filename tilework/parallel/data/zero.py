@@ -32,7 +32,7 @@ from ...errors import PlanError
 from ...plans.plan import assign_buckets
 from ...runtime.hooks import PicklesAsNoop, post_accumulate_grad_hook
 from .offload import Offload
-from .shards import Sharded, ShardedGradient, check_elementwise
+from .shards import Sharded, ShardedGradient, check_elementwise, padded
 
 
 class _Bucket:
@@ -56,7 +56,7 @@ class ZeroSync:
     """The sharded dense parameters of one model (stage 3's units in parallel/data/zero3.py).
     Buckets launch in index order on every rank, as DenseSync's do."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter, int, str | None]], groups,
+    def __init__(self, params: list[tuple[str, nn.Parameter, int, str | None, tuple]], groups,
                  stats: Stats, bucket_bytes: int, checks=None, on_grad=None,
                  offload: Offload | None = None, scopes: set[str] = frozenset(),
                  across_hosts: bool = True):
@@ -82,8 +82,9 @@ class ZeroSync:
         self.averaged = n if self.replicas is None else groups.world_size   # ranks summed
         self.offload = offload or Offload("none", None, groups.rank, groups.device)
         self.late_adds: list = []   # offloaded gradient chunks to add once their copy landed
-        self.shards = [Sharded(name, p, stage, rank, n, unit, self.offload.shard)
-                       for name, p, stage, unit in params]
+        # `counts`: each rank's elements where the plan cuts unevenly (ParamPlan.zero_chunks)
+        self.shards = [Sharded(name, p, stage, rank, n, unit, self.offload.shard, counts)
+                       for name, p, stage, unit, counts in params]
         self.optimizer = None
         self.by_name = {s.name: s for s in self.shards}
         self.remote = [topo.host_of(r) != groups.host for r in peers]
@@ -242,6 +243,7 @@ class ZeroSync:
         summed.div_(self.averaged)
         bucket.pending = None
         for s, g in zip(bucket.shards, bucket.split(summed)):
+            g = s.mine(g)
             if self.offload.active and self.offload.on_gpu:
                 # Down to pinned host memory without stopping the host: the copy queues behind
                 # the reduce-scatter and overlaps the next buckets'; `wait` synchronises once.
@@ -399,10 +401,10 @@ class ZeroSync:
         s = self.by_name[name]
         out = {}
         for k, v in state.items():
-            if torch.is_tensor(v) and k != "step" and v.shape == (s.chunk,):
-                every = all_gather_async(v.detach().to(s.param.device).contiguous(),
-                                         self.shard_group, self.stats, "checkpoint").wait()
-                out[k] = s.whole(every).clone()
+            if torch.is_tensor(v) and k != "step" and v.shape == (s.own,):
+                mine = padded(v.detach().to(s.param.device).reshape(-1), s.chunk).contiguous()
+                every = all_gather_async(mine, self.shard_group, self.stats, "checkpoint").wait()
+                out[k] = s.whole(every.view(s.n, s.chunk)).clone()
             else:
                 out[k] = v
         return out
