@@ -3,7 +3,8 @@ PyTorch's PowerSGD hook, on emulated hosts.
 
     sudo .venv/bin/python bench/slow_links.py [--hosts 4] [--mbit 100] [--rtt-ms 50]
         [--workloads gpt lm] [--steps 120] [--every 20 40] [--compress none int4]
-        [--streams 4:5] [--no-powersgd] [--grad-compress bf16] [--eval-every 40] [--longer 4]
+        [--streams 4:5] [--layerwise] [--no-powersgd] [--grad-compress bf16] [--eval-every 40]
+        [--longer 4]
         [--out docs/slow-links.json] [--png docs/slow-links.png]
 
 Each host is a network namespace with one rank, its link shaped by netem (rate and a one-way
@@ -18,8 +19,9 @@ the same seed on the same global batches (AdamW inside); DDP runs `--steps`, the
   "powersgd", rank 2, from step 2: the hook's settings above);
 - sync-topk: synchronous tilework, each rank's `--topk-ratio` largest values of each bucket
   with error feedback (grad_compress="topk");
-- diloco-H[-codec][-F<f>d<tau>]: tilework.parallelize(sync="diloco", sync_every=H,
-  outer_fragments=f, outer_delay=tau), the outer step
+- diloco-H[-codec][-F<f>d<tau>|-L][-avg]: tilework.parallelize(sync="diloco", sync_every=H,
+  outer_fragments=f, outer_delay=tau; -L: outer_schedule="layerwise", DreamDDP's; -avg: plain
+  model averaging, outer SGD of lr 1 without momentum, in place of), the outer step
   Nesterov (lr 0.7, momentum 0.9), every parameter in the outer sync (mode="allreduce"), the
   pseudo-gradients in `--compress`'s encodings (outer_compress, with error feedback).
 Wall clock excludes evaluation: every `--eval-every` steps (a multiple of every H) the ranks
@@ -70,7 +72,7 @@ def _tx_bytes() -> int:
 
 def _diloco(system: str) -> dict:
     """parallelize's local-SGD keywords for a system named
-    diloco-H<H>[-<codec>][-F<fragments>d<delay>]."""
+    diloco-H<H>[-<codec>][-F<fragments>d<delay>|-L][-avg]."""
     out = {"sync_every": 0, "outer_compress": "none"}
     for part in system.split("-")[1:]:
         if part.startswith("H"):
@@ -78,6 +80,10 @@ def _diloco(system: str) -> dict:
         elif part.startswith("F"):
             fragments, delay = part[1:].split("d")
             out |= {"outer_fragments": int(fragments), "outer_delay": int(delay)}
+        elif part == "L":
+            out["outer_schedule"] = "layerwise"
+        elif part == "avg":   # model averaging (local SGD's, DreamDDP's): no outer momentum
+            out |= {"outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}
         else:
             out["outer_compress"] = part
     return out
@@ -112,8 +118,8 @@ def _wrap(system: str, model, opt):
                              **factors)
         return model, model
     tilework.parallelize(model, opt, mode="allreduce", sync="diloco",
-                         outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
-                         **_diloco(system), log=False)
+                         **({"outer_optimizer": "nesterov", "outer_lr": 0.7,
+                             "outer_momentum": 0.9} | _diloco(system)), log=False)
     return model, model
 
 
@@ -234,6 +240,12 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", nargs="*", default=[], metavar="F:TAU",
                     help="also run each H and encoding streamed: F fragments, each exchange "
                          "beside TAU inner steps (outer_fragments, outer_delay)")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="also run each H and encoding with DreamDDP's layer-wise schedule "
+                         "(outer_schedule='layerwise')")
+    ap.add_argument("--average", action="store_true",
+                    help="local SGD's outer step as plain model averaging (-avg) in place of "
+                         "DiLoCo's Nesterov")
     ap.add_argument("--no-powersgd", action="store_true", help="leave out DDP + PowerSGD")
     ap.add_argument("--grad-compress", nargs="*", default=[],
                     choices=["bf16", "fp16", "powersgd", "topk"],
@@ -264,10 +276,12 @@ def main(argv=None) -> int:
     if not ok:
         sys.exit(f"slow_links: cannot emulate {a.mbit:g} Mbit/s with {a.rtt_ms:g} ms round trip "
                  f"here: {why} (--rtt-ms 0 shapes the rate alone)")
-    streams = [""] + [f"-F{f}d{t}" for f, t in (x.split(":") for x in a.streams)]
+    streams = [""] + [f"-F{f}d{t}" for f, t in (x.split(":") for x in a.streams)] \
+        + (["-L"] if a.layerwise else [])
     systems = ["ddp", *([] if a.no_powersgd else ["ddp-powersgd"]),
                *[f"sync-{c}" for c in a.grad_compress],
                *[f"diloco-H{h}" + ("" if c == "none" else f"-{c}") + st
+                 + ("-avg" if a.average else "")
                  for h in a.every for c in a.compress for st in streams]]
     report: dict = {"hosts": a.hosts, "mbit": a.mbit, "rtt_ms": a.rtt_ms, "steps": a.steps,
                     "topk_ratio": a.topk_ratio,

@@ -24,6 +24,7 @@ Offload = Literal["none", "optimizer", "all"]
 RecomputePolicy = Literal["full", "selective"]
 Recompute = Literal["none", "full", "selective"]
 ScheduleName = Literal["1f1b", "gpipe", "interleaved"]
+OuterSchedule = Literal["streaming", "layerwise"]
 PlanChoice = Literal["config", "auto"]
 Auto = Literal["auto"]
 Sync = Literal["every_step", "diloco", "auto"]
@@ -233,6 +234,17 @@ class ParallelConfig:
     """With outer_delay: the parameters after a landing are outer_mix * this rank's own plus
     (1 - outer_mix) * the outer step's (Streaming DiLoCo's alpha)."""
 
+    outer_schedule: OuterSchedule = "streaming"
+    """Under sync="diloco": "streaming" (outer_fragments, outer_delay, outer_mix as above), or
+    "layerwise" (DreamDDP's partial synchronisation): the dense parameters in sync_every - 1
+    groups of about equal bytes (fewer where there are fewer parameters), each launched after
+    its own inner step of the period and landing after the next, so every exchange runs
+    beside a whole inner step; at the landing a rank's parameters are the outer step's result
+    plus what its own step did meanwhile. Each parameter is still synced once every
+    sync_every steps (the convergence rule DreamDDP keeps), in 1/(H-1) of the bytes a sync.
+    With outer_optimizer="sgd", outer_lr=1, outer_momentum=0 it is DreamDDP's model
+    averaging."""
+
     server_weights: list[float] | None = None
     """How many rows of each server table every rank serves, relative to the others, in rank
     order (e.g. each rank's memory: `tilework train` sets it from the cluster file's
@@ -360,6 +372,14 @@ class ParallelConfig:
         check(isinstance(self.outer_mix, (int, float)) and not isinstance(self.outer_mix, bool)
               and 0 <= self.outer_mix < 1, "outer_mix",
               f"a weight from 0 to below 1, got {self.outer_mix!r}")
+        check(self.outer_schedule in ("streaming", "layerwise"), "outer_schedule",
+              f"'streaming' or 'layerwise', got {self.outer_schedule!r}")
+        if self.outer_schedule == "layerwise":
+            check(self.sync_every >= 2 and self.outer_fragments == 1 and self.outer_delay == 0,
+                  "outer_schedule", "'layerwise' with sync_every >= 2 and outer_fragments, "
+                  "outer_delay left alone (it sets its own groups and overlap), got "
+                  f"sync_every={self.sync_every}, outer_fragments={self.outer_fragments}, "
+                  f"outer_delay={self.outer_delay}")
         if self.sync != "diloco":   # "auto" offers local SGD only where it can run
             return
         # ZeRO inside a host, local SGD between hosts (HSDP inside, DiLoCo across): a host's

@@ -35,7 +35,7 @@ from ..comm.wire import (
     topk_count,
     topk_index_bytes,
 )
-from ..plans.plan import Cost, ParamPlan, assign_buckets, dtype_bytes, fragments_of
+from ..plans.plan import Cost, OuterSync, ParamPlan, assign_buckets, dtype_bytes, outer_groups
 from ..plans.rows import TableLayout, routes
 
 
@@ -162,11 +162,14 @@ def outer_bucket_wire(numel: int, workers: int, per_worker: int = 1, codec: str 
 
 def outer_sync_wire(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
                     per_worker: int = 1, codec: str = "none", item: int = 4,
-                    fragments: int = 1) -> OuterWire:
-    """Exact: what `LocalSGD` counts in one period of H steps (every fragment synced once) for
-    parameters of these sizes (registration order), cut and bucketed as it cuts them."""
+                    fragments: int = 1, every: int = 1,
+                    schedule: str = "streaming") -> OuterWire:
+    """Exact: what `LocalSGD` counts in one period of `every` steps (every fragment or, under
+    the "layerwise" schedule, every group synced once) for parameters of these sizes
+    (registration order), cut and bucketed as it cuts them."""
     total = OuterWire(0, 0, 0, 0)
-    for members in fragments_of(nbytes_in_order, fragments):
+    for members in outer_groups(nbytes_in_order, OuterSync(every, fragments=fragments,
+                                                           schedule=schedule)):
         order = list(reversed([nbytes_in_order[i] for i in members]))
         for bucket in assign_buckets(order, bucket_bytes):
             total += outer_bucket_wire(sum(order[i] for i in bucket) // item, workers,
@@ -176,11 +179,11 @@ def outer_sync_wire(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
 
 def outer_sync_bytes(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
                      per_worker: int = 1, codec: str = "none", item: int = 4,
-                     fragments: int = 1) -> int:
+                     fragments: int = 1, every: int = 1, schedule: str = "streaming") -> int:
     """Bytes one rank sends in one period's outer syncs (`outer_sync_wire`'s, across and
     within)."""
     return outer_sync_wire(nbytes_in_order, bucket_bytes, workers, per_worker, codec,
-                           item, fragments).sent
+                           item, fragments, every, schedule).sent
 
 
 def _outer_shape(outer, topology: Topology, links: Links) -> tuple[int, int, Link]:
@@ -228,7 +231,7 @@ def outer_step_seconds(entries: list[ParamPlan], outer, topology: Topology, link
     workers, per_worker, across = _outer_shape(outer, topology, links)
     item = dtype_bytes(entries[0].dtype)
     wire = outer_sync_wire([p.nbytes for p in entries], bucket_bytes, workers, per_worker,
-                           outer.compress, item, outer.fragments)
+                           outer.compress, item, outer.fragments, outer.every, outer.schedule)
     dense = sum(p.nbytes for p in entries if p.zero <= 1)   # stage 1 rides the buckets
     inner = ring_allreduce_bytes(dense, per_worker)
     sharded = zero_bucket_seconds(entries, per_worker, links.intra, 1, bucket_bytes)

@@ -615,7 +615,8 @@ def options_of(config: ParallelConfig) -> dict:
     if config.sync == "diloco":
         out |= {k: getattr(config, k) for k in (
             "sync", "sync_every", "outer_optimizer", "outer_lr", "outer_momentum",
-            "outer_worker", "outer_compress", "outer_fragments", "outer_delay", "outer_mix")}
+            "outer_worker", "outer_compress", "outer_fragments", "outer_delay", "outer_mix",
+            "outer_schedule")}
     return out
 
 

@@ -86,7 +86,7 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                                                config.outer_lr, config.outer_momentum,
                                                config.outer_worker, config.outer_compress,
                                                config.outer_fragments, config.outer_delay,
-                                               config.outer_mix),
+                                               config.outer_mix, config.outer_schedule),
                                topology, links)
     if config.batch_shares is None:
         return made
@@ -144,8 +144,11 @@ def with_outer_sync(plan: Plan, outer: OuterSync, topology: Topology | None = No
         raise PlanError(f"outer_fragments: {outer.fragments} fragments of {dense} all-reduced "
                         f"parameters (a fragment holds at least one)")
     width = {"none": "", "bf16": " in bf16", "int8": " in int8", "int4": " in int4"}
-    streamed = f", in {outer.fragments} fragments" if outer.fragments > 1 else ""
-    overlapped = f", each beside {outer.delay} inner steps" if outer.delay else ""
+    streamed = f", in {outer.fragments} fragments" if outer.fragments > 1 else \
+        f", layer-wise in {min(outer.every - 1, dense)} groups" \
+        if outer.schedule == "layerwise" else ""
+    overlapped = f", each beside {outer.delay} inner steps" if outer.delay else \
+        ", each beside one inner step" if outer.schedule == "layerwise" else ""
     said = (f"averaged every {outer.every} steps{width[outer.compress]} (local SGD"
             f"{' over hosts' if hosts else ''}{streamed}{overlapped})")
     params = tuple(dataclasses.replace(

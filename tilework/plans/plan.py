@@ -235,6 +235,11 @@ class OuterSync:
     fragments: int = 1
     delay: int = 0
     mix: float = 0.5
+    # "streaming": `fragments` runs landing at (f+1) H / F, `delay` steps after their launch,
+    # mixed by `mix`; "layerwise" (DreamDDP): groups of about equal bytes, each launched after
+    # its own inner step and landing after the next, on top of what that step learnt
+    # (`outer_groups`, `sync_slots`).
+    schedule: str = "streaming"
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -477,7 +482,8 @@ def config_of(plan: Plan) -> ParallelConfig:
             "outer_optimizer": plan.outer.optimizer, "outer_lr": plan.outer.lr,
             "outer_momentum": plan.outer.momentum, "outer_worker": plan.outer.worker,
             "outer_compress": plan.outer.compress, "outer_fragments": plan.outer.fragments,
-            "outer_delay": plan.outer.delay, "outer_mix": plan.outer.mix}))
+            "outer_delay": plan.outer.delay, "outer_mix": plan.outer.mix,
+            "outer_schedule": plan.outer.schedule}))
 
 
 # -- the row map: pure functions shared by the runtime and the cost model ---------------------
@@ -529,6 +535,44 @@ def assign_buckets(nbytes_in_order: list[int], bucket_bytes: int) -> list[list[i
     if current:
         buckets.append(current)
     return buckets
+
+
+def outer_groups(nbytes_in_order: list[int], outer: OuterSync) -> list[list[int]]:
+    """The parameters (indices, registration order) each sync of a local-SGD period sends:
+    Streaming DiLoCo's `fragments` runs, or, under the "layerwise" schedule, `layerwise_groups`
+    over the period's steps."""
+    if outer.schedule == "layerwise":
+        return layerwise_groups(nbytes_in_order, outer.every)
+    return fragments_of(nbytes_in_order, outer.fragments)
+
+
+def layerwise_groups(nbytes_in_order: list[int], every: int) -> list[list[int]]:
+    """DreamDDP's partial synchronisation: the parameters in min(every - 1, count) groups of
+    about equal bytes (the largest first, each to the group with the fewest bytes so far,
+    ties to the first), members in registration order. Each group's exchange runs beside one
+    inner step (`sync_slots`), so the step it can hide under is the same for every group and
+    balancing the bytes is the schedule."""
+    count = min(every - 1, len(nbytes_in_order))
+    groups: list[list[int]] = [[] for _ in range(count)]
+    load = [0] * count
+    for i in sorted(range(len(nbytes_in_order)), key=lambda i: (-nbytes_in_order[i], i)):
+        g = min(range(count), key=lambda k: (load[k], k))
+        groups[g].append(i)
+        load[g] += nbytes_in_order[i]
+    return [sorted(g) for g in groups]
+
+
+def sync_slots(outer: OuterSync, groups: int) -> list[tuple[int, int]]:
+    """(launch, landing) inner step of each of `groups` syncs in a period of `outer.every`
+    (steps counted from 1; launched after that step's update, landed after the other's).
+    Streaming: fragment f lands at (f+1) H / F, launched `delay` steps before. Layerwise:
+    group g launched after step 1 + g (H-1) / G and landed after the next, so every group lands
+    within the period and nothing is in flight at its end."""
+    if outer.schedule == "layerwise":
+        return [(1 + g * (outer.every - 1) // groups, 2 + g * (outer.every - 1) // groups)
+                for g in range(groups)]
+    return [((f + 1) * outer.every // groups - outer.delay, (f + 1) * outer.every // groups)
+            for f in range(groups)]
 
 
 def fragments_of(nbytes_in_order: list[int], count: int) -> list[list[int]]:

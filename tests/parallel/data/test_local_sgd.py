@@ -158,6 +158,12 @@ def test_what_local_sgd_refuses_in_one_line():
         ParallelConfig(sync="diloco", outer_worker="machine")
     with pytest.raises(ConfigError, match="outer_compress: expected 'none', 'bf16'"):
         ParallelConfig(sync="diloco", outer_compress="fp8")
+    with pytest.raises(ConfigError, match="outer_schedule: expected 'streaming' or 'layerwise'"):
+        ParallelConfig(sync="diloco", outer_schedule="dream")
+    with pytest.raises(ConfigError, match="outer_schedule: expected 'layerwise' with "
+                                          "sync_every >= 2 and outer_fragments, outer_delay"):
+        ParallelConfig(sync="diloco", sync_every=8, outer_fragments=2,
+                       outer_schedule="layerwise")
     with pytest.raises(PlanError, match="outer_worker: 'host' .* these have \\[2, 1\\] ranks"):
         plan(build(job("cnn")).model, ParallelConfig(sync="diloco", outer_worker="host"),
              topology=Topology.from_sizes([2, 1]))
@@ -205,8 +211,9 @@ def resumed(rank, world_size, path, stop, steps, outer, saved_at=4):
     (2, {}, 4),
     (2, {"sync_every": 4}, 3),
     (2, {"outer_compress": "int4", "sync_every": 4, "outer_fragments": 2, "outer_delay": 1}, 4),
-    (4, {"outer_worker": "host", "zero": 2, "zero_scope": "host", "outer_compress": "int8"}, 4)],
-    ids=["plain", "mid-period", "int4-streamed", "hosts-zero2-int8"])
+    (4, {"outer_worker": "host", "zero": 2, "zero_scope": "host", "outer_compress": "int8"}, 4),
+    (2, {"sync_every": 4, "outer_schedule": "layerwise"}, 4)],
+    ids=["plain", "mid-period", "int4-streamed", "hosts-zero2-int8", "layerwise"])
 def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path, world,
                                                                          extra, at):
     """Each rank's Adam moments are its own between syncs; the checkpoint keeps every rank's,
@@ -239,7 +246,7 @@ def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_pat
         for mine, theirs in zip(owed, [own["feedback"] for own in again["outer"]["own"]]):
             assert all(torch.equal(a, b) for pair, other in zip(mine, theirs)
                        for a, b in zip(pair, other))
-    if "outer_fragments" in outer:   # rank 1's own parameters differ from rank 0's
+    if "outer_fragments" in outer or "outer_schedule" in outer:   # ranks' own differ
         mine, theirs = whole["outer"]["own"]
         assert any(not torch.equal(v, theirs["params"][k]) for k, v in mine["params"].items())
 

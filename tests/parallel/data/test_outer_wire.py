@@ -25,7 +25,7 @@ from tilework.comm.wire import ring_allreduce_bytes
 from tilework.data import ShardedBatches
 from tilework.estimate.cost import outer_bucket_wire, outer_sync_wire, zero_sync_bytes
 from tilework.planner import plan
-from tilework.plans.plan import config_of, fragments_of
+from tilework.plans.plan import OuterSync, config_of, fragments_of, layerwise_groups, sync_slots
 from tilework.testing import spawn
 from tilework.train.workloads import build
 
@@ -249,3 +249,94 @@ def test_streaming_fragments_and_an_overlapped_landing_are_streaming_diloco_by_h
     assert results[0][1]["total"]["outer"]["sent"] == 2 * period.sent
     # Each sync sends its fragment: about 1/F of the model's.
     assert results[0][1]["total"]["outer"]["calls"] == 2 * fragments
+
+
+def layered(rank, world_size, every, optimizer, lr, momentum):
+    work = build(job("cnn"))
+    opt = torch.optim.SGD(work.model.parameters(), lr=LR["sgd"])
+    tilework.parallelize(work.model, opt, mode="allreduce", log=False, sync="diloco",
+                         sync_every=every, outer_optimizer=optimizer, outer_lr=lr,
+                         outer_momentum=momentum, outer_schedule="layerwise")
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    _train(work, opt, sampler, 2 * every)
+    state = {k: v.detach().clone() for k, v in work.model.state_dict().items()}
+    return state, tilework.stats(work.model)
+
+
+def layerwise_by_hand(world, every, optimizer, lr, momentum):
+    """DreamDDP's partial synchronisation written out: the parameters in H - 1 groups of about
+    equal bytes; group g's pseudo-gradients (anchor - own) taken after inner step g + 1 of each
+    period, averaged, the outer step landing after step g + 2, every copy's group then the
+    outer result plus what its own step g + 2 changed."""
+    works = [build(job("cnn")) for _ in range(world)]
+    anchor = copy.deepcopy(works[0].model)
+    outer = torch.optim.SGD(anchor.parameters(), lr=lr, momentum=momentum,
+                            nesterov=optimizer == "nesterov" and momentum > 0)
+    inner = [torch.optim.SGD(w.model.parameters(), lr=LR["sgd"]) for w in works]
+    samplers = [ShardedBatches(len(works[0].train_set), BATCH, r, world) for r in range(world)]
+    names = [n for n, _ in anchor.named_parameters()]
+    groups = layerwise_groups([p.numel() * 4 for p in anchor.parameters()], every)
+    slots = [(1 + g, 2 + g) for g in range(every - 1)]   # H - 1 groups: one per step
+    assert len(groups) == every - 1
+    pending, taken = {}, {}
+    for step in range(2 * every):
+        for w, opt, sampler in zip(works, inner, samplers):
+            w.loss(w.model, w.train_set.collate(sampler.indices(step)), step).backward()
+            opt.step()
+            opt.zero_grad()
+        into = step % every + 1
+        for g, members in enumerate(groups):
+            launch, lands = slots[g]
+            if into == lands:
+                for n, a in anchor.named_parameters():
+                    a.grad = pending[g].get(n)
+                outer.step()
+                outer.zero_grad()
+                for w, before in zip(works, taken[g]):
+                    own = dict(w.model.named_parameters())
+                    with torch.no_grad():
+                        for n in pending[g]:
+                            a = dict(anchor.named_parameters())[n]
+                            own[n].copy_(a + (own[n] - before[n]))
+            if into == launch:
+                anchors = dict(anchor.named_parameters())
+                taken[g] = [{names[i]: dict(w.model.named_parameters())[names[i]].detach()
+                             .clone() for i in members} for w in works]
+                pending[g] = {names[i]: torch.stack([anchors[names[i]].detach() - t[names[i]]
+                                                     for t in taken[g]]).mean(0)
+                              for i in members}
+    return works[0].model.state_dict()
+
+
+@pytest.mark.parametrize("optimizer, lr, momentum", [("sgd", 1.0, 0.0),
+                                                     ("nesterov", OUTER_LR, MOMENTUM)],
+                         ids=["dreamddp", "nesterov"])
+def test_the_layerwise_schedule_is_dreamddp_by_hand_and_sends_the_plans_bytes(
+        optimizer, lr, momentum):
+    """outer_schedule="layerwise" at H = 4 on 2 ranks: DreamDDP written out by hand (its plain
+    averaging: outer SGD of lr 1 without momentum; and with DiLoCo's Nesterov outer step), and
+    the counted bytes are `outer_sync_wire`'s for the schedule, H - 1 syncs a period."""
+    every = 4
+    results = spawn(layered, 2, args=(every, optimizer, lr, momentum), timeout=240)
+    assert worst(results[0][0], layerwise_by_hand(2, every, optimizer, lr, momentum)) <= 1e-5
+    model = build(job("cnn")).model
+    nbytes = [p.numel() * p.element_size() for p in model.parameters()]
+    period = outer_sync_wire(nbytes, 25 * 2**20, 2, every=every, schedule="layerwise")
+    assert results[0][1]["total"]["outer"]["sent"] == 2 * period.sent
+    assert results[0][1]["total"]["outer"]["calls"] == 2 * (every - 1)
+    # One period's bytes are the whole model's, as plain local SGD's (padding aside).
+    assert period.sent <= outer_sync_wire(nbytes, 25 * 2**20, 2).sent + 4 * (every - 1) * 4
+
+
+def test_layerwise_groups_balance_the_bytes_and_slots_end_inside_the_period():
+    sizes = [400, 100, 100, 300, 50, 50, 200]
+    groups = layerwise_groups(sizes, 4)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+    assert [sum(sizes[i] for i in g) for g in groups] == [400, 400, 400]
+    assert all(g == sorted(g) for g in groups)
+    assert len(layerwise_groups([8, 8], 40)) == 2   # no more groups than parameters
+    for every, count in ((4, 3), (40, 2), (2, 1), (10, 9)):
+        slots = sync_slots(OuterSync(every, schedule="layerwise"), count)
+        assert all(1 <= a < b <= every for a, b in slots)
+        assert len({a for a, _ in slots}) == count   # one launch per step at most
+    assert sync_slots(OuterSync(4, schedule="layerwise"), 3) == [(1, 2), (2, 3), (3, 4)]

@@ -38,7 +38,7 @@ from torch import nn
 from ...comm.codec import decode, encode, multiple_of
 from ...comm.counted import Stats, all_gather, all_gather_async, all_reduce_async, all_to_all_v
 from ...errors import InputError, PlanError
-from ...plans.plan import OuterSync, assign_buckets, fragments_of
+from ...plans.plan import OuterSync, assign_buckets, outer_groups, sync_slots
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ class _Fragment:
         self.running: dict[int, object] = {}
         self.averaged: dict[int, torch.Tensor] = {}
         self.launched = False   # its exchange started this period, not landed yet
+        self.at_launch: dict[str, torch.Tensor] = {}   # layerwise: its parameters then
 
     @property
     def names(self) -> list[str]:
@@ -129,6 +130,13 @@ class LocalSGD:
     inner steps; the result is then mixed with what the rank learnt meanwhile:
     theta <- mix * theta + (1 - mix) * outer (Streaming DiLoCo's alpha). Nothing is in flight at
     the end of a period, where checkpoints are taken.
+
+    Layerwise (`outer.schedule`, DreamDDP's partial synchronisation): groups of about equal
+    bytes (plans/plan.layerwise_groups), group g's exchange launched after its own inner step
+    and landed after the next (plans/plan.sync_slots), so it travels beside that step's
+    forward, backward and update; at the landing theta <- outer + (theta - theta_launch): the
+    outer step on the parameters as they were at the launch, plus what this rank's step did
+    since (DreamDDP averages the parameters before the step and applies the step on top).
     """
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], workers: Workers,
@@ -137,15 +145,14 @@ class LocalSGD:
         self.codec = outer.compress
         self.params = [(n, p) for n, p in params if p.requires_grad]
         self.fragments = []
-        cuts = fragments_of([p.numel() * p.element_size() for _, p in self.params],
-                            outer.fragments)
-        for f, members in enumerate(cuts):
+        cuts = outer_groups([p.numel() * p.element_size() for _, p in self.params], outer)
+        for members, (launch, lands) in zip(cuts, sync_slots(outer, len(cuts))):
             order = list(reversed([self.params[i] for i in members]))
             buckets = [_Bucket([order[i] for i in b], workers, self.codec)
                        for b in assign_buckets([p.numel() * p.element_size() for _, p in order],
                                                bucket_bytes)]
-            lands = (f + 1) * outer.every // outer.fragments
-            self.fragments.append(_Fragment(buckets, lands - outer.delay, lands))
+            self.fragments.append(_Fragment(buckets, launch, lands))
+        self.layerwise = outer.schedule == "layerwise"
         self.buckets = [b for f in self.fragments for b in f.buckets]
         self.by_name = dict(self.params)
         # The parameters at the last sync: what the outer optimizer steps.
@@ -156,8 +163,9 @@ class LocalSGD:
                                          nesterov=outer.optimizer == "nesterov"
                                          and outer.momentum > 0)
         self.inner_steps = 0   # into the current period of `every`
-        # With fragments or a delay, ranks' parameters differ even at a period's end.
-        self.ranks_differ = outer.fragments > 1 or outer.delay > 0
+        # With fragments, a delay or layer-wise groups, ranks' parameters differ even at a
+        # period's end.
+        self.ranks_differ = len(self.fragments) > 1 or outer.delay > 0 or self.layerwise
         self.landed = None   # called after every landing (ZeRO's shards follow the parameters)
 
     def after_step(self) -> bool:
@@ -186,6 +194,8 @@ class LocalSGD:
         for b in fragment.buckets:
             b.owed = None if b.error is None else (b.error.clone(), b.owner_error.clone())
         fragment.launched = True
+        if self.layerwise:
+            fragment.at_launch = {n: self.by_name[n].detach().clone() for n in fragment.names}
         fragment.running = {i: self._exchange(b) for i, b in enumerate(fragment.buckets)}
         fragment.averaged = {}
         fragment.advance()
@@ -228,7 +238,9 @@ class LocalSGD:
         mix = self.outer.mix if self.outer.delay else 0.0
         for n in names:
             p, anchor = self.by_name[n], self.anchors[n]
-            if mix:
+            if self.layerwise:   # the outer result plus this rank's step since the launch
+                p.sub_(fragment.at_launch.pop(n)).add_(anchor)
+            elif mix:
                 p.mul_(mix).add_(anchor, alpha=1 - mix)
             else:
                 p.copy_(anchor)
@@ -298,6 +310,7 @@ class LocalSGD:
         self.inner_steps = 0
         for fragment in self.fragments:
             fragment.running, fragment.averaged, fragment.launched = {}, {}, False
+            fragment.at_launch = {}
         self.load_own_state(None)
 
     def state_dict(self) -> dict:
@@ -324,6 +337,7 @@ class LocalSGD:
         # Exchanges that were in flight when it was saved start again at their landing.
         for fragment in self.fragments:
             fragment.running, fragment.averaged, fragment.launched = {}, {}, False
+            fragment.at_launch = {}
 
     def own_state(self) -> dict:
         """What only this rank holds: its error-feedback buffers (compressed), and its
