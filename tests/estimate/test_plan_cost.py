@@ -115,3 +115,36 @@ def test_local_sgd_is_priced_as_it_syncs_not_every_step():
             model, tilework.ParallelConfig(mode="allreduce", sync="diloco", sync_every=20,
                                            outer_worker="host", outer_compress="int4"),
             slow).of("allreduce")))
+
+
+def test_a_layerwise_sync_is_priced_beside_the_inner_step_it_travels_with():
+    """outer_schedule="layerwise": each group's sync runs beside one inner step, so the step
+    waits only for what outlasts its compute: on a slow link, the groups' seconds beyond the
+    compute over H; the same bytes as plain local SGD; hidden entirely where every group's
+    sync is shorter than a step."""
+    from tilework.estimate.cost import outer_step_seconds
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 8))
+    cluster = Cluster(hosts=[Host("a", 1), Host("b", 1)],
+                      links=Links(inter=Link(0.1, 500.0)))
+    inputs = (torch.randn(4, 256),)
+
+    def made(**sync):
+        return tilework.plan(model, tilework.ParallelConfig(mode="allreduce", sync="diloco",
+                                                            sync_every=4, **sync), cluster)
+
+    plain, layered = made(), made(outer_schedule="layerwise")
+    entries, topo = layered.of("allreduce"), cluster.topology()
+    bare = outer_step_seconds(entries, layered.outer, topo, cluster.links, layered.bucket_bytes)
+    # The same bytes as plain local SGD's sync, in three meetings a period instead of one.
+    assert bare == pytest.approx(outer_step_seconds(plain.of("allreduce"), plain.outer, topo,
+                                                    cluster.links, plain.bucket_bytes)
+                                 + 2 * 2 * 500e-6 / 4, rel=1e-3)
+    fast = estimate(layered, cluster, model, inputs, flops=1e12, with_memory=False)
+    slow = estimate(layered, cluster, model, inputs, flops=1e6, with_memory=False)
+    assert fast.comm_s > 0.5 * bare   # a step of microseconds hides little
+    assert slow.compute_s > 4 * bare and slow.comm_s == pytest.approx(0.0)   # all of it
+    streamed = estimate(plain, cluster, model, inputs, flops=1e6, with_memory=False)
+    assert streamed.comm_s == pytest.approx(bare - 2 * 2 * 500e-6 / 4, rel=1e-3)

@@ -220,23 +220,31 @@ def _inside_worker(p: ParamPlan, per_worker: int) -> tuple[int, int]:
 
 
 def outer_step_seconds(entries: list[ParamPlan], outer, topology: Topology, links: Links,
-                       bucket_bytes: int) -> float:
+                       bucket_bytes: int, beside_s: float = 0.0) -> float:
     """Seconds per step the all-reduced `entries` (registration order, ZeRO's too) wait on the
     wire under local SGD: a period's syncs, fragment by fragment and bucket by bucket as the
     runtime sends them, over H steps, plus a host worker's bucketed all-reduce every step
-    (ZeRO's entries: their exchanges inside the host). A delayed landing's overlap with the
-    inner steps is not credited."""
+    (ZeRO's entries: their exchanges inside the host). Under the "layerwise" schedule each
+    group's exchange runs beside one inner step of `beside_s` seconds (its compute), so only
+    what outlasts it waits; a streaming delay's overlap is not credited."""
     if not entries:
         return 0.0
     workers, per_worker, across = _outer_shape(outer, topology, links)
     item = dtype_bytes(entries[0].dtype)
-    wire = outer_sync_wire([p.nbytes for p in entries], bucket_bytes, workers, per_worker,
-                           outer.compress, item, outer.fragments, outer.every, outer.schedule)
+    nbytes = [p.nbytes for p in entries]
+    syncs = []   # each sync's seconds: its buckets, across the workers and inside one
+    for members in outer_groups(nbytes, outer):
+        order = list(reversed([nbytes[i] for i in members]))
+        wires = [outer_bucket_wire(sum(order[i] for i in b) // item, workers, per_worker,
+                                   outer.compress, item)
+                 for b in assign_buckets(order, bucket_bytes)]
+        syncs.append(sum(seconds(w.across, across, w.across_messages)
+                         + seconds(w.within, links.intra, w.within_messages) for w in wires))
+    hidden = beside_s if outer.schedule == "layerwise" else 0.0
     dense = sum(p.nbytes for p in entries if p.zero <= 1)   # stage 1 rides the buckets
     inner = ring_allreduce_bytes(dense, per_worker)
     sharded = zero_bucket_seconds(entries, per_worker, links.intra, 1, bucket_bytes)
-    return ((seconds(wire.across, across, wire.across_messages)
-             + seconds(wire.within, links.intra, wire.within_messages)) / outer.every
+    return (sum(max(0.0, t - hidden) for t in syncs) / outer.every
             + seconds(inner, links.intra,
                       ALL_REDUCE.messages(per_worker) * max(1, -(-dense // bucket_bytes))
                       if per_worker > 1 else 0)

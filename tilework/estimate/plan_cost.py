@@ -75,14 +75,15 @@ def entry_costs(plan: Plan, cluster: Cluster, traffic: dict | None = None) -> li
     return out
 
 
-def dense_seconds(plan: Plan, cluster: Cluster) -> float:
+def dense_seconds(plan: Plan, cluster: Cluster, beside_s: float = 0.0) -> float:
     """The bucketed dense parameters' part of `comm_seconds`: their all-reduce (in its wire
     width) and ZeRO's exchanges bucket by bucket, or under local SGD the sync's share and a
-    host's own exchanges (ZeRO's too)."""
+    host's own exchanges (ZeRO's too); `beside_s`: an inner step's compute, which a layer-wise
+    sync runs beside (`cost.outer_step_seconds`)."""
     topo, links, part = _dp_topology(plan, cluster), cluster.links, plan.part(0)
     if plan.outer is not None:
         return outer_step_seconds(part.of("allreduce"), plan.outer, topo, links,
-                                  part.bucket_bytes)
+                                  part.bucket_bytes, beside_s)
     # ZeRO-1's gradients are all-reduced in the replicated parameters' buckets.
     bucketed = [p for p in part.of("allreduce") if p.zero <= 1]
     dense = sum(p.nbytes for p in bucketed)
@@ -159,6 +160,9 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
         if key not in cache:
             cache[key] = _counted_compute(model, example_inputs, plan.recompute, flops)
         compute = cache[key] * pace(plan, cluster)
+        if plan.outer is not None and plan.outer.schedule == "layerwise":
+            # Each group's sync travels beside an inner step: what the compute hides.
+            comm -= dense_seconds(plan, cluster) - dense_seconds(plan, cluster, compute)
         runtime = _runtime_seconds(model, example_inputs, plan, cluster, flops, optimizer)
         return PlanCost(comm, compute, compute + comm + runtime, memory(), entries,
                         {"compute": compute, "dp": comm, "runtime": runtime})
@@ -176,7 +180,7 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
     step = found.step_s
     if plan.outer is not None or plan.grad_compress != "none":
         # The step model all-reduces every step in full width: these plans do not.
-        dense = dense_seconds(plan, cluster)
+        dense = dense_seconds(plan, cluster, parts.get("compute", 0.0))
         step += dense - parts["dp"]
         parts["dp"] = dense
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
