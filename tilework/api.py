@@ -193,11 +193,12 @@ def data_parallel_rank(model: nn.Module) -> tuple[int, int]:
 
 
 def batch_shares(model: nn.Module) -> list[int] | None:
-    """Each data-parallel rank's samples of the global batch under the plan the model runs
+    """Each data-parallel rank's (on a tp or cp mesh: replica's, indexed by
+    `data_parallel_rank`) samples of the global batch under the plan the model runs
     (ParallelConfig.batch_shares, given or chosen by plan="auto" with batch_shares="auto"), or
     None where every rank takes the same: e.g. `ShardedBatches(n, sum(shares),
     *tilework.data_parallel_rank(model), shares=shares)`."""
-    shares = _runtime(model).engine.plan.batch_shares
+    shares = _runtime(model).batch_shares()
     return None if shares is None else list(shares)
 
 

@@ -140,11 +140,13 @@ class ParallelConfig:
     all-gather / reduce-scatter in place of all-reduce, activations tp times smaller."""
 
     batch_shares: list[int] | Auto | None = None
-    """Samples of each global batch per data-parallel rank, in rank order, for ranks that
-    differ in speed or memory (planner/shares.batch_shares computes them; docs/heterogeneous.md):
-    each rank's gradient is weighted by its share, so the update is one process's on the
-    global batch; each rank must feed its own count (tilework.data.ShardedBatches(shares=...)
-    hands them out; the input checks say which rank did not). None: every rank the same.
+    """Samples of each global batch per data-parallel rank, in rank order (on a tp or cp
+    mesh: per data-parallel replica, in dp order, each replica's ranks feeding its count), for
+    ranks that differ in speed or memory (planner/shares.batch_shares computes them;
+    docs/heterogeneous.md): each rank's gradient is weighted by its share, so the update is
+    one process's on the global batch; each rank must feed its own count
+    (tilework.data.ShardedBatches(shares=...) hands them out; the input checks say which rank
+    did not). None: every rank the same.
     "auto" (with plan="auto"): the planner may choose them where the cluster's hosts differ,
     so the loop must read this rank's count from tilework.batch_shares(model)."""
 
@@ -374,14 +376,14 @@ class ParallelConfig:
               f"a weight from 0 to below 1, got {self.outer_mix!r}")
         check(self.outer_schedule in ("streaming", "layerwise"), "outer_schedule",
               f"'streaming' or 'layerwise', got {self.outer_schedule!r}")
+        if self.sync != "diloco":   # "auto" offers local SGD only where it can run
+            return
         if self.outer_schedule == "layerwise":
             check(self.sync_every >= 2 and self.outer_fragments == 1 and self.outer_delay == 0,
                   "outer_schedule", "'layerwise' with sync_every >= 2 and outer_fragments, "
                   "outer_delay left alone (it sets its own groups and overlap), got "
                   f"sync_every={self.sync_every}, outer_fragments={self.outer_fragments}, "
                   f"outer_delay={self.outer_delay}")
-        if self.sync != "diloco":   # "auto" offers local SGD only where it can run
-            return
         # ZeRO inside a host, local SGD between hosts (HSDP inside, DiLoCo across): a host's
         # ranks are one replica, so their shards are one optimizer's.
         check(not self.zero or (self.zero in (1, 2) and self.zero_scope == "host"
@@ -420,9 +422,9 @@ class ParallelConfig:
             isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shares),
             "batch_shares", f"a list of positive sample counts, one per rank, got {shares!r}")
         self.batch_shares = list(shares)
-        check(not self.model_parallel and not self.auto_axes, "batch_shares",
-              "shares for data parallelism only: with tp, pp or cp, uneven shares are not "
-              "built yet (every replica takes the same batch)")
+        check(self.pp == 1 and "pp" not in (self.auto_axes or ()), "batch_shares",
+              "shares per data-parallel replica with tp or cp; with pp, uneven shares are "
+              "not built yet (every replica takes the same batch)")
 
     def _check_mesh(self) -> None:
         def count(value) -> bool:

@@ -167,6 +167,8 @@ def outer_sync_wire(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
     """Exact: what `LocalSGD` counts in one period of `every` steps (every fragment or, under
     the "layerwise" schedule, every group synced once) for parameters of these sizes
     (registration order), cut and bucketed as it cuts them."""
+    if schedule == "layerwise" and every < 2:
+        raise ValueError(f"every: the layer-wise schedule syncs in every - 1 groups, got {every}")
     total = OuterWire(0, 0, 0, 0)
     for members in outer_groups(nbytes_in_order, OuterSync(every, fragments=fragments,
                                                            schedule=schedule)):

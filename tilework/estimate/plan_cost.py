@@ -184,22 +184,31 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
         step += dense - parts["dp"]
         parts["dp"] = dense
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
-    slowest = pace(plan, cluster)
-    if slowest != 1.0 and config.pp == 1:   # under pp the step model times each stage's speed
-        # Ranks that differ: the slowest rank's compute (its share at its speed) sets the
-        # pace of the stages' timeline (exchanges inside it are scaled too: a bound).
-        step += parts["pipeline"] * (slowest - 1.0)
-        parts["compute"] *= slowest
-        parts["pace"] = slowest
+    if config.pp == 1:   # under pp the step model times each stage's speed
+        step, parts = paced(step, parts, pace(plan, cluster))
     return PlanCost(comm, parts.get("compute"), step, memory(), entries, parts)
+
+
+def paced(step: float, parts: dict, slowest: float) -> tuple[float, dict]:
+    """A step-model step (without pipeline stages) at the pace of its slowest rank: that
+    rank's compute (its share at its speed) sets the pace of the stages' timeline (exchanges
+    inside it are scaled too: a bound)."""
+    if slowest == 1.0:
+        return step, parts
+    return step + parts["pipeline"] * (slowest - 1.0), \
+        parts | {"compute": parts["compute"] * slowest, "pace": slowest}
 
 
 def pace(plan: Plan, cluster: Cluster) -> float:
     """How much longer than an even share on a speed-1 rank the slowest rank computes, which a
     data-parallel step waits for: max over ranks of (its share / the mean share) / its speed
     (1 on a cluster of equal hosts with even shares)."""
-    speeds = cluster.speeds()
-    shares = plan.batch_shares or (1,) * len(speeds)
+    return share_pace(plan.rank_shares(), cluster.speeds())
+
+
+def share_pace(shares, speeds) -> float:
+    """`pace` of ranks taking `shares` of the batch (None: even) at `speeds`."""
+    shares = shares or (1,) * len(speeds)
     mean = sum(shares) / len(shares)
     return max(n / mean / s for n, s in zip(shares, speeds))
 
@@ -269,4 +278,5 @@ def _from_mesh(mesh):
     return Topology.from_sizes([mesh.size])
 
 
-__all__ = ["EntryCost", "PlanCost", "comm_seconds", "entry_costs", "estimate", "pace"]
+__all__ = ["EntryCost", "PlanCost", "comm_seconds", "entry_costs", "estimate", "pace", "paced",
+           "share_pace"]

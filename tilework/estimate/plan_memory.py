@@ -66,11 +66,14 @@ def plan_memory(model: nn.Module, plan: Plan, example_inputs: tuple, optimizer="
         return [found[r] for r in ranks]
     seen: dict[tuple, MemoryEstimate] = {}
     out = []
+    shares = plan.rank_shares()
+    uneven = shares is not None and len(set(shares)) > 1   # each replica on its own count
     for rank in ranks:
         at = plan.mesh.coords(rank)
-        key = (at["pp"], at["cp"], at["tp"])
+        key = (at["pp"], at["cp"], at["tp"], shares[rank] if uneven else None)
         if key not in seen:
-            seen[key] = _on_mesh(model, plan, example_inputs, optimizer, rank)
+            inputs = with_batch(example_inputs, shares[rank]) if uneven else example_inputs
+            seen[key] = _on_mesh(model, plan, inputs, optimizer, rank)
         out.append(dataclasses.replace(seen[key], rank=rank))
     return out
 

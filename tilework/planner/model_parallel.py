@@ -58,10 +58,12 @@ def plan_mesh(model: nn.Module, config: ParallelConfig, topology: Topology, clus
         schedule=config.schedule if cut else "", microbatches=schedule.microbatches if cut else 0,
         stages_per_rank=schedule.stages // config.pp if cut else 1, dp_mesh=dp_mesh)
     # The plan-wide settings (mode, buckets, offload) are the config's in every part's plan.
+    # Batch shares are the replicas' (each part's plan repeats them over its dp group: Plan.part).
+    shares = tuple(config.batch_shares) if isinstance(config.batch_shares, list) else None
     return dataclasses.replace(part_plan, params=tuple(merged.values()),
                                world_size=topology.world_size, mesh=mesh,
                                recompute=recompute_choices(meta, config.recompute),
-                               parallel=parallel)
+                               parallel=parallel, batch_shares=shares)
 
 
 def plan_part(model: nn.Module, part: nn.Module, config: ParallelConfig, topology: Topology,
@@ -84,7 +86,7 @@ def plan_part(model: nn.Module, part: nn.Module, config: ParallelConfig, topolog
 
 def _flat(config: ParallelConfig) -> ParallelConfig:
     return dataclasses.replace(config, tp=1, pp=1, cp=1, layout=None, microbatches=None,
-                               sequence_parallel=False, stage_weights=None)
+                               sequence_parallel=False, stage_weights=None, batch_shares=None)
 
 
 def _spec_text(spec) -> str:

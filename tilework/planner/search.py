@@ -34,6 +34,7 @@ from ..config.parallel import ParallelConfig
 from ..errors import ConfigError, PlanError
 from ..estimate.model_facts import ModelFacts
 from ..estimate.ops import OpTimes
+from ..estimate.plan_cost import paced
 from ..estimate.step import MeshCandidate, predict  # noqa: F401 - the search's record
 
 Candidate = MeshCandidate
@@ -304,16 +305,36 @@ def with_shares(found: list[ParallelConfig], cluster: Cluster,
     """On a cluster whose hosts differ in speed (and the config's batch_shares "auto": the
     loop hands each rank its count), each data-parallel candidate also with every
     rank's batch share by speed (planner/shares.py; the global batch: one rank's batch, the
-    example's, times the world), which the estimate prices by the slowest rank's pace."""
+    example's, times the world), which the estimate prices by the slowest rank's pace; and
+    each tp or cp candidate with every replica's share by its slowest rank's speed (the
+    example one replica's batch)."""
     if not cluster.heterogeneous or not example_inputs or not torch.is_tensor(example_inputs[0]) \
             or example_inputs[0].dim() == 0:
         return found
+    from ..cluster.mesh import parallel_mesh
     from .shares import batch_shares
 
-    total = example_inputs[0].shape[0] * cluster.world_size
-    shares = list(batch_shares(total, cluster.speeds()))
-    extra = [dataclasses.replace(c, batch_shares=shares) for c in found
-             if c.batch_shares is None and not c.model_parallel]
+    speeds, batch = cluster.speeds(), example_inputs[0].shape[0]
+    sizes = {h.procs for h in cluster.hosts}
+    per_host = next(iter(sizes)) if len(sizes) == 1 else None
+    extra = []
+    for c in found:
+        if c.batch_shares is not None or c.pp > 1:
+            continue
+        if not c.model_parallel:
+            extra.append(dataclasses.replace(c, batch_shares=list(
+                batch_shares(batch * cluster.world_size, speeds))))
+            continue
+        try:
+            mesh = parallel_mesh(cluster.world_size, per_host, c.tp, c.pp, c.cp)
+        except (ValueError, PlanError):   # a split the pricing refuses with its reason
+            continue
+        replicas = mesh.size_of("dp")
+        slowest = [min(s for r, s in enumerate(speeds) if mesh.coords(r)["dp"] == d)
+                   for d in range(replicas)]
+        if replicas > 1 and len(set(slowest)) > 1:
+            extra += _allowed(lambda c=c, slowest=slowest, replicas=replicas: dataclasses.replace(
+                c, batch_shares=list(batch_shares(batch * replicas, slowest))))
     return found + extra
 
 
@@ -373,7 +394,10 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
         found = cache[key]
         if found.step_s is None:
             return Candidate(config, None, found.why, {"dp_size": dp})
-        return Candidate(config, found.step_s, "", dict(found.parts) | {"dp_size": dp})
+        step, parts = found.step_s, dict(found.parts)
+        if config.pp == 1:   # as estimate(plan) paces it: the slowest rank's share and speed
+            step, parts = paced(step, parts, _mesh_pace(config, cluster))
+        return Candidate(config, step, "", parts | {"dp_size": dp})
     try:
         plan = make_plan(model, config, cluster, traffic=traffic)
         cost = estimate(plan, cluster, model, inputs, traffic=traffic, flops=flops_per_s,
@@ -384,6 +408,20 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
     if cost.step_s is None:
         return Candidate(config, None, cost.why or "its step cannot be priced", {"dp_size": dp})
     return Candidate(config, cost.step_s, "", cost.parts | {"dp_size": dp, "plan": plan})
+
+
+def _mesh_pace(config: ParallelConfig, cluster: Cluster) -> float:
+    """plan_cost.pace of a mesh candidate, from its config: each rank's replica's share."""
+    from ..cluster.mesh import parallel_mesh
+    from ..estimate.plan_cost import share_pace
+
+    shares = config.batch_shares if isinstance(config.batch_shares, list) else None
+    if shares is not None:
+        sizes = {h.procs for h in cluster.hosts}
+        mesh = parallel_mesh(cluster.world_size, next(iter(sizes)) if len(sizes) == 1 else None,
+                             config.tp, config.pp, config.cp)
+        shares = [shares[mesh.coords(r)["dp"]] for r in range(cluster.world_size)]
+    return share_pace(shares, cluster.speeds())
 
 
 def price_memory(model: nn.Module, found: Candidate, cluster: Cluster, example_inputs: tuple,
@@ -654,6 +692,7 @@ def label(c: Candidate) -> str:
     if cfg.sync == "diloco":
         out += f", local SGD every {cfg.sync_every} steps" + (
             f" in {cfg.outer_compress}" if cfg.outer_compress != "none" else "") + (
+            ", layer-wise" if cfg.outer_schedule == "layerwise" else "") + (
             " (weighed at x{:g} steps to a loss)".format(LOCAL_SGD_STEPS))
     return out
 

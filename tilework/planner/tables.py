@@ -247,7 +247,9 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
             head_rides=info.dtype in bucketed)))
     _refuse_recomputed_tables(recompute, params)
     return Plan(tuple(params), world_size, mode, sparse_reduce, local_aggregation, bucket_bytes,
-                Mesh.from_topology(topology), recompute, *offload)
+                Mesh.from_topology(topology), recompute, *offload,
+                zero_weights=tuple(zero_weights) if zero_weights is not None and zero
+                and world_size > 1 else None)
 
 
 def _push_dtype(asked: str, method: Method, info: ParamInfo, searched: ParamPlan | None,

@@ -278,16 +278,26 @@ class Plan:
     powersgd_rank: int = 1
     powersgd_start: int = 1000
     topk_ratio: float = 0.01
+    # ZeRO's chunks by weight (ParallelConfig.zero_weights), as given: each entry's
+    # `zero_chunks` are cut from them, and `config_of` gives them back.
+    zero_weights: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.outer, dict):   # from JSON
             object.__setattr__(self, "outer", OuterSync(**self.outer))
         if self.mesh is None:
             object.__setattr__(self, "mesh", Mesh((("world", self.world_size),)))
+        if self.zero_weights is not None:
+            object.__setattr__(self, "zero_weights", tuple(float(w) for w in self.zero_weights))
+        for p in self.params:   # a plan.json edited by hand: refused here, not at the runtime
+            if p.zero_chunks and len(p.zero_chunks) != self.world_size:
+                raise PlanError(f"{p.name}: zero_chunks gives {len(p.zero_chunks)} ranks' "
+                                f"shares, the plan has {self.world_size} ranks")
         if self.batch_shares is not None:
             object.__setattr__(self, "batch_shares", tuple(int(n) for n in self.batch_shares))
-            if len(self.batch_shares) != self.world_size:
-                raise PlanError(f"batch_shares: one per rank ({self.world_size}), got "
+            if len(self.batch_shares) != self.replicas:
+                each = "data-parallel replica" if self.parallel is not None else "rank"
+                raise PlanError(f"batch_shares: one per {each} ({self.replicas}), got "
                                 f"{len(self.batch_shares)}: {list(self.batch_shares)}")
         # As tuples whatever came in (JSON gives lists), so equal plans compare equal.
         object.__setattr__(self, "recompute", tuple((str(m), p) for m, p in self.recompute))
@@ -323,8 +333,28 @@ class Plan:
         recompute = tuple((m, policy) for m, policy in self.recompute
                           if any(n.startswith(m + ".") for n in held))
         dp_mesh = self.parallel.dp_mesh
+        # The dp group's ranks (dp x cp under context parallelism, dp-major): each takes its
+        # replica's share.
+        cp = self.mesh.size_of("cp")
+        shares = None if self.batch_shares is None else \
+            tuple(n for n in self.batch_shares for _ in range(cp))
         return dataclasses.replace(self, params=params, world_size=dp_mesh.size, mesh=dp_mesh,
-                                   recompute=recompute, parallel=None)
+                                   recompute=recompute, parallel=None, batch_shares=shares)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the ranks of a data-parallel plan, the dp axis of a mesh."""
+        return self.mesh.size_of("dp") if self.parallel is not None else self.world_size
+
+    def rank_shares(self) -> tuple[int, ...] | None:
+        """Each rank's samples of the global batch (its replica's share on a mesh), or None
+        where every rank takes the same."""
+        if self.batch_shares is None:
+            return None
+        if self.parallel is None:
+            return self.batch_shares
+        return tuple(self.batch_shares[self.mesh.coords(r)["dp"]]
+                     for r in range(self.world_size))
 
     def by_name(self) -> dict[str, ParamPlan]:
         return {p.name: p for p in self.params}
@@ -340,6 +370,7 @@ class Plan:
         out["parallel"] = None if self.parallel is None else self.parallel.as_dict()
         out["recompute"] = [list(pair) for pair in self.recompute]
         out["batch_shares"] = None if self.batch_shares is None else list(self.batch_shares)
+        out["zero_weights"] = None if self.zero_weights is None else list(self.zero_weights)
         out["outer"] = None if self.outer is None else self.outer.as_dict()
         out["params"] = [_entry_dict(p) for p in self.params]
         return out
@@ -463,11 +494,7 @@ def config_of(plan: Plan) -> ParallelConfig:
         zero=max((p.zero for p in zeros), default=0),
         # A plan whose ZeRO shards nothing (every parameter on the servers) offloads nothing.
         zero_scope=zeros[0].zero_scope if zeros else "world",
-        # An uneven cut's weights as the largest parameter's counts (proportional to the
-        # weights it was cut by, to one element).
-        zero_weights=[max(c, 1) for c in max((p for p in zeros if p.zero_chunks),
-                                             key=lambda p: p.numel).zero_chunks]
-        if any(p.zero_chunks for p in zeros) else None,
+        zero_weights=list(plan.zero_weights) if plan.zero_weights and zeros else None,
         offload=plan.offload if zeros else "none",
         offload_dir=plan.offload_dir, recompute=dict(plan.recompute) or "none", **sizes,
         layout=dict(par.layout) or None, sequence_parallel=par.sequence_parallel,

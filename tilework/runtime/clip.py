@@ -117,7 +117,9 @@ def _kinds(engine) -> list[tuple[torch.Tensor, bool, int]]:
         if g is not None:
             out.append((g, name in specs, ROWS))
     for s in engine.zero.shards:
-        if s.stage >= 2 and s.shard.grad is not None:
+        # A rank may own none of a parameter under chunks by memory (ParamPlan.zero_chunks):
+        # an empty gradient has no inf norm, and adds nothing to any other.
+        if s.stage >= 2 and s.shard.grad is not None and s.shard.grad.numel():
             out.append((s.shard.grad, s.name in specs, CHUNKS))
     return out
 

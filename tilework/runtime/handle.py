@@ -33,6 +33,10 @@ class DataParallelRuntime:
     def data_parallel_rank(self) -> tuple[int, int]:
         return self.engine.groups.rank, self.engine.groups.world_size
 
+    def batch_shares(self) -> tuple[int, ...] | None:
+        """Each data-parallel rank's (on a mesh: replica's) samples of the global batch."""
+        return self.engine.plan.batch_shares
+
     def stats(self) -> dict:
         return self.engine.stats_dict()
 
@@ -69,6 +73,9 @@ class MeshRuntime(DataParallelRuntime):
 
     def data_parallel_rank(self) -> tuple[int, int]:
         return self.mesh.groups.coord("dp"), self.mesh.mesh.size_of("dp")
+
+    def batch_shares(self) -> tuple[int, ...] | None:
+        return self.mesh.plan.batch_shares   # the engine's part repeats them over cp
 
     def stats(self) -> dict:
         out = self.engine.stats_dict()

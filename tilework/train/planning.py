@@ -98,10 +98,12 @@ def job_config(job: Job, cluster: Cluster):
     memories = {h.memory_gb for h in cluster.hosts} - {None}   # the hosts that say
     by_memory = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
     if (len(memories) > 1 and all(h.memory_gb is not None for h in cluster.hosts)
-            and not config.model_parallel):
+            and not config.model_parallel and not config.auto_axes):
         if config.server_weights is None:
             config = dataclasses.replace(config, server_weights=by_memory)
-        if config.zero_weights is None and config.zero and config.zero_scope == "world":
+        # (plan="auto" weighs the even cut and this one itself: planner/search.with_zero_weights)
+        if config.zero_weights is None and config.zero and config.zero_scope == "world" \
+                and config.plan != "auto":
             config = dataclasses.replace(config, zero_weights=by_memory)
     if config.plan == "auto" and config.batch_shares is None and cluster.heterogeneous:
         return dataclasses.replace(config, batch_shares="auto")   # the trainer hands them out

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .. import full_parameters, optim, prefetch
+from .. import batch_shares, full_parameters, optim, prefetch
 from ..checkpoint import file as checkpoint
 from ..data import ShardedBatches
 from .job import Job
@@ -130,11 +130,11 @@ def train(job: Job, groups=None, resume: bool = False, console: Console | None =
     console = console or Console(quiet=session.rank != 0, soft_wrap=True)
     work = build(job)
     model, opt = _prepare(job, work, session, cluster)
-    shares = model._tilework_engine.plan.batch_shares
+    shares = batch_shares(model)   # per data-parallel rank, or replica on a mesh
     if shares is not None:
         from ..planner.shares import gradient_weights
 
-        session.weight = gradient_weights(shares)[session.rank]
+        session.weight = gradient_weights(shares)[session.data_shard()[0]]
     sampler = _sampler(job, work, session, shares)
     out = Path(job.train.out_dir)
     ckpt_dir = out / "checkpoints"

@@ -212,8 +212,11 @@ def resumed(rank, world_size, path, stop, steps, outer, saved_at=4):
     (2, {"sync_every": 4}, 3),
     (2, {"outer_compress": "int4", "sync_every": 4, "outer_fragments": 2, "outer_delay": 1}, 4),
     (4, {"outer_worker": "host", "zero": 2, "zero_scope": "host", "outer_compress": "int8"}, 4),
-    (2, {"sync_every": 4, "outer_schedule": "layerwise"}, 4)],
-    ids=["plain", "mid-period", "int4-streamed", "hosts-zero2-int8", "layerwise"])
+    (2, {"sync_every": 4, "outer_schedule": "layerwise"}, 4),
+    # saved with a group's exchange in flight (launched after step 3, landing after step 4)
+    (2, {"sync_every": 4, "outer_schedule": "layerwise", "outer_compress": "int8"}, 3)],
+    ids=["plain", "mid-period", "int4-streamed", "hosts-zero2-int8", "layerwise",
+         "layerwise-in-flight-int8"])
 def test_a_resume_at_a_sync_is_exact_with_each_ranks_own_inner_optimizer(tmp_path, world,
                                                                          extra, at):
     """Each rank's Adam moments are its own between syncs; the checkpoint keeps every rank's,

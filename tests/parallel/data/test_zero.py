@@ -260,6 +260,11 @@ def test_uneven_chunks_send_what_the_cost_model_prices_and_keep_what_memory_says
     plan = tilework.plan(new_model(), ParallelConfig(zero=zero, zero_weights=[3, 1]),
                          topology=topology)
     even = tilework.plan(new_model(), ParallelConfig(zero=zero), topology=topology)
+    from tilework.plans.plan import Plan, config_of
+
+    # The configuration the plan says it runs under plans it again, and plan.json reads back.
+    assert tilework.plan(new_model(), config_of(plan), topology=topology) == plan
+    assert Plan.from_dict(plan.as_dict()) == plan
 
     def sent(priced):
         return sum(times * (REDUCE_SCATTER.sent(chunk * 2, 2) if kind == "reduce_scatter"
@@ -467,9 +472,22 @@ def _clip_norm(rank, world_size, zero, options):
     options = dict(options)
     hosts = options.pop("hosts", 1)
     groups = build_groups(dist.group.WORLD, Topology.uniform(hosts, world_size // hosts))
+    norm_type = options.pop("norm_type", 2.0)
     tilework.parallelize(model, opt, zero=zero, log=False, groups=groups, **options)
     model(*batch(0, rank, world_size)).backward()
-    return tilework.clip_grad_norm_(model, 1e9).item()
+    return tilework.clip_grad_norm_(model, 1e9, norm_type=norm_type).item()
+
+
+@pytest.mark.parametrize("zero, norm_type", [(2, 2.0), (3, float("inf"))])
+def test_clip_norm_with_chunks_by_weight_is_one_process_norm(zero, norm_type):
+    """Weights 1:40 leave rank 0 none of the 16-element parameters (an empty shard, whose inf
+    norm torch refuses): the norm is still one process's, of either kind."""
+    model = new_model()
+    model(*batch(0)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, norm_type).item()
+    got = spawn(_clip_norm, 2, args=(zero, {"zero_weights": [1, 40], "norm_type": norm_type}),
+                timeout=120)
+    assert all(abs(g - expected) <= 1e-5 * expected for g in got), (got, expected)
 
 
 @pytest.mark.parametrize("zero", [2, 3])

@@ -194,9 +194,10 @@ class LocalSGD:
         for b in fragment.buckets:
             b.owed = None if b.error is None else (b.error.clone(), b.owner_error.clone())
         fragment.launched = True
-        if self.layerwise:
+        if self.layerwise and not fragment.at_launch:   # (restored by a mid-period resume)
             fragment.at_launch = {n: self.by_name[n].detach().clone() for n in fragment.names}
-        fragment.running = {i: self._exchange(b) for i, b in enumerate(fragment.buckets)}
+        fragment.running = {i: self._exchange(b, fragment.at_launch)
+                            for i, b in enumerate(fragment.buckets)}
         fragment.averaged = {}
         fragment.advance()
 
@@ -258,17 +259,20 @@ class LocalSGD:
         return tuple(j if w.across is None else dist.get_global_rank(w.across, j)
                      for j, f in enumerate(flags) if f.item())
 
-    def _pseudo_gradient(self, bucket: _Bucket) -> torch.Tensor:
-        flat = torch.cat([(self.anchors[n] - p).reshape(-1) for n, p in bucket.params])
+    def _pseudo_gradient(self, bucket: _Bucket, at: dict) -> torch.Tensor:
+        """The anchors minus the parameters now, or as they were at the launch (`at`: the
+        layer-wise schedule's)."""
+        flat = torch.cat([(self.anchors[n] - at.get(n, p)).reshape(-1)
+                          for n, p in bucket.params])
         if self.codec != "none":
             flat = flat.float()
         return torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
 
-    def _exchange(self, bucket: _Bucket):
+    def _exchange(self, bucket: _Bucket, at: dict):
         """`bucket`'s average across the workers, as a generator that yields after each launch
         (so `sync` can launch every bucket's before waiting) and returns the flat average."""
         w, stats, codec = self.workers, self.stats, self.codec
-        flat = self._pseudo_gradient(bucket)
+        flat = self._pseudo_gradient(bucket, at)
         mine = flat.view(w.size, -1)[w.index]
         successor_remote = w.remote[(w.me + 1) % w.count] if w.count > 1 else False
         if codec == "none":
@@ -350,6 +354,10 @@ class LocalSGD:
                                for b in self.buckets]
         if self.ranks_differ or self.inner_steps:   # mid-period: every rank's own, too
             own["params"] = {n: p.detach().clone() for n, p in self.params}
+        if self.layerwise:   # a group in flight: its parameters at the launch, to rerun it
+            own["in_flight"] = {f: {n: t.clone() for n, t in fragment.at_launch.items()}
+                                for f, fragment in enumerate(self.fragments)
+                                if fragment.at_launch}
         return own
 
     @torch.no_grad()
@@ -372,6 +380,12 @@ class LocalSGD:
                 return False
             for n, p in self.params:
                 p.copy_(params[n])
+        for f, taken in own.get("in_flight", {}).items():
+            f = int(f)
+            if not self.layerwise or f >= len(self.fragments) \
+                    or set(taken) != set(self.fragments[f].names):
+                return False
+            self.fragments[f].at_launch = {n: t.clone() for n, t in taken.items()}
         return True
 
 

@@ -77,6 +77,7 @@ class Sharded:
         self.counts = tuple(counts) if counts and len(set(counts)) > 1 else ()
         self.chunk = max(self.counts) if self.counts else chunk_size(self.numel, n)
         self.own = self.counts[rank] if self.counts else self.chunk   # this rank's elements
+        self.start = sum(self.counts[:rank]) if self.counts else rank * self.chunk
         # `place`: the shard's home (parallel/data/offload.py): beside the parameter, or offloaded.
         self.shard = nn.Parameter(place(self.take(param.detach())),
                                   requires_grad=param.requires_grad)
@@ -84,7 +85,10 @@ class Sharded:
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk (a copy; zero-padded under the even cut) of a tensor shaped like
         the parameter, on the shard's device once the shard exists."""
-        chunk = self.rows(full)[self.rank, :self.own].clone()
+        if self.counts:   # straight from the flat values: no (n, chunk) copy on the way
+            chunk = full.reshape(-1)[self.start:self.start + self.own].clone()
+        else:
+            chunk = self.rows(full)[self.rank].clone()
         home = self.__dict__.get("shard")
         return chunk if home is None else chunk.to(home.device)
 
@@ -101,6 +105,18 @@ class Sharded:
         changes only at the next step)."""
         values = self.shard.detach().to(self.param.device, non_blocking=True)
         return padded(values, self.chunk)
+
+    def rows_into(self, full: torch.Tensor, out: torch.Tensor) -> None:
+        """`rows(full)` written into `out` ((n, chunk), a column slice of a bucket's buffer)
+        with no copy of its own on the way."""
+        if not self.counts:
+            out.copy_(self.rows(full))
+            return
+        flat, start = full.reshape(-1), 0
+        for j, count in enumerate(self.counts):
+            out[j, :count].copy_(flat[start:start + count])
+            out[j, count:].zero_()
+            start += count
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:
         """A parameter-shaped tensor as (n, chunk): row j is rank j's chunk (zero-padded)."""

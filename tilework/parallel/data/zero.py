@@ -23,6 +23,7 @@ the padding gets zero gradients and stays zero. Optimizers that need a whole ten
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -194,13 +195,18 @@ class ZeroSync:
         """The bucket's gradients as one flat buffer, rank-major (chunk j of every parameter
         for rank j), checked; each `.grad` becomes a stand-in. Its own function so that no
         local keeps a gradient alive once the receive buffer is made."""
-        parts = []
-        for s in bucket.shards:
+        dtype = functools.reduce(torch.promote_types, (s.param.dtype for s in bucket.shards))
+        rows = torch.empty(self.shard_size, sum(s.chunk for s in bucket.shards), dtype=dtype,
+                           device=bucket.shards[0].param.device)
+        parts = bucket.split(rows)   # each shard's columns, written in place
+        for s, part in zip(bucket.shards, parts):
             g = s.param.grad
-            g = torch.zeros_like(s.param) if g is None else g.to_dense() if g.is_sparse else g
-            parts.append(s.rows(g))
+            if g is None:
+                part.zero_()
+            else:
+                s.rows_into(g.to_dense() if g.is_sparse else g, part)
             s.param.grad = ShardedGradient(s.param, s.name, s.stage)   # it lives in the bucket
-        flat = torch.cat(parts, dim=1).reshape(-1)
+        flat = rows.reshape(-1)
         if self.checks is not None:
             self.checks.on_gradients([(s.name, g) for s, g in zip(bucket.shards, parts)], flat)
         return flat

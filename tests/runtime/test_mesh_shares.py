@@ -1,0 +1,93 @@
+"""Uneven batch shares on a tp or cp mesh (ParallelConfig(batch_shares=[...], tp=2 | cp=2)):
+each data-parallel replica takes its own count of the global batch, every rank of a replica the
+same, and the model trains as one process on the global batch (FlashFlex's per-replica batch;
+issue 27). The reference GPT on 4 ranks, SGD, against one process; tolerance as the mesh suite's
+(the tp sums and dp all-reduce reorder additions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilework
+from tests import tiny_gpt
+from tests.runtime.test_mesh_parallelize import GLOBAL_BATCH, SEQ, STEPS, TOL, VOCAB, new_gpt
+from tilework import ParallelConfig
+from tilework.errors import ConfigError
+from tilework.testing import spawn
+
+
+def _slice(step: int, shares, replica: int):
+    tokens, targets = tiny_gpt.gpt_batch(step, VOCAB, SEQ, GLOBAL_BATCH)
+    start = sum(shares[:replica])
+    return tokens[start:start + shares[replica]], targets[start:start + shares[replica]]
+
+
+def _reference():
+    model = new_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*tiny_gpt.gpt_batch(step, VOCAB, SEQ, GLOBAL_BATCH))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _train(rank, world_size, options):
+    model = new_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = tilework.parallelize(model, opt, log=False, **options)
+    replica, replicas = tilework.data_parallel_rank(model)
+    shares = tilework.batch_shares(model)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*_slice(step, shares, replica))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "replica": replica, "replicas": replicas, "shares": shares,
+            "state": tilework.state_dict(model, opt)["model"]}
+
+
+@pytest.mark.parametrize("options", [{"tp": 2, "batch_shares": [6, 2]},
+                                     {"cp": 2, "batch_shares": [2, 6]}], ids=["tp2", "cp2"])
+def test_replicas_of_a_mesh_take_their_shares_and_train_as_one_process(options):
+    losses, state = _reference()
+    results = spawn(_train, 4, (options,), timeout=300)
+    shares = options["batch_shares"]
+    for r in results:
+        assert r["shares"] == shares and r["replicas"] == 2
+        for k, v in state.items():
+            got = r["state"][k]
+            scale = v.abs().max().item() + 1e-12
+            assert (got - v).abs().max().item() / scale <= TOL, k
+    # Each replica's mean loss weighted by its share is the global batch's (every rank of a
+    # replica computes its replica's, or under cp its own tokens' half).
+    for step in range(STEPS):
+        weighted = sum(r["losses"][step] * shares[r["replica"]] for r in results) \
+            / sum(shares[r["replica"]] for r in results)
+        assert abs(weighted - losses[step]) <= 1e-5 * abs(losses[step]), step
+
+
+def test_shares_with_pp_are_refused_and_a_mesh_plan_takes_one_per_replica():
+    with pytest.raises(ConfigError, match="batch_shares: expected shares per data-parallel "
+                                          "replica with tp or cp; with pp"):
+        ParallelConfig(pp=2, batch_shares=[6, 2])
+    from tilework.cluster.topology import Topology
+
+    with torch.device("meta"):
+        model = new_gpt()
+    made = tilework.plan(model, ParallelConfig(tp=2, batch_shares=[6, 2]),
+                         topology=Topology.from_sizes([4]))
+    assert made.batch_shares == (6, 2) and made.rank_shares() == (6, 6, 2, 2)
+    assert made.part(0).batch_shares == (6, 2)
+    cp = tilework.plan(model, ParallelConfig(cp=2, batch_shares=[6, 2]),
+                       topology=Topology.from_sizes([4]))
+    assert cp.part(0).batch_shares == (6, 6, 2, 2)   # the dp x cp group, dp-major
+    with pytest.raises(tilework.errors.PlanError, match="one per data-parallel replica \\(2\\)"):
+        tilework.plan(model, ParallelConfig(tp=2, batch_shares=[6, 1, 1]),
+                      topology=Topology.from_sizes([4]))
