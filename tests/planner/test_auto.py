@@ -537,6 +537,16 @@ def test_sync_auto_goes_local_only_where_the_wire_outweighs_the_extra_steps():
     synchronous = next(c for c in slow.candidates if c.config.sync == "every_step"
                        and c.step_s is not None)
     assert slow.chosen.step_s * 2 < synchronous.step_s
+    # DreamDDP's layer-wise schedule is offered beside it: the same bytes, each group's sync
+    # beside an inner step, which the estimate credits, so it is taken on this link.
+    assert chosen.outer_schedule == "layerwise" and "layer-wise" in slow.why()
+    plain = next(c for c in slow.candidates if c.config.sync == "diloco"
+                 and c.config.outer_schedule == "streaming"
+                 and (c.config.zero, c.config.recompute) == (chosen.zero, chosen.recompute))
+    assert slow.chosen.step_s < plain.step_s
+    streamed = auto(model, dataclasses.replace(config, outer_fragments=2, sync_every=40), Cluster(
+        [Host("a", 2), Host("b", 2)], links=Links(inter=Link(0.1, 500.0))), inputs, RATE)
+    assert all(c.config.outer_schedule == "streaming" for c in streamed.candidates)
     with pytest.raises(tilework.errors.ConfigError, match="sync: expected 'auto' with plan"):
         ParallelConfig(sync="auto")
 

@@ -362,11 +362,14 @@ class ParallelConfig:
                   "'none' with sync='diloco' (its wire is outer_compress), ZeRO or tp/pp/cp: "
                   "compressed buckets are built for plain data-parallel all-reduce, got "
                   f"grad_compress={self.grad_compress!r}")
+        # Against sync_every only where local SGD runs: the search's synchronous variant of a
+        # streamed config (sync_every 1) keeps its outer_* as given.
+        local = self.sync == "diloco"
         check(isinstance(self.outer_fragments, int) and not isinstance(self.outer_fragments, bool)
-              and 1 <= self.outer_fragments <= self.sync_every, "outer_fragments",
-              f"a whole number from 1 to sync_every ({self.sync_every}), got "
+              and 1 <= self.outer_fragments <= (self.sync_every if local else self.outer_fragments),
+              "outer_fragments", f"a whole number from 1 to sync_every ({self.sync_every}), got "
               f"{self.outer_fragments!r}")
-        period = self.sync_every // self.outer_fragments
+        period = self.sync_every // self.outer_fragments if local else self.outer_delay + 1
         check(isinstance(self.outer_delay, int) and not isinstance(self.outer_delay, bool)
               and 0 <= self.outer_delay < period, "outer_delay",
               f"a whole number of steps below sync_every / outer_fragments ({period}), got "

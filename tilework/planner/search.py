@@ -134,16 +134,22 @@ def with_compression(found: list[ParallelConfig], base: ParallelConfig) -> list[
 
 def with_sync(found: list[ParallelConfig], base: ParallelConfig) -> list[ParallelConfig]:
     """sync="auto": every candidate synchronous, and, where local SGD can run (plain data
-    parallelism, no ZeRO, even shares), also with local SGD as `base`'s outer_* say."""
+    parallelism, no ZeRO, even shares), also with local SGD as `base`'s outer_* say, and with
+    its layer-wise schedule (DreamDDP's: the same bytes in H - 1 syncs, each beside an inner
+    step, which the estimate credits) where the user left the schedule as it comes."""
     if base.sync != "auto":
         return found
     every = base.sync_every if base.sync_every > 1 else AUTO_SYNC_EVERY
+    schedules = ["streaming", "layerwise"] if base.outer_schedule == "streaming" \
+        and base.outer_fragments == 1 and base.outer_delay == 0 else [base.outer_schedule]
     out = []
     for c in found:
         out.append(dataclasses.replace(c, sync="every_step", sync_every=1))
         if not c.zero and c.tp * c.pp * c.cp == 1 and c.batch_shares is None:
-            out += _allowed(lambda c=c: dataclasses.replace(
-                c, sync="diloco", sync_every=every, grad_compress="none"))
+            for schedule in schedules:
+                out += _allowed(lambda c=c, schedule=schedule: dataclasses.replace(
+                    c, sync="diloco", sync_every=every, grad_compress="none",
+                    outer_schedule=schedule))
     return out
 
 
