@@ -361,8 +361,34 @@ def zero_figures(plan, per_element: int, counter_bytes: int,
                                           plan.bucket_bytes)]
     after_step = max((w * (m + 1) + w2 * (m2 + 1) for (w, m), (w2, m2)
                       in zip(per_bucket, per_bucket[1:] + [(0, 0)])), default=0) if n > 1 else 0
+    state += outer_state_bytes(plan)
     return DenseFigures(params, grads, state, buckets, gathered, offloaded, updated, after_step,
                         last_flight)
+
+
+def outer_state_bytes(plan) -> int:
+    """What local SGD keeps on every rank beside the model (parallel/data/outer.LocalSGD): the
+    last sync's parameters (the outer optimizer's), their momentum where it has one, each
+    rank's error feedback of its slice and its part (compressed: float32), and under the
+    layer-wise schedule, where a group's exchange is in flight between steps, the largest
+    group's parameters as they were at its launch and its pseudo-gradient on the wire."""
+    from ..plans.plan import outer_groups
+
+    outer = plan.outer
+    dense = [p for p in plan.of("allreduce") if p.zero < 3]   # what LocalSGD averages
+    if outer is None or not dense:
+        return 0
+    nbytes = [p.nbytes for p in dense]
+    out = sum(nbytes) * (2 if outer.momentum > 0 else 1)
+    if outer.compress != "none":
+        hosts = plan.mesh.size_of("host") if "host" in plan.mesh.names else 1
+        workers = hosts if outer.worker == "host" else plan.world_size
+        per_worker = plan.world_size // workers
+        values = sum(p.numel for p in dense)
+        out += 4 * (values // per_worker + values // (per_worker * workers))
+    if outer.schedule == "layerwise":
+        out += 2 * max(sum(nbytes[i] for i in g) for g in outer_groups(nbytes, outer))
+    return out
 
 
 BUDGET_SHARE = 0.8   # paper 4's margin: a plan estimated under 80% of memory is not killed
