@@ -191,12 +191,13 @@ def _op_times(world_size: int, calls: list) -> tuple[list, dict]:
     import torch.distributed as dist
 
     from tilework.estimate.ops import framework_costs, measure
+    from tilework.runtime.table_costs import table_costs
 
     dist.barrier()
     got = measure(calls)
     mine = torch.tensor([got.get(c, -1.0) for c in calls], dtype=torch.float64)
     dist.all_reduce(mine)
-    costs = framework_costs()
+    costs = framework_costs() | table_costs()
     regions = sorted(costs)
     each = torch.tensor([costs[r] for r in regions], dtype=torch.float64)
     dist.all_reduce(each)

@@ -148,3 +148,31 @@ def test_a_layerwise_sync_is_priced_beside_the_inner_step_it_travels_with():
     assert slow.compute_s > 4 * bare and slow.comm_s == pytest.approx(0.0)   # all of it
     streamed = estimate(plain, cluster, model, inputs, flops=1e6, with_memory=False)
     assert streamed.comm_s == pytest.approx(bare - 2 * 2 * 500e-6 / 4, rel=1e-3)
+
+
+def test_each_served_or_gathered_table_adds_its_methods_measured_cost():
+    """Under the op model a table on the servers or all-gathered adds its method's measured
+    cost a step (runtime/table_costs.py: the runtime's own work, which no recorded op holds);
+    an all-reduced table adds none. `table_costs` measures both methods on one rank, no process
+    group needed."""
+    from tilework.estimate.ops import OpTimes
+    from tilework.runtime.table_costs import table_costs
+
+    with torch.device("meta"):
+        model = DLRM([500, 300], dense_features=4, embed_dim=8)
+    inputs = (torch.zeros(8, 4), torch.zeros(8, 2, dtype=torch.long), torch.zeros(8))
+    cluster = Cluster(hosts=[Host("a", 2)])
+    base = OpTimes({}, 2.0, {"none": 1e-6})
+    costed = OpTimes({}, 2.0, {"none": 1e-6, "table ps": 1e-3, "table allgather": 4e-4})
+
+    def step(method, rate):
+        made = tilework.plan(model, tilework.ParallelConfig(
+            overrides={"tables.0.weight": method, "tables.1.weight": method}), cluster)
+        return estimate(made, cluster, model, inputs, flops=rate, with_memory=False).step_s
+
+    for method, each in (("ps", 1e-3), ("allgather", 4e-4), ("allreduce", 0.0)):
+        # two tables, each at its method's cost, times the op model's scale
+        assert step(method, costed) - step(method, base) == pytest.approx(2 * 2 * each), method
+    measured = table_costs(steps=3)
+    assert set(measured) == {"table ps", "table allgather"}
+    assert all(v >= 0 for v in measured.values())

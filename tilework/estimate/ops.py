@@ -191,8 +191,9 @@ class _Marked:
 class OpTimes:
     """Seconds per measured call, and what the framework adds per call beside the op itself
     (`per_call`, by region: "none" outside any recomputed module, "selective" and "full"
-    inside one, where torch's checkpoint runs Python around every op: `framework_costs`);
-    `scale` multiplies the total (1: as measured)."""
+    inside one, where torch's checkpoint runs Python around every op: `framework_costs`;
+    and, as "table ps" / "table allgather", what each table placed so adds to a step:
+    runtime/table_costs.py); `scale` multiplies the total (1: as measured)."""
     seconds_of: dict = field(default_factory=dict)      # OpCall -> seconds
     scale: float = 1.0
     per_call: dict = field(default_factory=dict)        # region -> seconds

@@ -228,8 +228,8 @@ def _runtime_seconds(model, example_inputs: tuple, plan: Plan, cluster: Cluster,
                      optimizer) -> float:
     """Given OpTimes, what the runtime runs around a data-parallel step (estimate/runtime_ops.py):
     the bucketed dense parameters' copies (a sparse gradient made dense), ZeRO's, and the
-    optimizer's update of what the rank steps (the servers' tables step on the servers, not
-    priced here)."""
+    optimizer's update of what the rank steps; and each table's own work on the servers or
+    all-gathered, at its method's measured cost (OpTimes.per_call["table ps"], ...)."""
     from .op_stages import model_recording
     from .ops import OpTimes
     from .runtime_ops import runtime_calls
@@ -247,8 +247,12 @@ def _runtime_seconds(model, example_inputs: tuple, plan: Plan, cluster: Cluster,
     host_scope = any(p.zero and p.zero_scope == "host" for p in dense.values())
     shards = min(h.procs for h in cluster.hosts) if host_scope else plan.world_size
     units = tuple(dense[n].unit or "" for n, _ in held)
+    # Each table on the servers or all-gathered: its runtime's own work a step, as measured
+    # (runtime/table_costs.py; 0 where not measured).
+    tables = sum(rate.per_call.get(f"table {p.method}", 0.0) for p in plan.params
+                 if p.is_table and p.method in ("ps", "allgather")) * rate.scale
     return rate.priced(runtime_calls(specs, zero, shards, plan.world_size, plan.bucket_bytes,
-                                     optimizer, units=units))[0]
+                                     optimizer, units=units))[0] + tables
 
 
 def _steps_like_the_reference_gpt(model) -> bool:

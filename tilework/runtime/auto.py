@@ -178,12 +178,13 @@ def _measured_ops(groups: Groups, model: nn.Module, config: ParallelConfig, clus
     what the runtime copies and `optimizer` updates around them (estimate/runtime_ops.py)."""
     from ..estimate.ops import Collecting, OpTimes, framework_costs, measure
     from ..planner.search import priced_steps
+    from .table_costs import table_costs
 
     asked = Collecting()   # the steps only: memory needs no op times
     priced_steps(model, cluster, example_inputs, asked, config, space, traffic, o, optimizer)
     calls = sorted(asked.asked, key=repr)
     timed = measure(calls, groups.device, matmuls=False)
-    costs = framework_costs(groups.device)
+    costs = framework_costs(groups.device) | table_costs(groups.device)
     regions = sorted(costs)
     values = torch.tensor([timed.get(c, -1.0) for c in calls] + [costs[r] for r in regions],
                           dtype=torch.float64, device=groups.device)
