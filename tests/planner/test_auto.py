@@ -492,14 +492,15 @@ def test_hosts_of_different_speeds_get_batch_shares_by_speed():
 
 def test_tp_replicas_on_hosts_of_different_speeds_get_shares_by_their_slowest_rank():
     """tp=2 inside each of two hosts of speeds 4 and 1: each host is one replica, so the
-    candidates also split the batch 8 / 2 between the replicas (the example one replica's 5
-    sequences, times 2), and the shares win as they do without tp."""
+    candidates also split the batch 16 / 4 between the replicas (the example one rank's 5
+    sequences, times the 4 ranks: the even split's global batch), and the shares win as they
+    do without tp."""
     fast_slow = Cluster([Host("a", 2, speed=4.0), Host("b", 2, speed=1.0)])
     choice = auto(gpt(), ParallelConfig(plan="auto", tp=2, batch_shares="auto"), fast_slow,
                   tokens(batch=5), RATE, space=Space(zero=(0,), recompute=("none",),
                                                      offload=()))
-    assert choice.chosen.config.tp == 2 and choice.chosen.config.batch_shares == [8, 2]
-    assert choice.chosen.parts["plan"].rank_shares() == (8, 8, 2, 2)
+    assert choice.chosen.config.tp == 2 and choice.chosen.config.batch_shares == [16, 4]
+    assert choice.chosen.parts["plan"].rank_shares() == (16, 16, 4, 4)
     even = next(c for c in choice.candidates if c.config.batch_shares is None)
     assert choice.chosen.step_s < even.step_s
 

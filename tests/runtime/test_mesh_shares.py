@@ -88,6 +88,16 @@ def test_shares_with_pp_are_refused_and_a_mesh_plan_takes_one_per_replica():
     cp = tilework.plan(model, ParallelConfig(cp=2, batch_shares=[6, 2]),
                        topology=Topology.from_sizes([4]))
     assert cp.part(0).batch_shares == (6, 6, 2, 2)   # the dp x cp group, dp-major
+    with pytest.raises(ConfigError, match="batch_shares: expected 'auto' where tp, cp or pp"):
+        ParallelConfig(plan="auto", tp="auto", batch_shares=[6, 2])
+    from tilework.cluster.topology import Cluster, Host
+    from tilework.report.job import shares_section
+    from tilework.report.tables import _shares_lines
+
+    hosts = Cluster([Host("a", 2, speed=3.0), Host("b", 2, speed=1.0)])
+    section = shares_section(made, hosts)["shares"]
+    assert section["batch_shares"] == [6, 6, 2, 2]   # each rank's: its replica's
+    assert "rank 3: 2 at speed 1" in _shares_lines({"shares": section})[0]
     with pytest.raises(tilework.errors.PlanError, match="one per data-parallel replica \\(2\\)"):
         tilework.plan(model, ParallelConfig(tp=2, batch_shares=[6, 1, 1]),
                       topology=Topology.from_sizes([4]))

@@ -312,8 +312,8 @@ def with_shares(found: list[ParallelConfig], cluster: Cluster,
     loop hands each rank its count), each data-parallel candidate also with every
     rank's batch share by speed (planner/shares.py; the global batch: one rank's batch, the
     example's, times the world), which the estimate prices by the slowest rank's pace; and
-    each tp or cp candidate with every replica's share by its slowest rank's speed (the
-    example one replica's batch)."""
+    each tp or cp candidate with every replica's share by its slowest rank's speed (the same
+    global batch: a replica takes tp x cp ranks' worth)."""
     if not cluster.heterogeneous or not example_inputs or not torch.is_tensor(example_inputs[0]) \
             or example_inputs[0].dim() == 0:
         return found
@@ -338,9 +338,9 @@ def with_shares(found: list[ParallelConfig], cluster: Cluster,
         replicas = mesh.size_of("dp")
         slowest = [min(s for r, s in enumerate(speeds) if mesh.coords(r)["dp"] == d)
                    for d in range(replicas)]
-        if replicas > 1 and len(set(slowest)) > 1:
-            extra += _allowed(lambda c=c, slowest=slowest, replicas=replicas: dataclasses.replace(
-                c, batch_shares=list(batch_shares(batch * replicas, slowest))))
+        if replicas > 1 and len(set(slowest)) > 1:   # the global batch as the even split's
+            extra += _allowed(lambda c=c, slowest=slowest: dataclasses.replace(
+                c, batch_shares=list(batch_shares(batch * cluster.world_size, slowest))))
     return found + extra
 
 
@@ -385,6 +385,10 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
     if config.pp > 1 and batch % config.microbatches:
         return Candidate(config, None, f"each replica's {batch} sequences do not split into "
                                        f"{config.microbatches} microbatches", {"dp_size": dp})
+    shares = config.batch_shares if isinstance(config.batch_shares, list) else None
+    if shares is not None and config.model_parallel and len(shares) != dp:
+        return Candidate(config, None, f"batch_shares: {len(shares)} counts for {dp} "
+                                       "data-parallel replicas", {"dp_size": dp})
     if config.model_parallel:
         cache = {} if cache is None else cache
         # ZeRO's stages exchange differently (estimate/step.dp_seconds) and, under measured op

@@ -80,7 +80,8 @@ def shares_section(chosen: Plan, cluster: Cluster) -> dict:
     speeds = cluster.speeds()
     even = dataclasses.replace(chosen, batch_shares=None)
     return {"shares": {"speeds": speeds,
-                       "batch_shares": list(chosen.batch_shares) if chosen.batch_shares
+                       # each rank's (its replica's on a mesh)
+                       "batch_shares": list(chosen.rank_shares()) if chosen.batch_shares
                        else None,
                        "pace": pace(chosen, cluster), "even_pace": pace(even, cluster),
                        "ideal_pace": len(speeds) / sum(speeds)}}

@@ -66,12 +66,17 @@ def choose_live(model: nn.Module, optimizer, config: ParallelConfig, groups: Gro
 def _live_cluster(groups: Groups, cluster: Cluster | None, timed: Links | None,
                   speeds: list[float] | None = None) -> Cluster:
     """The world's hosts as discovered, with the cluster file's links, memory and speeds where
-    given (else the links `timed` and the `speeds` measured here)."""
+    given (else the links `timed` and the `speeds` measured here). The speeds are rescaled so
+    the slowest host's is 1: the live compute model is every rank's slowest time, which the
+    slowest rank's pace must not count again (relative to the fastest, even shares at speeds 1
+    and 0.25 were priced at four times the slow rank's own time)."""
+    given = speeds if cluster is None else [h.speed for h in cluster.hosts]
+    if given is not None:
+        given = [s / min(given) for s in given]
     if cluster is None:
-        return Cluster.of_topology(groups.topology, timed, speeds=speeds)
+        return Cluster.of_topology(groups.topology, timed, speeds=given)
     return Cluster.of_topology(groups.topology, cluster.links,
-                               [h.memory_gb for h in cluster.hosts],
-                               [h.speed for h in cluster.hosts])
+                               [h.memory_gb for h in cluster.hosts], given)
 
 
 def _timed_links(groups: Groups) -> Links | None:

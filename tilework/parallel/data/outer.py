@@ -219,6 +219,8 @@ class LocalSGD:
                     p).to(p.dtype)
                 offset += p.numel()
         fragment.averaged = {}
+        for b in fragment.buckets:   # landed: the encodings owe what their buffers say
+            b.owed = None
         names = fragment.names
         bad = next((n for n in names if not torch.isfinite(self.anchors[n].grad).all()), None)
         if bad is not None:
