@@ -198,23 +198,34 @@ def streamed(rank, world_size, every, fragments, delay):
     return state, tilework.stats(work.model)
 
 
-def streaming_by_hand(world, every, fragments, delay, mix=0.5):
-    """Streaming DiLoCo written out: fragment f's pseudo-gradient taken `delay` steps before
-    step (f+1) H / F of each period, its Nesterov outer step landing there, every copy's
-    fragment then mix * its own + (1 - mix) * the outer result (the result alone, undelayed)."""
+def _copies_by_hand(world, lr=OUTER_LR, momentum=MOMENTUM, nesterov=True):
+    """One model copy per rank with its inner SGD and sampler, the anchor with its outer SGD,
+    and a function that runs one inner step of every copy."""
     works = [build(job("cnn")) for _ in range(world)]
     anchor = copy.deepcopy(works[0].model)
-    outer = torch.optim.SGD(anchor.parameters(), lr=OUTER_LR, momentum=MOMENTUM, nesterov=True)
+    outer = torch.optim.SGD(anchor.parameters(), lr=lr, momentum=momentum, nesterov=nesterov)
     inner = [torch.optim.SGD(w.model.parameters(), lr=LR["sgd"]) for w in works]
     samplers = [ShardedBatches(len(works[0].train_set), BATCH, r, world) for r in range(world)]
-    names = [n for n, _ in anchor.named_parameters()]
-    cuts = fragments_of([p.numel() * 4 for p in anchor.parameters()], fragments)
-    pending = {}
-    for step in range(2 * every):
+
+    def inner_step(step):
         for w, opt, sampler in zip(works, inner, samplers):
             w.loss(w.model, w.train_set.collate(sampler.indices(step)), step).backward()
             opt.step()
             opt.zero_grad()
+
+    return works, anchor, outer, inner_step
+
+
+def streaming_by_hand(world, every, fragments, delay, mix=0.5):
+    """Streaming DiLoCo written out: fragment f's pseudo-gradient taken `delay` steps before
+    step (f+1) H / F of each period, its Nesterov outer step landing there, every copy's
+    fragment then mix * its own + (1 - mix) * the outer result (the result alone, undelayed)."""
+    works, anchor, outer, inner_step = _copies_by_hand(world)
+    names = [n for n, _ in anchor.named_parameters()]
+    cuts = fragments_of([p.numel() * 4 for p in anchor.parameters()], fragments)
+    pending = {}
+    for step in range(2 * every):
+        inner_step(step)
         into = step % every + 1
         for f, members in enumerate(cuts):
             lands = (f + 1) * every // fragments
@@ -268,22 +279,15 @@ def layerwise_by_hand(world, every, optimizer, lr, momentum):
     equal bytes; group g's pseudo-gradients (anchor - own) taken after inner step g + 1 of each
     period, averaged, the outer step landing after step g + 2, every copy's group then the
     outer result plus what its own step g + 2 changed."""
-    works = [build(job("cnn")) for _ in range(world)]
-    anchor = copy.deepcopy(works[0].model)
-    outer = torch.optim.SGD(anchor.parameters(), lr=lr, momentum=momentum,
-                            nesterov=optimizer == "nesterov" and momentum > 0)
-    inner = [torch.optim.SGD(w.model.parameters(), lr=LR["sgd"]) for w in works]
-    samplers = [ShardedBatches(len(works[0].train_set), BATCH, r, world) for r in range(world)]
+    works, anchor, outer, inner_step = _copies_by_hand(
+        world, lr, momentum, nesterov=optimizer == "nesterov" and momentum > 0)
     names = [n for n, _ in anchor.named_parameters()]
     groups = layerwise_groups([p.numel() * 4 for p in anchor.parameters()], every)
     slots = [(1 + g, 2 + g) for g in range(every - 1)]   # H - 1 groups: one per step
     assert len(groups) == every - 1
     pending, taken = {}, {}
     for step in range(2 * every):
-        for w, opt, sampler in zip(works, inner, samplers):
-            w.loss(w.model, w.train_set.collate(sampler.indices(step)), step).backward()
-            opt.step()
-            opt.zero_grad()
+        inner_step(step)
         into = step % every + 1
         for g, members in enumerate(groups):
             launch, lands = slots[g]
