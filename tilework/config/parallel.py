@@ -24,6 +24,9 @@ Offload = Literal["none", "optimizer", "all"]
 RecomputePolicy = Literal["full", "selective"]
 Recompute = Literal["none", "full", "selective"]
 ScheduleName = Literal["1f1b", "gpipe", "interleaved"]
+# sync="auto" with sync_every left at 1: the period its local-SGD candidates run at (DiLoCo's
+# H as measured here: docs/slow-links.md).
+AUTO_SYNC_EVERY = 40
 OuterSchedule = Literal["streaming", "layerwise"]
 PlanChoice = Literal["config", "auto"]
 Auto = Literal["auto"]
@@ -362,14 +365,17 @@ class ParallelConfig:
                   "'none' with sync='diloco' (its wire is outer_compress), ZeRO or tp/pp/cp: "
                   "compressed buckets are built for plain data-parallel all-reduce, got "
                   f"grad_compress={self.grad_compress!r}")
-        # Against sync_every only where local SGD runs: the search's synchronous variant of a
-        # streamed config (sync_every 1) keeps its outer_* as given.
-        local = self.sync == "diloco"
+        # Against the period local SGD will run at: sync_every under "diloco", what the search
+        # gives its local-SGD candidates under "auto"; not at all for synchronous training (the
+        # search's synchronous variant of a streamed config keeps its outer_* as given).
+        every = self.sync_every if self.sync == "diloco" else \
+            (self.sync_every if self.sync_every > 1 else AUTO_SYNC_EVERY) \
+            if self.sync == "auto" else None
         check(isinstance(self.outer_fragments, int) and not isinstance(self.outer_fragments, bool)
-              and 1 <= self.outer_fragments <= (self.sync_every if local else self.outer_fragments),
-              "outer_fragments", f"a whole number from 1 to sync_every ({self.sync_every}), got "
+              and 1 <= self.outer_fragments <= (every or self.outer_fragments),
+              "outer_fragments", f"a whole number from 1 to sync_every ({every}), got "
               f"{self.outer_fragments!r}")
-        period = self.sync_every // self.outer_fragments if local else self.outer_delay + 1
+        period = every // self.outer_fragments if every else self.outer_delay + 1
         check(isinstance(self.outer_delay, int) and not isinstance(self.outer_delay, bool)
               and 0 <= self.outer_delay < period, "outer_delay",
               f"a whole number of steps below sync_every / outer_fragments ({period}), got "
@@ -379,14 +385,14 @@ class ParallelConfig:
               f"a weight from 0 to below 1, got {self.outer_mix!r}")
         check(self.outer_schedule in ("streaming", "layerwise"), "outer_schedule",
               f"'streaming' or 'layerwise', got {self.outer_schedule!r}")
-        if self.sync != "diloco":   # "auto" offers local SGD only where it can run
-            return
-        if self.outer_schedule == "layerwise":
-            check(self.sync_every >= 2 and self.outer_fragments == 1 and self.outer_delay == 0,
+        if self.outer_schedule == "layerwise" and every is not None:
+            check(every >= 2 and self.outer_fragments == 1 and self.outer_delay == 0,
                   "outer_schedule", "'layerwise' with sync_every >= 2 and outer_fragments, "
                   "outer_delay left alone (it sets its own groups and overlap), got "
-                  f"sync_every={self.sync_every}, outer_fragments={self.outer_fragments}, "
+                  f"sync_every={every}, outer_fragments={self.outer_fragments}, "
                   f"outer_delay={self.outer_delay}")
+        if self.sync != "diloco":   # "auto" offers local SGD only where it can run
+            return
         # ZeRO inside a host, local SGD between hosts (HSDP inside, DiLoCo across): a host's
         # ranks are one replica, so their shards are one optimizer's.
         check(not self.zero or (self.zero in (1, 2) and self.zero_scope == "host"

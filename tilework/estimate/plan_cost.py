@@ -206,6 +206,20 @@ def pace(plan: Plan, cluster: Cluster) -> float:
     return share_pace(plan.rank_shares(), cluster.speeds())
 
 
+def config_pace(config, cluster: Cluster) -> float:
+    """`pace` of a mesh configuration before its plan is made (the search's candidates, the
+    mesh report): each rank takes its replica's share of `config.batch_shares`."""
+    from ..cluster.mesh import parallel_mesh
+
+    shares = config.batch_shares if isinstance(config.batch_shares, list) else None
+    if shares is not None:
+        sizes = {h.procs for h in cluster.hosts}
+        mesh = parallel_mesh(cluster.world_size, next(iter(sizes)) if len(sizes) == 1 else None,
+                             config.tp, config.pp, config.cp)
+        shares = [shares[mesh.coords(r)["dp"]] for r in range(cluster.world_size)]
+    return share_pace(shares, cluster.speeds())
+
+
 def share_pace(shares, speeds) -> float:
     """`pace` of ranks taking `shares` of the batch (None: even) at `speeds`."""
     shares = shares or (1,) * len(speeds)
@@ -284,5 +298,5 @@ def _from_mesh(mesh):
     return Topology.from_sizes([mesh.size])
 
 
-__all__ = ["EntryCost", "PlanCost", "comm_seconds", "entry_costs", "estimate", "pace", "paced",
-           "share_pace"]
+__all__ = ["EntryCost", "PlanCost", "comm_seconds", "config_pace", "entry_costs", "estimate",
+           "pace", "paced", "share_pace"]

@@ -199,13 +199,17 @@ def _dense_buckets(params, bucket_bytes: int, averaged: int, assign, checks: boo
 def _reduce_scatter_buckets(shards, bucket_bytes: int, assign, checks: bool,
                             averaged: int, out: Counter, sparse: dict) -> None:
     """parallel/data/zero.py's `_pack` and `_finish`: each gradient (a sparse one made dense)
-    as (n, chunk) rows, the rows concatenated rank-major, checked by one sum; the received
-    chunks summed and divided by the `averaged` ranks."""
+    written as (n, chunk) rows into its columns of the bucket's rank-major buffer, checked by
+    one sum; the received chunks summed and divided by the `averaged` ranks."""
     for members in assign([s.n * s.chunk * s.param.element_size() for s in shards],
                           bucket_bytes):
         bucket = [shards[i] for i in members]
-        flat = torch.cat([s.rows(_densified(s.param.grad, out, sparse)) for s in bucket],
-                         dim=1).reshape(-1)
+        dtype = functools.reduce(torch.promote_types, (s.param.dtype for s in bucket))
+        rows = torch.empty(bucket[0].n, sum(s.chunk for s in bucket), dtype=dtype,
+                           device=bucket[0].param.device)
+        for s, part in zip(bucket, torch.split(rows, [s.chunk for s in bucket], dim=-1)):
+            s.rows_into(_densified(s.param.grad, out, sparse), part)
+        flat = rows.reshape(-1)
         if checks:
             flat.sum()
         n = bucket[0].n

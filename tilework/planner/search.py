@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from ..cluster.topology import Cluster
-from ..config.parallel import ParallelConfig
+from ..config.parallel import AUTO_SYNC_EVERY, ParallelConfig
 from ..errors import ConfigError, PlanError
 from ..estimate.model_facts import ModelFacts
 from ..estimate.ops import OpTimes
-from ..estimate.plan_cost import paced
+from ..estimate.plan_cost import config_pace, paced
 from ..estimate.step import MeshCandidate, predict  # noqa: F401 - the search's record
 
 Candidate = MeshCandidate
@@ -105,7 +105,6 @@ def _meshes(world: int, ranks_per_host: int | None, layers: int, axes: tuple[str
 # steps to DDP's final loss). sync="auto" takes it only where its predicted step is shorter by
 # more than that.
 LOCAL_SGD_STEPS = 2.0
-AUTO_SYNC_EVERY = 40   # sync="auto" with sync_every left at 1: DiLoCo's H as measured here
 # grad_compress="auto" takes bf16 buckets only where they shorten the predicted step by this
 # much: their casts are not priced, and their rounding is a cost of its own.
 COMPRESS_GAIN = 0.10
@@ -406,7 +405,7 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
             return Candidate(config, None, found.why, {"dp_size": dp})
         step, parts = found.step_s, dict(found.parts)
         if config.pp == 1:   # as estimate(plan) paces it: the slowest rank's share and speed
-            step, parts = paced(step, parts, _mesh_pace(config, cluster))
+            step, parts = paced(step, parts, config_pace(config, cluster))
         return Candidate(config, step, "", parts | {"dp_size": dp})
     try:
         plan = make_plan(model, config, cluster, traffic=traffic)
@@ -418,20 +417,6 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
     if cost.step_s is None:
         return Candidate(config, None, cost.why or "its step cannot be priced", {"dp_size": dp})
     return Candidate(config, cost.step_s, "", cost.parts | {"dp_size": dp, "plan": plan})
-
-
-def _mesh_pace(config: ParallelConfig, cluster: Cluster) -> float:
-    """plan_cost.pace of a mesh candidate, from its config: each rank's replica's share."""
-    from ..cluster.mesh import parallel_mesh
-    from ..estimate.plan_cost import share_pace
-
-    shares = config.batch_shares if isinstance(config.batch_shares, list) else None
-    if shares is not None:
-        sizes = {h.procs for h in cluster.hosts}
-        mesh = parallel_mesh(cluster.world_size, next(iter(sizes)) if len(sizes) == 1 else None,
-                             config.tp, config.pp, config.cp)
-        shares = [shares[mesh.coords(r)["dp"]] for r in range(cluster.world_size)]
-    return share_pace(shares, cluster.speeds())
 
 
 def price_memory(model: nn.Module, found: Candidate, cluster: Cluster, example_inputs: tuple,

@@ -33,7 +33,7 @@ from ..config.parallel import ParallelConfig
 from ..errors import PlanError
 from ..estimate.cost import ring_allreduce, sparse_allgather
 from ..estimate.memory import with_budget
-from ..estimate.plan_cost import comm_seconds, entry_costs
+from ..estimate.plan_cost import comm_seconds, config_pace, entry_costs, paced
 from ..estimate.step import predict
 from ..estimate.step_bytes import cut_weights, mesh_step_bytes
 from ..parallel.pipeline.stages import matmul_params
@@ -181,7 +181,9 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
     found = predict(model, config, cluster, batch, seq, flops)
     if found.step_s is None:
         raise PlanError(f"[parallel]: {found.why}")
-    parts = found.parts
+    step, parts = found.step_s, found.parts
+    if config.pp == 1:   # as estimate(plan) paces it: the slowest rank's share at its speed
+        step, parts = paced(step, dict(parts), config_pace(config, cluster))
     # A stage's time per microbatch holds its share of tp's and cp's exchanges too.
     for s, forward, count in zip(stages, parts["stage_forward_s"], parts["stage_forward_flops"]):
         s["forward_s"], s["forward_flops"] = forward, count
@@ -197,7 +199,7 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
             "activation_bytes": parts["activation_bytes"],
             "pipeline_step_s": parts["pipeline"], "bubble": parts["bubble"],
             "bubbles": parts["bubbles"], "tp_s": parts["tp"], "cp_s": parts["cp"],
-            "dp_allreduce_s": parts["dp"], "predicted_step_s": found.step_s,
+            "dp_allreduce_s": parts["dp"], "predicted_step_s": step,
             "bytes_per_rank": _bytes_per_rank(model, config, mesh, batch, seq, speeds),
             "bytes_note": "dense all-reduce as replicated parameters (ZeRO's and the servers' "
                           "bytes are not in this model)" if config.zero else None}

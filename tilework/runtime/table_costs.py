@@ -45,7 +45,9 @@ def table_costs(device=None, steps: int = 30) -> dict[str, float]:
     device = torch.device(device or "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     groups = solo()
-    ids = torch.randint(0, ROWS, LOOKUPS, generator=torch.Generator().manual_seed(0)).to(device)
+    # Drawn on the host (a seeded CPU generator), then moved where the tables are.
+    ids = torch.randint(0, ROWS, LOOKUPS, generator=torch.Generator().manual_seed(0),
+                        device="cpu").to(device)
 
     def step_seconds(method: str | None) -> float:
         torch.manual_seed(0)

@@ -158,6 +158,14 @@ def test_what_local_sgd_refuses_in_one_line():
         ParallelConfig(sync="diloco", outer_worker="machine")
     with pytest.raises(ConfigError, match="outer_compress: expected 'none', 'bf16'"):
         ParallelConfig(sync="diloco", outer_compress="fp8")
+    # sync="auto" checks them against the period its local-SGD candidates will run at (40)
+    with pytest.raises(ConfigError, match="outer_fragments: expected a whole number from 1 to "
+                                          "sync_every \\(40\\), got 50"):
+        ParallelConfig(plan="auto", sync="auto", outer_fragments=50)
+    with pytest.raises(ConfigError, match="outer_schedule: expected 'layerwise' with"):
+        ParallelConfig(plan="auto", sync="auto", outer_schedule="layerwise", outer_fragments=2)
+    ParallelConfig(plan="auto", sync="auto", outer_fragments=4, outer_delay=3)
+    ParallelConfig(sync="every_step", outer_fragments=4)   # not checked where nothing syncs late
     with pytest.raises(ConfigError, match="outer_schedule: expected 'streaming' or 'layerwise'"):
         ParallelConfig(sync="diloco", outer_schedule="dream")
     with pytest.raises(ConfigError, match="outer_schedule: expected 'layerwise' with "
