@@ -193,6 +193,13 @@ class Cluster:
     def topology(self) -> "Topology":
         return Topology.from_sizes([h.procs for h in self.hosts])
 
+    @property
+    def procs_per_host(self) -> int | None:
+        """The ranks on each host where every host has as many, else None (what a mesh's
+        placement of tp inside a host needs: cluster/mesh.parallel_mesh)."""
+        sizes = {h.procs for h in self.hosts}
+        return next(iter(sizes)) if len(sizes) == 1 else None
+
     def speeds(self) -> list[float]:
         """Every rank's relative speed, rank order (host by host)."""
         return [h.speed for h in self.hosts for _ in range(h.procs)]

@@ -201,16 +201,12 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
                and group.get("amsgrad", False) for name in names}
     if facts is None:
         facts = meta_forward(model, example_inputs, plan.recompute)
-    uneven = any(pp.zero_chunks for pp in plan.params)
-
-    def figures(rank: int) -> DenseFigures:   # alike on every rank, but for uneven chunks
-        return zero_figures(plan, per_element, STEP_COUNTER_BYTES.get(kind, 0), amsgrad,
-                            rank if uneven else 0)
-
+    uneven = any(pp.zero_chunks for pp in plan.params)   # else every rank's are alike
     served = [(pp, TableLayout(pp, plan.world_size, device="meta").shard_sizes)
               for pp in plan.of("ps")]
     dtypes = {pp.name: pp.dtype for pp in plan.params}
     device = _step_device(model, plan)
+
     def dense_step(zero: DenseFigures) -> int:
         """The user's optimizer on what this rank updates (whole or the shards)."""
         peak = 0
@@ -221,12 +217,13 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
                     [(zero.updated[n], dtypes[n]) for n in names if n in zero.updated]))
         return peak
 
-    out, alike = [], None
+    out, figures = [], {}   # (dense figures, the optimizer's step) by rank, or once
     for rank in range(plan.world_size) if ranks is None else ranks:
-        if uneven or alike is None:
-            zero = figures(rank)
-            alike = (zero, dense_step(zero))
-        zero, zero_step = alike
+        key = rank if uneven else 0
+        if key not in figures:
+            zero = zero_figures(plan, per_element, STEP_COUNTER_BYTES.get(kind, 0), amsgrad, key)
+            figures[key] = (zero, dense_step(zero))
+        zero, zero_step = figures[key]
         params, grads, state = zero.parameters, zero.gradients, zero.state
         received = row_step = 0   # the servers' step, before the dense one (engine._prepare_step)
         for pp, sizes in served:

@@ -213,9 +213,8 @@ def config_pace(config, cluster: Cluster) -> float:
 
     shares = config.batch_shares if isinstance(config.batch_shares, list) else None
     if shares is not None:
-        sizes = {h.procs for h in cluster.hosts}
-        mesh = parallel_mesh(cluster.world_size, next(iter(sizes)) if len(sizes) == 1 else None,
-                             config.tp, config.pp, config.cp)
+        mesh = parallel_mesh(cluster.world_size, cluster.procs_per_host, config.tp, config.pp,
+                             config.cp)
         shares = [shares[mesh.coords(r)["dp"]] for r in range(cluster.world_size)]
     return share_pace(shares, cluster.speeds())
 

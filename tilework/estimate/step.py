@@ -203,11 +203,10 @@ def predict(model: nn.Module, config: ParallelConfig, cluster: Cluster, replica_
 
     facts = ModelFacts.of(model, facts)
 
-    world, sizes = cluster.world_size, {h.procs for h in cluster.hosts}
+    world = cluster.world_size
     m = (config.microbatches or 2 * config.pp) if config.pp > 1 else 1
     try:
-        mesh = parallel_mesh(world, sizes.pop() if len(sizes) == 1 else None, config.tp,
-                             config.pp, config.cp)
+        mesh = parallel_mesh(world, cluster.procs_per_host, config.tp, config.pp, config.cp)
         if replica_batch % m:
             raise ValueError(f"each replica's {replica_batch} sequences do not split into {m} "
                              "microbatches")

@@ -156,9 +156,7 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
             layers: int) -> list[ParallelConfig]:
     """Enumerate: every config the space allows on `cluster` (`layers`: the model's blocks, the
     most pipeline stages)."""
-    sizes = {h.procs for h in cluster.hosts}
-    per_host = sizes.pop() if len(sizes) == 1 else None
-    hosts = len(cluster.hosts)
+    per_host, hosts = cluster.procs_per_host, len(cluster.hosts)
     out = []
     for tp, pp, cp in _meshes(cluster.world_size, per_host, layers, space.axes, base):
         # ZeRO shards over the ranks that average gradients (dp x cp): over one rank it shards
@@ -259,8 +257,7 @@ def with_stage_weights(found: list[ParallelConfig], cluster: Cluster) -> list[Pa
     weighs the two by step, and memory refuses what does not fit."""
     from ..cluster.mesh import parallel_mesh, pp_memory
 
-    sizes = {h.procs for h in cluster.hosts}
-    per_host = next(iter(sizes)) if len(sizes) == 1 else None
+    per_host = cluster.procs_per_host
     out = []
     for c in found:
         out.append(c)
@@ -320,8 +317,7 @@ def with_shares(found: list[ParallelConfig], cluster: Cluster,
     from .shares import batch_shares
 
     speeds, batch = cluster.speeds(), example_inputs[0].shape[0]
-    sizes = {h.procs for h in cluster.hosts}
-    per_host = next(iter(sizes)) if len(sizes) == 1 else None
+    per_host = cluster.procs_per_host
     extra = []
     for c in found:
         if c.batch_shares is not None or c.pp > 1:

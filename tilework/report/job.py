@@ -206,9 +206,8 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
 
 
 def _mesh(config: ParallelConfig, cluster: Cluster) -> Mesh:
-    sizes = {h.procs for h in cluster.hosts}
     try:
-        return parallel_mesh(cluster.world_size, sizes.pop() if len(sizes) == 1 else None,
+        return parallel_mesh(cluster.world_size, cluster.procs_per_host,
                              tp=config.tp, pp=config.pp, cp=config.cp)
     except ValueError as e:
         raise PlanError(f"[parallel] on {cluster.world_size} ranks: {e}") from None

@@ -119,11 +119,13 @@ class Sharded:
             start += count
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:
-        """A parameter-shaped tensor as (n, chunk): row j is rank j's chunk (zero-padded)."""
+        """A parameter-shaped tensor as (n, chunk): row j is rank j's chunk (zero-padded); a
+        view where the even cut needs no padding."""
         flat = full.reshape(-1)
         if self.counts:
-            return torch.stack([padded(part, self.chunk)
-                                for part in torch.split(flat, list(self.counts))])
+            out = flat.new_empty(self.n, self.chunk)
+            self.rows_into(full, out)
+            return out
         pad = self.n * self.chunk - self.numel
         return (F.pad(flat, (0, pad)) if pad else flat).view(self.n, self.chunk)
 
