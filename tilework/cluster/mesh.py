@@ -157,7 +157,7 @@ def pp_memory(mesh: Mesh, cluster, pp: int) -> list[float] | None:
     if pp == 1 or cluster is None or cluster.world_size != mesh.size \
             or any(h.memory_gb is None for h in cluster.hosts):
         return None
-    memory = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
+    memory = cluster.memories()
     least = [min(memory[r] for r in range(mesh.size) if mesh.coords(r)["pp"] == p)
              for p in range(pp)]
     return least if len(set(least)) > 1 else None

@@ -204,6 +204,10 @@ class Cluster:
         """Every rank's relative speed, rank order (host by host)."""
         return [h.speed for h in self.hosts for _ in range(h.procs)]
 
+    def memories(self) -> list[float | None]:
+        """Every rank's `memory_gb` (None where its host gives none), rank order."""
+        return [h.memory_gb for h in self.hosts for _ in range(h.procs)]
+
     @property
     def heterogeneous(self) -> bool:
         return len({h.speed for h in self.hosts}) > 1

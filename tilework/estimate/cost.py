@@ -170,13 +170,25 @@ def outer_sync_wire(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
     if schedule == "layerwise" and every < 2:
         raise ValueError(f"every: the layer-wise schedule syncs in every - 1 groups, got {every}")
     total = OuterWire(0, 0, 0, 0)
-    for members in outer_groups(nbytes_in_order, OuterSync(every, fragments=fragments,
-                                                           schedule=schedule)):
-        order = list(reversed([nbytes_in_order[i] for i in members]))
-        for bucket in assign_buckets(order, bucket_bytes):
-            total += outer_bucket_wire(sum(order[i] for i in bucket) // item, workers,
-                                       per_worker, codec, item)
+    for sync in _period_syncs(nbytes_in_order, OuterSync(every, fragments=fragments,
+                                                         schedule=schedule),
+                              bucket_bytes, workers, per_worker, codec, item):
+        for wire in sync:
+            total += wire
     return total
+
+
+def _period_syncs(nbytes_in_order: list[int], outer, bucket_bytes: int, workers: int,
+                  per_worker: int, codec: str, item: int) -> list[list[OuterWire]]:
+    """Each sync of a period (a fragment's, a layer-wise group's), as its buckets' wires, cut
+    and bucketed as `LocalSGD` cuts them."""
+    out = []
+    for members in outer_groups(nbytes_in_order, outer):
+        order = list(reversed([nbytes_in_order[i] for i in members]))
+        out.append([outer_bucket_wire(sum(order[i] for i in bucket) // item, workers,
+                                      per_worker, codec, item)
+                    for bucket in assign_buckets(order, bucket_bytes)])
+    return out
 
 
 def outer_sync_bytes(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
@@ -233,15 +245,11 @@ def outer_step_seconds(entries: list[ParamPlan], outer, topology: Topology, link
         return 0.0
     workers, per_worker, across = _outer_shape(outer, topology, links)
     item = dtype_bytes(entries[0].dtype)
-    nbytes = [p.nbytes for p in entries]
-    syncs = []   # each sync's seconds: its buckets, across the workers and inside one
-    for members in outer_groups(nbytes, outer):
-        order = list(reversed([nbytes[i] for i in members]))
-        wires = [outer_bucket_wire(sum(order[i] for i in b) // item, workers, per_worker,
-                                   outer.compress, item)
-                 for b in assign_buckets(order, bucket_bytes)]
-        syncs.append(sum(seconds(w.across, across, w.across_messages)
-                         + seconds(w.within, links.intra, w.within_messages) for w in wires))
+    # each sync's seconds: its buckets, across the workers and inside one
+    syncs = [sum(seconds(w.across, across, w.across_messages)
+                 + seconds(w.within, links.intra, w.within_messages) for w in wires)
+             for wires in _period_syncs([p.nbytes for p in entries], outer, bucket_bytes,
+                                        workers, per_worker, outer.compress, item)]
     hidden = beside_s if outer.schedule == "layerwise" else 0.0
     dense = sum(p.nbytes for p in entries if p.zero <= 1)   # stage 1 rides the buckets
     inner = ring_allreduce_bytes(dense, per_worker)

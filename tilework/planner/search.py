@@ -283,7 +283,7 @@ def with_zero_weights(found: list[ParallelConfig], cluster: Cluster) -> list[Par
     if any(h.memory_gb is None for h in cluster.hosts) \
             or len({h.memory_gb for h in cluster.hosts}) < 2:
         return found
-    memory = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
+    memory = cluster.memories()
     out = []
     for c in found:
         out.append(c)

@@ -96,7 +96,7 @@ def job_config(job: Job, cluster: Cluster):
     proportion to it (`zero_weights`), unless the job set its own."""
     config = job.parallel
     memories = {h.memory_gb for h in cluster.hosts} - {None}   # the hosts that say
-    by_memory = [h.memory_gb for h in cluster.hosts for _ in range(h.procs)]
+    by_memory = cluster.memories()
     if (len(memories) > 1 and all(h.memory_gb is not None for h in cluster.hosts)
             and not config.model_parallel and not config.auto_axes):
         if config.server_weights is None:
