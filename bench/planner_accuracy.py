@@ -34,6 +34,7 @@ import json
 import os
 import pickle
 import random
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -284,6 +285,8 @@ def bench_main(doc: str, world_fn, run, argv=None, steps: int = 5) -> int:
                     help="with --hosts: the links between hosts, Mbit/s")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", type=Path)
+    ap.add_argument("--only", type=re.compile, default=None, metavar="REGEX",
+                    help="run only the plans whose label this matches (re.search)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -315,7 +318,8 @@ def _run(a, cluster) -> int:
     with torch.device("meta"):
         meta = TinyGPT(ms.VOCAB, ms.DIM, ms.HEADS, ms.LAYERS, ms.SEQ)
     here = _hosts(a.world, cluster)
-    runnable = _priced(meta, here, a.world, 1e11)
+    runnable = [c for c in _priced(meta, here, a.world, 1e11)
+                if a.only is None or a.only.search(label(c))]
     from tilework.estimate.ops import Collecting
 
     asked = Collecting()   # every op any candidate runs, to be timed on the ranks

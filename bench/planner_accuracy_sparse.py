@@ -63,6 +63,7 @@ def placements() -> dict[str, ParallelConfig]:
     tables = {f"tables.{i}.weight": "allgather" for i in range(3)}
     return {"by cost": ParallelConfig(), "all-reduce": ParallelConfig(mode="allreduce"),
             "all-gather": ParallelConfig(overrides=tables),
+            "servers": ParallelConfig(overrides={k: "ps" for k in tables}),
             "servers, dense too": ParallelConfig(mode="ps")}
 
 
@@ -187,7 +188,8 @@ def _run(a, emulated) -> int:
     with torch.device("meta"):
         meta = WORKLOAD.make(True)
     here = _cluster(a.world, hosts)
-    runnable = candidates(meta, here, 1e11)
+    runnable = [(n, c) for n, c in candidates(meta, here, 1e11)
+                if a.only is None or a.only.search(_label(n, c))]
     asked = Collecting()
     candidates(meta, here, asked)
     calls = sorted(asked.asked, key=repr)
