@@ -116,18 +116,21 @@ def _world(rank, world, plans, steps, calls, order):
         time_points,
         time_small_calls,
     )
-    from tilework.cluster.calibration_file import exchange_factors
+    from tilework.cluster.calibration_file import MEETINGS, exchange_factors, latency_factors
 
     # The link as `tilework calibrate` writes it into a cluster file: its sizes, its fit (alpha
     # from small calls between computes), and, to compare, the least-squares fit it wrote before.
     points = time_points(dist.group.WORLD, world, DEFAULT_SIZES, DEFAULT_REPEATS,
                          collectives=("all_reduce", "reduce_scatter", "all_gather"))
-    small = time_small_calls(dist.group.WORLD, world, DEFAULT_SIZES[0], ("all_reduce",))
+    small = time_small_calls(dist.group.WORLD, world, DEFAULT_SIZES[0],
+                             ("all_reduce",) + MEETINGS)
     link = fit_points("all_reduce", world, points["all_reduce"], small["all_reduce"]).link()
     least_squares = fit_points("all_reduce", world, points["all_reduce"]).link()
     raw = {c: [(w, t) for _, w, t in points[c]] for c in ("reduce_scatter", "all_gather")}
-    factors = exchange_factors(raw, link, world)
-    factors_ls = exchange_factors(raw, least_squares, world)
+    meetings = {c: small[c][2] for c in MEETINGS}
+    factors = exchange_factors(raw, link, world) | latency_factors(meetings, link, world)
+    factors_ls = exchange_factors(raw, least_squares, world) | latency_factors(
+        meetings, least_squares, world)
     local = _local_step(rank, world)
     op_seconds, framework = _op_times(world, calls)
     ran = {i: run_plan(plans[i], steps, rank, world) for i in order}
@@ -246,7 +249,9 @@ def _run(a, emulated) -> int:
           + ", ".join(f"{s * 1e3:.2f}" for s in got["local_by_round"])
           + f") = {rate:.3g} FLOP/s; link {link.bandwidth_gbps:.3g} Gb/s "
           f"{link.latency_us:.0f} us (reduce-scatter {link.reduce_scatter_factor:.2f}x, "
-          f"all-gather {link.all_gather_factor:.2f}x; the least-squares fit "
+          f"all-gather {link.all_gather_factor:.2f}x; small calls: all-to-all "
+          f"{link.all_to_all_latency_factor:.2f}x, all-gather "
+          f"{link.all_gather_latency_factor:.2f}x; the least-squares fit "
           f"{got['link_ls'][0]:.3g} Gb/s {got['link_ls'][1]:.0f} us); op model {len(calls)} "
           f"calls, scale {scale:.2f}")
     print("| plan | predicted ms (one rate) | (ops) | (ops, least-squares link) | measured ms "

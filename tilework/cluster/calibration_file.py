@@ -46,6 +46,24 @@ def exchange_factors(points: dict, link: Link, world_size: int) -> dict[str, flo
     return out
 
 
+# Small calls whose meetings differ from the all-reduce's per message (gloo's all-to-all waits
+# once for its n - 1 sends, its all-gather's ring n - 1 times): each a Link's latency factor.
+MEETINGS = ("all_to_all", "all_gather")
+
+
+def latency_factors(small: dict[str, float], link: Link, world_size: int) -> dict[str, float]:
+    """Each of the `MEETINGS` timed in `small` (collective -> the extra seconds a small call
+    costs busy ranks, `calibrate.time_small_calls`): its time over what `link` (the all-reduce's
+    fit) charges its messages; a Link's `all_to_all_latency_factor` and
+    `all_gather_latency_factor`. None where the link has no latency to scale."""
+    out = {}
+    for name in MEETINGS:
+        charged = COLLECTIVES[name].messages(world_size) * link.latency_s
+        if small.get(name) is not None and charged > 0 and small[name] > 0:
+            out[f"{name}_latency_factor"] = small[name] / charged
+    return out
+
+
 def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
@@ -101,13 +119,16 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     link = results["all_reduce"].link()
     values = {"bandwidth_gbps": _sig(link.bandwidth_gbps), "latency_us": _sig(link.latency_us)}
     timed = {name: m.points for name, m in results.items()}
-    values |= {k: _sig(v) for k, v in exchange_factors(timed, link, results["all_reduce"]
-                                                        .world_size).items()}
+    n = results["all_reduce"].world_size
+    values |= {k: _sig(v) for k, v in exchange_factors(timed, link, n).items()}
+    small = {name: m.small_call[2] for name, m in results.items() if m.small_call is not None}
+    values |= {k: _sig(v) for k, v in latency_factors(small, link, n).items()}
     links = data.setdefault("links", {})
     if not isinstance(links, dict):
         raise UserError(f"{path}: links: expected a table")
     link_table = links.setdefault(kind, {})
-    for stale in (f"{name}_factor" for name in EXCHANGES):   # measured against another fit
+    for stale in [f"{name}_factor" for name in EXCHANGES] + \
+            [f"{name}_latency_factor" for name in MEETINGS]:   # measured against another fit
         link_table.pop(stale, None)
     link_table.update(values)
     hosts = data.get("hosts")
@@ -123,7 +144,6 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
             break
         if not line.startswith("# tilework calibrate:"):
             header.append(line)
-    n = results["all_reduce"].world_size
     header.append(f"# tilework calibrate: links.{kind} from {n}-rank all_reduce on {when} "
                   f"(all fits in {calibration_path(path).name})"
                   + (f"; hosts' speed from their matmul rates: {speeds}" if speeds else ""))

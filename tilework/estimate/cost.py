@@ -49,6 +49,15 @@ def seconds(nbytes: float, link: Link, messages: int) -> float:
     return messages * link.latency_s + nbytes / link.bytes_per_s
 
 
+def meetings_s(collective, n: int, link: Link, calls: int = 1) -> float:
+    """The latency of `calls` small calls of an all-to-all or an all-gather over `n` ranks:
+    their messages at the link's latency, scaled by what a small call of that collective was
+    measured to take against it (Link.all_to_all_latency_factor, all_gather_latency_factor)."""
+    factor = {ALL_TO_ALL.name: link.all_to_all_latency_factor,
+              ALL_GATHER.name: link.all_gather_latency_factor}[collective.name]
+    return calls * collective.messages(n) * link.latency_s * factor
+
+
 # -- all-reduce --------------------------------------------------------------------------------
 
 GRAD_WIDTH = 2   # bytes a value of a compressed bucket (bf16, fp16) takes on the wire
@@ -505,7 +514,8 @@ def dense_served(plan: ParamPlan, topology: Topology, links: Links) -> Cost:
     """A dense parameter on the servers: the busiest rank's bytes, and its two all-to-alls."""
     n = topology.world_size
     sent = max(dense_served_bytes(plan, n))
-    return Cost(sent, seconds(sent, link_for(topology, links), 2 * ALL_TO_ALL.messages(n))
+    link = link_for(topology, links)
+    return Cost(sent, seconds(sent, link, 0) + meetings_s(ALL_TO_ALL, n, link, 2)
                 if n > 1 else 0.0)
 
 
@@ -698,16 +708,16 @@ def _exchange(requests: float, requesters: int, servers: int, row_bytes: int,
     return sent, received
 
 
-def ps_messages(n: int) -> int:
-    """Messages a rank sends in one step's server exchange over `n` ranks, every table's
-    together: the ids, the pulled rows and the pushed gradients, one to each peer."""
-    return 3 * (n - 1)
+def ps_meetings(n: int, link: Link) -> float:
+    """The latency of one step's server exchange over `n` ranks, every table's together: three
+    all-to-alls, the ids, the pulled rows and the pushed gradients."""
+    return meetings_s(ALL_TO_ALL, n, link, 3)
 
 
-def allgather_messages(n: int) -> int:
-    """Messages of one step's "allgather" exchange, every table's together: the counts, the
-    ids and the rows (parallel/rows/gather.py)."""
-    return 3 * ALL_GATHER.messages(n)
+def allgather_meetings(n: int, link: Link) -> float:
+    """The latency of one step's "allgather" exchange, every table's together: three
+    all-gathers, the counts, the ids and the rows (parallel/rows/gather.py)."""
+    return meetings_s(ALL_GATHER, n, link, 3)
 
 
 def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, links: Links,
@@ -726,15 +736,15 @@ def ps_expected(plan: ParamPlan, traffic: TableTraffic, topology: Topology, link
     if not (local_aggregation and topology.can_aggregate_locally):
         share = traffic.busiest_share(plan.partitions, servers, plan.row_map, plan.servers)
         sent, received = _exchange(traffic.per_rank, n, servers, row_bytes, share, push)
-        return Cost(sent, seconds(max(sent, received), link_for(topology, links),
-                                  ps_messages(n)))
+        link = link_for(topology, links)
+        return Cost(sent, seconds(max(sent, received), link, 0) + ps_meetings(n, link))
     forwarders = min(servers, local)
     s1, r1 = _exchange(traffic.per_rank, local, forwarders, row_bytes, push_bytes=push)
     # Across hosts: each host's forwarders hold what the host merged; a server hears every host.
     s2, r2 = _exchange(traffic.per_host / forwarders, hosts, max(1, servers // forwarders),
                        row_bytes, push_bytes=push)
-    t = seconds(max(s1, r1), links.intra, ps_messages(local)) + \
-        seconds(max(s2, r2), links.inter, ps_messages(hosts))
+    t = seconds(max(s1, r1), links.intra, 0) + ps_meetings(local, links.intra) + \
+        seconds(max(s2, r2), links.inter, 0) + ps_meetings(hosts, links.inter)
     return Cost(s1 + s2, t)
 
 
@@ -750,7 +760,8 @@ def sparse_allgather(traffic: TableTraffic, topology: Topology, links: Links,
     if n == 1:
         return Cost(0, 0.0)
     sent = allgather_bytes(traffic.per_rank, row_bytes, n)
-    return Cost(sent, seconds(sent, link_for(topology, links), allgather_messages(n)))
+    link = link_for(topology, links)
+    return Cost(sent, seconds(sent, link, 0) + allgather_meetings(n, link))
 
 
 def meeting_seconds(method: str, topology: Topology, links: Links,
@@ -762,11 +773,11 @@ def meeting_seconds(method: str, topology: Topology, links: Links,
     if n == 1:
         return 0.0
     if method == "allgather":
-        return allgather_messages(n) * link_for(topology, links).latency_s
+        return allgather_meetings(n, link_for(topology, links))
     if not (local_aggregation and topology.can_aggregate_locally):
-        return ps_messages(n) * link_for(topology, links).latency_s
+        return ps_meetings(n, link_for(topology, links))
     local, hosts = len(topology.hosts[0]), topology.num_hosts
-    return ps_messages(local) * links.intra.latency_s + ps_messages(hosts) * links.inter.latency_s
+    return ps_meetings(local, links.intra) + ps_meetings(hosts, links.inter)
 
 
 def shared_meetings(plans: list[ParamPlan], traffic: dict, topology: Topology, links: Links,

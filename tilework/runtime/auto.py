@@ -81,13 +81,14 @@ def _live_cluster(groups: Groups, cluster: Cluster | None, timed: Links | None,
 
 def _timed_links(groups: Groups) -> Links | None:
     """The links an all-reduce fit gives here, with ZeRO's exchanges' factors against it
-    (cluster/calibration_file.exchange_factors), agreed by every rank (the slowest bandwidth,
+    (cluster/calibration_file.exchange_factors) and the small all-to-all's and all-gather's
+    meetings against its latency (`latency_factors`), agreed by every rank (the slowest bandwidth,
     latency and factors any group measured); None where there is nothing to time or no fit is
     found (the defaults are used then). A handful of each from 16 kB to 4 MB: about a second
     on loopback. On CPU ranks the latency is most of what tp's many small exchanges cost, which
     the defaults (a GPU node's) would price as free."""
     from ..cluster.calibrate import CalibrationError, fit_points, time_points, time_small_calls
-    from ..cluster.calibration_file import exchange_factors
+    from ..cluster.calibration_file import MEETINGS, exchange_factors, latency_factors
 
     if groups.world is None:
         return None
@@ -106,13 +107,15 @@ def _timed_links(groups: Groups) -> Links | None:
             points = time_points(group, size, sizes, repeats=5,
                                  collectives=("all_reduce", "reduce_scatter", "all_gather",
                                               "ring_shift"), device=groups.device)
-            small = time_small_calls(group, size, sizes[0], ("all_reduce",),
+            small = time_small_calls(group, size, sizes[0], ("all_reduce",) + MEETINGS,
                                      device=groups.device)
             ring = fit_points("all_reduce", size, points["all_reduce"],
                               small["all_reduce"]).link()
             raw = {c: [(w, t) for _, w, t in pts] for c, pts in points.items()}
             links[name] = Link(ring.bandwidth_gbps, ring.latency_us,
-                               **exchange_factors(raw, ring, size))
+                               **exchange_factors(raw, ring, size),
+                               **latency_factors({c: small[c][2] for c in MEETINGS}, ring,
+                                                 size))
         except CalibrationError:   # times that do not grow with size (a loaded machine)
             failed = True
     # The slowest any rank measured: [bandwidth, -latency, -factors] per link, and whether all
@@ -121,16 +124,17 @@ def _timed_links(groups: Groups) -> Links | None:
     values = []
     for link in links.values():
         values += [link.bandwidth_gbps, -link.latency_us, -link.reduce_scatter_factor,
-                   -link.all_gather_factor, -link.ring_shift_factor] if link is not None \
-            else [float("inf")] * 5
+                   -link.all_gather_factor, -link.ring_shift_factor,
+                   -link.all_to_all_latency_factor, -link.all_gather_latency_factor] \
+            if link is not None else [float("inf")] * 7
     agreed = torch.tensor(values + [0.0 if failed else 1.0], dtype=torch.float64,
                           device=groups.device)
     all_reduce(agreed, groups.world, Stats(), "setup", op=dist.ReduceOp.MIN)
     *figures, fitted = agreed.tolist()
     if not fitted:
         return None
-    intra, inter = (Link(f[0], -f[1], -f[2], -f[3], -f[4]) if f[0] != float("inf") else None
-                    for f in (figures[:5], figures[5:]))
+    intra, inter = (Link(f[0], *(-x for x in f[1:])) if f[0] != float("inf") else None
+                    for f in (figures[:7], figures[7:]))
     if intra is None and inter is None:
         return None
     return Links(intra=intra or inter, inter=inter or intra)
