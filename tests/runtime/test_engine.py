@@ -77,6 +77,23 @@ def test_models_that_differ_across_ranks_are_named():
         spawn(_mismatched, 2)
 
 
+def _plans_that_differ(rank, world_size):
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Each rank plans on its own and places the table its own way (as ranks planning from
+    # their own measured density could): they would meet in different collectives.
+    plan = tilework.plan(model, tilework.ParallelConfig(
+        overrides={"table.weight": "ps" if rank == 0 else "allreduce"}),
+        topology=tilework.Topology.from_sizes([world_size]))
+    tilework.parallelize(model, opt, plan=plan, log=False)
+
+
+def test_plans_that_differ_across_ranks_are_refused_naming_the_difference():
+    with pytest.raises(RankFailed, match=r"the plan differs across ranks: rank 0 -> rank 1: "
+                                         r"table.weight.method: 'ps' -> 'allreduce'"):
+        spawn(_plans_that_differ, 2)
+
+
 def _seeded_per_rank(rank, world_size):
     import warnings
 

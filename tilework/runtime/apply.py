@@ -34,6 +34,7 @@ from ..plans.plan import Plan
 from .changes import Changes, release_values
 from .engine import Engine
 from .hooks import PicklesAsNoop
+from .preflight import check_same_plan_everywhere
 from .recompute import apply_recompute
 from .replica import SameBatchCheck, mark_local
 from .split_forward import name_split_failures
@@ -63,6 +64,8 @@ def apply(model, optimizer, plan: Plan, config: ParallelConfig, groups: Groups, 
     hold: input checks). `groups` are the world's."""
     found = None
     if plan.parallel is not None:
+        # Before the mesh's groups: ranks that disagree on the mesh would not meet there.
+        check_same_plan_everywhere(plan, groups)
         from ..parallel.tensor import build_mesh_groups
 
         originals = list({id(p): p for p in model.parameters()}.values())

@@ -52,6 +52,7 @@ from .preflight import (
     check_not_tied,
     check_optimizer_covers,
     check_same_model_everywhere,
+    check_same_plan_everywhere,
     refuse_wrapped,
 )
 
@@ -98,6 +99,7 @@ class Engine:
         refuse_wrapped(model)
         check_device(model, self.groups)
         check_same_model_everywhere(model, self.groups)
+        check_same_plan_everywhere(plan, self.groups)
         if optimizer is not None:
             check_optimizer_covers(model, optimizer)
         elif any(pp.method == "ps" for pp in plan.params):

@@ -5,6 +5,8 @@ world's backend cannot carry are refused, parameter values that differ are warne
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 
 import torch
@@ -86,6 +88,37 @@ def check_same_model_everywhere(model: nn.Module, groups) -> None:
                       "rank starts from rank 0's values (as with DDP). Seed the model the same "
                       "way on every rank (torch.manual_seed before building it) to silence this",
                       stacklevel=4)
+
+
+def check_same_plan_everywhere(plan, groups) -> None:
+    """Every rank must run one plan: ranks that place a parameter differently (a plan made on
+    each rank from inputs that differ, or a plan='auto' whose choice differed) meet in
+    different collectives, which gloo may answer with corrupt memory rather than an error.
+    One digest per rank, gathered; where they differ, the plans themselves, and the first
+    difference named. What a plan only says for the reader (each entry's reason and predicted
+    cost, which a rank's own measurements may word differently) is left out of the digest."""
+    if groups.world_size == 1:
+        return
+    from ..plans.plan import Plan
+
+    mine = plan.as_dict()
+    for entry in mine["params"]:
+        entry.pop("reason", None)
+        entry.pop("predicted", None)
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True, default=repr).encode()).hexdigest()
+    digests: list = [None] * groups.world_size
+    dist.all_gather_object(digests, digest, group=groups.world)
+    if len(set(digests)) == 1:
+        return
+    plans: list = [None] * groups.world_size
+    dist.all_gather_object(plans, plan.as_dict(), group=groups.world)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    lines = Plan.from_dict(plans[0]).diff(Plan.from_dict(plans[other])) or ["(in detail)"]
+    more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+    raise PlanError(f"the plan differs across ranks: rank 0 -> rank {other}: {lines[0]}{more}; "
+                    "every rank must run the same plan: make it on one rank and send it to "
+                    "the others (Plan.as_dict / Plan.from_dict), or give every rank the same "
+                    "density and traffic to plan from")
 
 
 def _fingerprint(p: torch.Tensor) -> tuple[float, float]:
