@@ -127,7 +127,7 @@ def _world(rank, world, plans, steps, calls, order):
     link = fit_points("all_reduce", world, points["all_reduce"], small["all_reduce"]).link()
     least_squares = fit_points("all_reduce", world, points["all_reduce"]).link()
     raw = {c: [(w, t) for _, w, t in points[c]] for c in ("reduce_scatter", "all_gather")}
-    meetings = {c: small[c][2] for c in MEETINGS}
+    meetings = {c: small[c][1:] for c in MEETINGS}
     factors = exchange_factors(raw, link, world) | latency_factors(meetings, link, world)
     factors_ls = exchange_factors(raw, least_squares, world) | latency_factors(
         meetings, least_squares, world)

@@ -141,17 +141,19 @@ def test_exchange_factors_come_from_the_points_the_bandwidth_decides():
 
 def test_latency_factors_are_small_calls_over_what_the_link_charges_their_messages():
     """Measured on 4 emulated hosts: a small all-to-all took 2.4 ms, an all-gather 4.5 ms, on
-    a link whose latency is 1.2 ms a message (3 messages each): 0.67 and 1.25, the factors a
-    link carries and the tables' meetings are priced by. No latency, nothing to scale."""
-    n, link = 4, Link(bandwidth_gbps=1.0, latency_us=1200.0)
-    got = latency_factors({"all_to_all": 2.4e-3, "all_gather": 4.5e-3}, link, n)
-    assert got == pytest.approx({"all_to_all_latency_factor": 2.4 / 3.6,
-                                 "all_gather_latency_factor": 4.5 / 3.6})
-    assert latency_factors({"all_to_all": 2.4e-3}, Link(1.0, 0.0), n) == {}
-    assert latency_factors({"all_to_all": 0.0}, link, n) == {}   # lost in noise: left at 1
-    priced = Link(1.0, 1200.0, **got)
-    assert 3 * cost.meetings_s(ALL_TO_ALL, n, priced) == pytest.approx(3 * 2.4e-3)
-    assert cost.meetings_s(ALL_GATHER, n, priced, calls=3) == pytest.approx(3 * 4.5e-3)
+    a link whose latency is 1.2 ms a message (3 messages each): less their bytes at the link's
+    bandwidth (priced on their own), the factors a link carries and the tables' meetings are
+    priced by. No latency, or nothing left of a call once its bytes are paid: nothing."""
+    n, link = 4, Link(bandwidth_gbps=0.08, latency_us=1200.0)   # 10 MB/s: 3 KB take 0.3 ms
+    got = latency_factors({"all_to_all": (3000, 2.4e-3), "all_gather": (3000, 4.5e-3)}, link, n)
+    assert got == pytest.approx({"all_to_all_latency_factor": 2.1 / 3.6,
+                                 "all_gather_latency_factor": 4.2 / 3.6})
+    assert latency_factors({"all_to_all": (3000, 2.4e-3)}, Link(0.08, 0.0), n) == {}
+    assert latency_factors({"all_to_all": (3000, 0.2e-3)}, link, n) == {}   # left at 1
+    priced = Link(0.08, 1200.0, **got)
+    assert cost.meetings_s(ALL_TO_ALL, n, priced) + 3000 / priced.bytes_per_s == \
+        pytest.approx(2.4e-3)
+    assert cost.meetings_s(ALL_GATHER, n, priced, calls=3) == pytest.approx(3 * 4.2e-3)
 
 
 def test_hand_written_toml_reads_back():
@@ -197,9 +199,10 @@ def test_write_calibration_updates_one_link_and_keeps_the_rest(tmp_path, monkeyp
         factor = exchange_factors({"all_gather": results["all_gather"].points},
                                   results["all_reduce"].link(), 3)["all_gather_factor"]
         assert factor != 1.0
-        # 600 us against the fit's 200 us a message, two messages: 1.5
+        # 600 us less its 2,730 bytes at 1 GB/s, against the fit's 200 us a message, two
+        # messages
         fitted = Link(8.0, 200.0, all_gather_factor=float(f"{factor:.4g}"),
-                      all_to_all_latency_factor=1.5)
+                      all_to_all_latency_factor=float(f"{(600e-6 - 2730e-9) / 400e-6:.4g}"))
     untouched = Link(3.0, 7.0) if not spans_hosts else Links().intra
     assert key == ("links.inter" if spans_hosts else "links.intra")
     assert (c.links.inter, c.links.intra) == ((fitted, untouched) if spans_hosts

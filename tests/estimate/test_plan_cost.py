@@ -202,3 +202,12 @@ def test_a_bucket_riding_the_servers_push_costs_its_bytes_and_no_meeting():
         overrides={"tables.0.weight": "ps", "tables.1.weight": "allreduce"}), cluster)
     assert not dense_rides_push(reduced, cluster.topology())
     assert dense_seconds(reduced, cluster) > ALL_REDUCE.messages(4) * slow.latency_s
+    # Hot heads' sums ride the bucket too (parallel/data/dense.py): 800 rows of 8 floats and
+    # their flags make it too large to ride, so it is all-reduced again.
+    import dataclasses
+
+    headed = dataclasses.replace(served, params=tuple(
+        dataclasses.replace(p, hot_rows=800) if p.name == "tables.1.weight" else p
+        for p in served.params))
+    assert not dense_rides_push(headed, cluster.topology())
+    assert dense_seconds(headed, cluster) > ALL_REDUCE.messages(4) * slow.latency_s

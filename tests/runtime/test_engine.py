@@ -88,6 +88,26 @@ def _plans_that_differ(rank, world_size):
     tilework.parallelize(model, opt, plan=plan, log=False)
 
 
+def _plans_worded_apart(rank, world_size):
+    import dataclasses
+
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = tilework.plan(model, tilework.ParallelConfig(overrides={"table.weight": "ps"}),
+                         topology=tilework.Topology.from_sizes([world_size]))
+    # What only the reader sees, and each host's own offload directory, may differ.
+    plan = dataclasses.replace(plan, offload_dir=f"/tmp/host{rank}", params=tuple(
+        dataclasses.replace(p, reason=f"measured on rank {rank}") for p in plan.params))
+    tilework.parallelize(model, opt, plan=plan, log=False)
+    model(batch(0, rank, world_size)).backward()
+    opt.step()
+    return model._tilework_engine.plan.by_name()["table.weight"].method
+
+
+def test_plans_worded_apart_but_placing_alike_are_one_plan():
+    assert spawn(_plans_worded_apart, 2) == ["ps", "ps"]
+
+
 def test_plans_that_differ_across_ranks_are_refused_naming_the_difference():
     with pytest.raises(RankFailed, match=r"the plan differs across ranks: rank 0 -> rank 1: "
                                          r"table.weight.method: 'ps' -> 'allreduce'"):

@@ -51,16 +51,22 @@ def exchange_factors(points: dict, link: Link, world_size: int) -> dict[str, flo
 MEETINGS = ("all_to_all", "all_gather")
 
 
-def latency_factors(small: dict[str, float], link: Link, world_size: int) -> dict[str, float]:
-    """Each of the `MEETINGS` timed in `small` (collective -> the extra seconds a small call
-    costs busy ranks, `calibrate.time_small_calls`): its time over what `link` (the all-reduce's
-    fit) charges its messages; a Link's `all_to_all_latency_factor` and
-    `all_gather_latency_factor`. None where the link has no latency to scale."""
+def latency_factors(small: dict[str, tuple[int, float]], link: Link,
+                    world_size: int) -> dict[str, float]:
+    """Each of the `MEETINGS` timed in `small` (collective -> (wire bytes, the extra seconds a
+    small call costs busy ranks), `calibrate.time_small_calls`): its time less its bytes at the
+    link's bandwidth, over what `link` (the all-reduce's fit) charges its messages; a Link's
+    `all_to_all_latency_factor` and `all_gather_latency_factor` (the bytes are priced on their
+    own). None where there is no latency to scale or nothing is left of the call."""
     out = {}
     for name in MEETINGS:
         charged = COLLECTIVES[name].messages(world_size) * link.latency_s
-        if small.get(name) is not None and charged > 0 and small[name] > 0:
-            out[f"{name}_latency_factor"] = small[name] / charged
+        if small.get(name) is None or charged <= 0:
+            continue
+        wire, took = small[name]
+        waited = took - wire / link.bytes_per_s
+        if waited > 0:
+            out[f"{name}_latency_factor"] = waited / charged
     return out
 
 
@@ -121,7 +127,7 @@ def write_calibration(cluster_path: str | Path, results: dict[str, Measurement],
     timed = {name: m.points for name, m in results.items()}
     n = results["all_reduce"].world_size
     values |= {k: _sig(v) for k, v in exchange_factors(timed, link, n).items()}
-    small = {name: m.small_call[2] for name, m in results.items() if m.small_call is not None}
+    small = {name: m.small_call[1:] for name, m in results.items() if m.small_call is not None}
     values |= {k: _sig(v) for k, v in latency_factors(small, link, n).items()}
     links = data.setdefault("links", {})
     if not isinstance(links, dict):

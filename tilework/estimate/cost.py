@@ -83,7 +83,8 @@ def compressed_entry(p: ParamPlan, grad_compress: str, topology: Topology, links
         n = topology.world_size
         sent = all_gather_bytes(topk_count(p.numel, topk_ratio)
                                 * (topk_index_bytes(p.numel) + item), n)
-        return Cost(sent, seconds(sent, link_for(topology, links), ALL_GATHER.messages(n))
+        link = link_for(topology, links)
+        return Cost(sent, seconds(sent, link, 0) + meetings_s(ALL_GATHER, n, link)
                     if n > 1 else 0.0)
     return ring_allreduce(grad_wire(p.nbytes, grad_compress, item, p.shape, powersgd_rank),
                           topology, links)
@@ -277,14 +278,28 @@ def push_over_world(topology: Topology, local_aggregation: bool) -> bool:
 
 
 def dense_rides_push(plan, topology: Topology) -> bool:
-    """Whether `plan`'s dense gradients, in one bucket with the input checks' words, ride the
-    servers' push (`wire.bucket_rides_push`) on `topology`: for the step predictions
-    (bench/comm_prediction.py), which cost them as bytes on the push's link, no meeting."""
-    dense = sum(pp.nbytes for pp in plan.of("allreduce") if pp.zero <= 1)
-    return (plan.grad_compress == "none"   # nothing rides a compressed bucket
-            and any(pp.is_table for pp in plan.of("ps")) and 0 < dense <= plan.bucket_bytes
+    """Whether `plan`'s dense gradients (a data-parallel plan, or a mesh plan's part), in one
+    bucket with what rides it (the input checks' words; the hot heads' sums, where their dtype
+    is the bucket's), ride the servers' push (`wire.bucket_rides_push`) on `topology`, as
+    runtime/engine.py decides it: the tables' rows all of one dtype, the bucket's too, and no
+    local SGD. Priced as bytes on the push's link, no meeting (`plan_cost.dense_seconds`,
+    bench/comm_prediction.py)."""
+    dense = [pp for pp in plan.of("allreduce") if pp.zero <= 1]
+    tables = [pp for pp in plan.of("ps") if pp.is_table]
+    table_dtypes = {pp.dtype for pp in tables}
+    if (plan.grad_compress != "none"   # nothing rides a compressed bucket
+            or plan.outer is not None or not dense or len(table_dtypes) != 1
+            or {pp.dtype for pp in dense} != table_dtypes):
+        return False
+    nbytes = sum(pp.nbytes for pp in dense)
+    # The checks' words ride in float32/float64 only; the heads' dtype is the tables', here
+    # the bucket's.
+    width = dense[0].dtype
+    riders = (CHECK_WORDS * dtype_bytes(width) if width in ("float32", "float64") else 0) \
+        + sum(hot_head_bytes(pp) for pp in tables if pp.hot_rows)
+    return (nbytes <= plan.bucket_bytes
             and push_over_world(topology, plan.local_aggregation)
-            and bucket_rides_push(dense + CHECK_WORDS * 4, topology.world_size))
+            and bucket_rides_push(nbytes + riders, topology.world_size))
 
 
 def ring_allreduce(nbytes: int, topology: Topology, links: Links, buckets: int = 1) -> Cost:

@@ -27,6 +27,7 @@ from .cost import (
     dense_sync_bytes,
     grad_wire,
     link_for,
+    meetings_s,
     outer_entry,
     outer_step_seconds,
     predict,
@@ -99,9 +100,9 @@ def dense_seconds(plan: Plan, cluster: Cluster, beside_s: float = 0.0) -> float:
         sent = dense_sync_bytes([p.nbytes for p in bucketed], part.bucket_bytes, n, 0,
                                 grad_compress="topk", item=dtype_bytes(bucketed[0].dtype),
                                 topk_ratio=plan.topk_ratio)
-        return seconds(sent, link_for(topo, links), ALL_GATHER.messages(n) * len(buckets)) \
-            + sharded
-    if dense_rides_push(plan, topo):
+        link = link_for(topo, links)
+        return seconds(sent, link, 0) + meetings_s(ALL_GATHER, n, link, len(buckets)) + sharded
+    if dense_rides_push(part, topo):
         # The one bucket goes whole to every peer at the end of the servers' push
         # (wire.bucket_rides_push): its bytes on the push's link, no meeting of its own.
         # Priced as an all-reduce, the recommender's servers at 4 emulated hosts came out 40%

@@ -34,7 +34,7 @@ from ..plans.plan import Plan
 from .changes import Changes, release_values
 from .engine import Engine
 from .hooks import PicklesAsNoop
-from .preflight import check_same_plan_everywhere
+from .preflight import check_same_model_everywhere, check_same_plan_everywhere
 from .recompute import apply_recompute
 from .replica import SameBatchCheck, mark_local
 from .split_forward import name_split_failures
@@ -62,10 +62,12 @@ class MeshParallel:
 def apply(model, optimizer, plan: Plan, config: ParallelConfig, groups: Groups, log: bool):
     """Apply `plan` on this rank (`config` says the same sizes, and what the plan does not
     hold: input checks). `groups` are the world's."""
+    # Over the world, before anything changes or any group is made: ranks whose models or
+    # plans differ would meet in different collectives (or not meet) from here on.
+    check_same_model_everywhere(model, groups)
+    check_same_plan_everywhere(plan, groups)
     found = None
     if plan.parallel is not None:
-        # Before the mesh's groups: ranks that disagree on the mesh would not meet there.
-        check_same_plan_everywhere(plan, groups)
         from ..parallel.tensor import build_mesh_groups
 
         originals = list({id(p): p for p in model.parameters()}.values())

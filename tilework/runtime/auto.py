@@ -114,7 +114,7 @@ def _timed_links(groups: Groups) -> Links | None:
             raw = {c: [(w, t) for _, w, t in pts] for c, pts in points.items()}
             links[name] = Link(ring.bandwidth_gbps, ring.latency_us,
                                **exchange_factors(raw, ring, size),
-                               **latency_factors({c: small[c][2] for c in MEETINGS}, ring,
+                               **latency_factors({c: small[c][1:] for c in MEETINGS}, ring,
                                                  size))
         except CalibrationError:   # times that do not grow with size (a loaded machine)
             failed = True

@@ -51,8 +51,6 @@ from .preflight import (
     check_device,
     check_not_tied,
     check_optimizer_covers,
-    check_same_model_everywhere,
-    check_same_plan_everywhere,
     refuse_wrapped,
 )
 
@@ -91,15 +89,14 @@ class Engine:
 
     # -- the changes, in order -------------------------------------------------------------------
     def _refuse_what_cannot_work(self) -> None:
-        """Wrapped modules, models that differ across ranks, optimizers that miss parameters."""
+        """Wrapped modules, devices the backend cannot carry, optimizers that miss parameters
+        (models and plans that differ across ranks: apply, over the world, first)."""
         model, optimizer, plan = self.model, self.optimizer, self.plan
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise PlanError(f"optimizer: expected a torch.optim.Optimizer or None, got "
                             f"{type(optimizer).__name__}")
         refuse_wrapped(model)
         check_device(model, self.groups)
-        check_same_model_everywhere(model, self.groups)
-        check_same_plan_everywhere(plan, self.groups)
         if optimizer is not None:
             check_optimizer_covers(model, optimizer)
         elif any(pp.method == "ps" for pp in plan.params):

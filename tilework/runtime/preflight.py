@@ -96,12 +96,14 @@ def check_same_plan_everywhere(plan, groups) -> None:
     different collectives, which gloo may answer with corrupt memory rather than an error.
     One digest per rank, gathered; where they differ, the plans themselves, and the first
     difference named. What a plan only says for the reader (each entry's reason and predicted
-    cost, which a rank's own measurements may word differently) is left out of the digest."""
+    cost, which a rank's own measurements may word differently) is left out of the digest, and
+    so is the offload directory, a path on each host's own disk."""
     if groups.world_size == 1:
         return
     from ..plans.plan import Plan
 
     mine = plan.as_dict()
+    mine.pop("offload_dir", None)
     for entry in mine["params"]:
         entry.pop("reason", None)
         entry.pop("predicted", None)
@@ -113,7 +115,9 @@ def check_same_plan_everywhere(plan, groups) -> None:
     plans: list = [None] * groups.world_size
     dist.all_gather_object(plans, plan.as_dict(), group=groups.world)
     other = next(r for r, d in enumerate(digests) if d != digests[0])
-    lines = Plan.from_dict(plans[0]).diff(Plan.from_dict(plans[other])) or ["(in detail)"]
+    lines = [line for line in Plan.from_dict(plans[0]).diff(Plan.from_dict(plans[other]))
+             if ".predicted:" not in line and not line.startswith("offload_dir:")] \
+        or ["(in detail)"]
     more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
     raise PlanError(f"the plan differs across ranks: rank 0 -> rank {other}: {lines[0]}{more}; "
                     "every rank must run the same plan: make it on one rank and send it to "
