@@ -55,7 +55,7 @@ class _Plan:
     def __init__(self, params, bucket_bytes=25 * 2**20, local_aggregation=True):
         self.params, self.bucket_bytes, self.local_aggregation = (params, bucket_bytes,
                                                                   local_aggregation)
-        self.grad_compress = "none"
+        self.grad_compress, self.outer = "none", None   # synchronous, uncompressed
 
     def of(self, method):
         return [p for p in self.params if p.method == method]
