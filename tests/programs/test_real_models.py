@@ -150,20 +150,26 @@ def assert_same_state(got: dict, want: dict, what: str):
         assert_close(got[k], v, f"{what}: {k}")
 
 
-@pytest.mark.parametrize("family", ["nanogpt", "fused",
-                                    pytest.param("llama-tied", marks=needs_transformers),
-                                    pytest.param("llama", marks=needs_transformers),
-                                    pytest.param("titan", marks=needs_torchtitan)])
-def test_zero3_keeps_tied_weights_whole_through_state_save_load_and_unparallelize(family,
-                                                                                  tmp_path):
+def _zero3_trains_as_one_process(family: str, path: str, options: dict | None = None) -> None:
+    """ZeRO-3 (with `options`) on 2 ranks: the losses, and the parameters read back three ways
+    (state dict, a loaded checkpoint, unparallelize), equal one process's; ties kept."""
     want_losses, want = reference(family)
-    results = spawn(_zero3, 2, args=(family, str(tmp_path / "ckpt.pt")), timeout=180)
+    results = spawn(_zero3, 2, args=(family, path, options), timeout=180)
     got_losses = [sum(r["losses"][i] for r in results) / 2 for i in range(STEPS)]
     assert_close(torch.tensor(got_losses), torch.tensor(want_losses), "losses")
     for r in results:
         for what in ("state", "loaded", "plain"):
             assert_same_state(r[what], want, f"{family} {what}")
         assert r["ties_kept"], f"{family}: tied parameters are no longer one after unparallelize"
+
+
+@pytest.mark.parametrize("family", ["nanogpt", "fused",
+                                    pytest.param("llama-tied", marks=needs_transformers),
+                                    pytest.param("llama", marks=needs_transformers),
+                                    pytest.param("titan", marks=needs_torchtitan)])
+def test_zero3_keeps_tied_weights_whole_through_state_save_load_and_unparallelize(family,
+                                                                                  tmp_path):
+    _zero3_trains_as_one_process(family, str(tmp_path / "ckpt.pt"))
 
 
 @pytest.mark.parametrize("family", ["nanogpt",
@@ -171,15 +177,7 @@ def test_zero3_keeps_tied_weights_whole_through_state_save_load_and_unparalleliz
 def test_zero3_chunks_by_weight_on_a_model_not_written_for_us(family, tmp_path):
     """ZeRO-3 with chunks by memory (zero_weights 3:1) on nanoGPT and a tied Hugging Face
     Llama: trains as one process, its checkpoint loads back, and the ties survive."""
-    want_losses, want = reference(family)
-    results = spawn(_zero3, 2, args=(family, str(tmp_path / "ckpt.pt"),
-                                     {"zero_weights": [3, 1]}), timeout=180)
-    got_losses = [sum(r["losses"][i] for r in results) / 2 for i in range(STEPS)]
-    assert_close(torch.tensor(got_losses), torch.tensor(want_losses), "losses")
-    for r in results:
-        for what in ("state", "loaded", "plain"):
-            assert_same_state(r[what], want, f"{family} {what}")
-        assert r["ties_kept"], f"{family}: tied parameters are no longer one after unparallelize"
+    _zero3_trains_as_one_process(family, str(tmp_path / "ckpt.pt"), {"zero_weights": [3, 1]})
 
 
 def _on_mesh(rank, world_size, family, options, path):
