@@ -11,6 +11,9 @@ and prints a backtrace of every thread of each core (gdb), so a rare abort can b
     python bench/soak.py --runs 20 --target hosts          # bench/sparse_step.py on 2 emulated
                                                            # hosts (root, network namespaces)
     python bench/soak.py --runs 100 --target hosts --systems hybrid-ahead hybrid   # ours alone
+    python bench/soak.py --runs 40 --target hosts --hosts 4 --systems auto --malloc-check
+                                        # plan="auto" on 4 hosts, glibc's heap checks on, every
+                                        # rank's output kept in a bad run's log
 
 Outcomes: passed, failed (the target's own failure: an assertion, a refusal), crashed (a
 process ended by a signal, or glibc / the C++ runtime reported a corruption or a terminate),
@@ -50,7 +53,8 @@ def _busy(stop) -> None:
             x = (x * 31 + 7) % 1_000_003
 
 
-def _command(target: str, systems: list[str] | None = None) -> list[str]:
+def _command(target: str, systems: list[str] | None = None, hosts: int = 2,
+             where: Path | None = None) -> list[str]:
     if target == "hosts":
         # Where the intermittent abort was seen (docs/benchmarks-analysis.md): every system
         # side by side on emulated hosts, TorchRec's too where it is installed; `systems` to
@@ -59,8 +63,10 @@ def _command(target: str, systems: list[str] | None = None) -> list[str]:
             systems = ["hybrid-ahead", "hybrid", "ddp-sparse"]
             if importlib.util.find_spec("torchrec") is not None:
                 systems.append("torchrec")
+        logs = ["--rank-logs", str(where)] if where is not None else []
         return [sys.executable, str(ROOT / "bench" / "sparse_step.py"), "recommender",
-                "--hosts", "2", "--rounds", "2", "--steps", "10", "--systems", *systems]
+                "--hosts", str(hosts), "--rounds", "2", "--steps", "10", *logs,
+                "--systems", *systems]
     # Test paths made absolute: the run's cwd is its own directory, where cores land.
     return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
             *(str(ROOT / a) if not a.startswith("-") else a for a in target.split())]
@@ -89,15 +95,23 @@ def classify(rc: int | None, output: str) -> str:
     return "passed" if rc == 0 else "failed"
 
 
+# glibc >= 2.34 checks the heap only with its debug library preloaded: MALLOC_CHECK_=3 aborts
+# at the first bad free or overrun it sees (not where a later malloc trips over the damage), and
+# MALLOC_PERTURB_ fills freed memory so a use after free reads garbage at once.
+MALLOC_CHECKS = {"LD_PRELOAD": "libc_malloc_debug.so.0", "MALLOC_CHECK_": "3",
+                 "MALLOC_PERTURB_": "165", "PYTHONFAULTHANDLER": "1"}
+
+
 def run_once(i: int, target: str, out: Path, timeout: float,
-             systems: list[str] | None = None) -> dict:
+             systems: list[str] | None = None, hosts: int = 2,
+             malloc_check: bool = False) -> dict:
     where = out / f"run-{i:03d}"
     where.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(MALLOC_CHECKS if malloc_check else {}))
     start = time.perf_counter()
     # cwd: the run's directory, where a core_pattern of "core" puts every rank's core file.
     try:
-        r = subprocess.run(_command(target, systems), cwd=where,
+        r = subprocess.run(_command(target, systems, hosts, where), cwd=where,
                            capture_output=True, text=True, timeout=timeout, env=env,
                            preexec_fn=_cores_on)
         rc, output = r.returncode, r.stdout + r.stderr
@@ -105,9 +119,14 @@ def run_once(i: int, target: str, out: Path, timeout: float,
         rc = None
         output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(
             errors="replace")
+    for log in sorted(where.glob("rank-*.log")):   # the other ranks' own lines (--target hosts)
+        output += f"\n== {log.name}\n{log.read_text(errors='replace')}"
     seconds = time.perf_counter() - start
     (out / f"run-{i:03d}.log").write_text(output)
     cores = sorted(p for p in where.glob("core*") if p.is_file())
+    if not cores and classify(rc, output) == "passed":
+        for log in where.glob("rank-*.log"):   # in run-NNN.log already; keep only a bad run's
+            log.unlink()
     outcome = classify(rc, output) if not cores else "crashed"
     if cores:
         (out / f"run-{i:03d}.bt").write_text(_backtraces(cores))
@@ -127,6 +146,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "runs" / "soak"))
     parser.add_argument("--systems", nargs="+", help="--target hosts: the systems each run "
                         "compares (default: tilework's two, DDP's, TorchRec's where installed)")
+    parser.add_argument("--hosts", type=int, default=2, help="--target hosts: how many")
+    parser.add_argument("--malloc-check", action="store_true", help="glibc's heap checks on "
+                        "(its debug malloc preloaded, MALLOC_CHECK_=3, freed memory perturbed)")
     args = parser.parse_args()
     if args.runs < 1 or args.load < 0:
         parser.error("--runs must be >= 1 and --load >= 0")
@@ -142,7 +164,8 @@ def main() -> None:
     counts: dict[str, int] = {}
     try:
         for i in range(args.runs):
-            results.append(run_once(i, args.target, out, args.timeout, args.systems))
+            results.append(run_once(i, args.target, out, args.timeout, args.systems,
+                                    args.hosts, args.malloc_check))
             counts = {k: sum(r["outcome"] == k for r in results)
                       for k in ("passed", "failed", "crashed", "timeout")}
             print(f"run {i + 1}/{args.runs}: {results[-1]['outcome']} "
@@ -151,7 +174,8 @@ def main() -> None:
         stop.set()
         for b in burners:
             b.join(timeout=5)
-    summary = {"target": args.target, "runs": len(results), "load": args.load,
+    summary = {"target": args.target, "hosts": args.hosts, "systems": args.systems,
+               "malloc_check": args.malloc_check, "runs": len(results), "load": args.load,
                "core_pattern": core_pattern, "counts": counts, "results": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: summary[k] for k in ("target", "runs", "load", "counts")}))

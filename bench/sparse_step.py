@@ -28,6 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,8 +67,9 @@ def round_median(workload, system, steps, rank, world_size, profile=None) -> tup
     return statistics.median(slowest.tolist()), calls
 
 
-def on_emulated_hosts(hosts: int, rate: str) -> int:
-    """This script again, one rank on each of `hosts` emulated hosts; rank 0's output shown."""
+def on_emulated_hosts(hosts: int, rate: str, rank_logs: str | None = None) -> int:
+    """This script again, one rank on each of `hosts` emulated hosts; rank 0's output shown,
+    the others' written to `rank_logs`/rank-R.log where given (a crash's own lines kept)."""
     from tilework.bench.netns import LinkShape, emulated_cluster
     from tilework.bench.netns import available as emulation
     from tilework.bench.suite import PARALLAX_FLOP_PER_BYTE, _free_port
@@ -80,13 +83,20 @@ def on_emulated_hosts(hosts: int, rate: str) -> int:
     print(f"{hosts} emulated hosts, one rank each, links at {mbit:,.0f} Mbit/s ({rate})",
           flush=True)
     port, argv = _free_port(), [sys.executable, *sys.argv]
-    with emulated_cluster(hosts, LinkShape(rate_mbit=mbit)) as cluster:
+    logs = Path(rank_logs) if rank_logs else None
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+    with emulated_cluster(hosts, LinkShape(rate_mbit=mbit)) as cluster, ExitStack() as files:
         procs = []
         for r in range(hosts):   # all on this machine: local ranks 0 to n - 1, as the suite does
             env = WorkerEnv(launched=True, rank=r, world_size=hosts, local_rank=r,
                             local_world_size=hosts, master_addr="127.0.0.1", master_port=port)
+            out = None if r == 0 else subprocess.DEVNULL
+            if r and logs is not None:
+                out = files.enter_context(open(logs / f"rank-{r}.log", "w"))
             procs.append(subprocess.Popen(
-                cluster.command(r, argv), stdout=None if r == 0 else subprocess.DEVNULL,
+                cluster.command(r, argv), stdout=out,
+                stderr=None if out in (None, subprocess.DEVNULL) else subprocess.STDOUT,
                 env={**os.environ, "OMP_NUM_THREADS": "1", **env.to_environ(),
                      **cluster.gloo_env(r, port)}))
         codes = [proc.wait() for proc in procs]
@@ -118,9 +128,11 @@ def main() -> None:
                    "(root: network namespaces, as `tilework bench`), not on loopback")
     p.add_argument("--rate", default="parallax", help="their links' Mbit/s, or 'parallax' "
                    "(this machine's FLOP/s over Parallax's FLOP per byte, as `tilework bench`)")
+    p.add_argument("--rank-logs", help="with --hosts: write ranks 1.. 's stdout and stderr to "
+                   "DIR/rank-R.log (rank 0's stays on the terminal)")
     a = p.parse_args()
     if a.hosts and "RANK" not in os.environ:
-        sys.exit(on_emulated_hosts(a.hosts, a.rate))
+        sys.exit(on_emulated_hosts(a.hosts, a.rate, a.rank_logs))
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
