@@ -48,7 +48,9 @@ def encode(x: torch.Tensor, codec: Codec) -> torch.Tensor:
     blocks = x.float().view(m, k // BLOCK, BLOCK)
     scale = blocks.abs().amax(-1, keepdim=True) / levels
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))   # NaN > 0 is False: kept NaN
-    q = torch.round(blocks / divisor).clamp_(-levels, levels).to(torch.int8).view(m, k)
+    # In place after the division: one float temporary, not three (a sync encodes every
+    # bucket's slice at once: estimate/outer_memory.py counts what this allocates).
+    q = (blocks / divisor).round_().clamp_(-levels, levels).to(torch.int8).view(m, k)
     if codec == "int8":
         values = q.view(torch.uint8)
     else:   # two values a byte, offset to 1..15
@@ -71,8 +73,8 @@ def decode(payload: torch.Tensor, codec: Codec, k: int,
     if codec == "int8":
         q = values.contiguous().view(torch.int8).float()
     else:
-        q = torch.stack([values & 0x0F, values >> 4], dim=-1).view(m, k).float() - 8
-    return (q.view(m, k // BLOCK, BLOCK) * scale.view(m, -1, 1)).view(m, k).to(dtype)
+        q = torch.stack([values & 0x0F, values >> 4], dim=-1).view(m, k).float().sub_(8)
+    return q.view(m, k // BLOCK, BLOCK).mul_(scale.view(m, -1, 1)).view(m, k).to(dtype)
 
 
 __all__ = ["BLOCK", "CODECS", "Codec", "decode", "encode", "encoded_bytes", "multiple_of"]

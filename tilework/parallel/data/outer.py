@@ -29,6 +29,7 @@ all of them at once, and all refuse the outer step together, naming the paramete
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -263,45 +264,70 @@ class LocalSGD:
 
     def _pseudo_gradient(self, bucket: _Bucket, at: dict) -> torch.Tensor:
         """The anchors minus the parameters now, or as they were at the launch (`at`: the
-        layer-wise schedule's)."""
-        flat = torch.cat([(self.anchors[n] - at.get(n, p)).reshape(-1)
-                          for n, p in bucket.params])
-        if self.codec != "none":
-            flat = flat.float()
-        return torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
+        layer-wise schedule's), written into one padded flat tensor (float32 where it is
+        encoded): no parameter-sized temporaries beside it."""
+        dtype = torch.float32 if self.codec != "none" else \
+            functools.reduce(torch.promote_types, [p.dtype for _, p in bucket.params])
+        flat = torch.empty(bucket.padded, dtype=dtype, device=bucket.params[0][1].device)
+        flat[bucket.numel:].zero_()
+        offset = 0
+        for n, p in bucket.params:
+            torch.sub(self.anchors[n], at.get(n, p), out=flat[offset:offset + p.numel()]
+                      .view_as(p))
+            offset += p.numel()
+        return flat
 
     def _exchange(self, bucket: _Bucket, at: dict):
         """`bucket`'s average across the workers, as a generator that yields after each launch
-        (so `sync` can launch every bucket's before waiting) and returns the flat average."""
+        (so `sync` can launch every bucket's before waiting) and returns the flat average.
+
+        Every bucket's exchange is in flight at once, so each keeps only what is on the wire
+        across its yields (what it sends and receives); the pseudo-gradient and the encodings'
+        work are dropped before it yields (estimate/outer_memory.py prices this order)."""
         w, stats, codec = self.workers, self.stats, self.codec
         flat = self._pseudo_gradient(bucket, at)
         mine = flat.view(w.size, -1)[w.index]
+        if w.size > 1:   # only this rank's slice crosses hosts: the rest is not kept
+            mine = mine.clone()
+        del flat
         successor_remote = w.remote[(w.me + 1) % w.count] if w.count > 1 else False
         if codec == "none":
             work = all_reduce_async(mine, w.across, stats, "outer", successor_remote)
             yield
             if work is not None:
                 work.wait()
-            averaged = mine / w.count
+            del work
+            averaged = mine.div_(w.count)
         else:
-            mine = mine + bucket.error
+            mine.add_(bucket.error)
             sent = encode(mine.view(w.count, -1), codec)
-            bucket.error = mine - decode(sent, codec, bucket.part).view(-1)
+            torch.sub(mine, decode(sent, codec, bucket.part).view(-1), out=bucket.error)
+            del mine
             exchange = all_to_all_v(list(sent.unsqueeze(1)), w.across, stats, "outer",
                                     remote=list(w.remote), recv_lengths=[1] * w.count,
                                     async_op=True)
+            del sent
             yield
             received = torch.cat(exchange.wait())
-            average = decode(received, codec, bucket.part).sum(0) / w.count + bucket.owner_error
+            del exchange
+            average = decode(received, codec, bucket.part).sum(0).div_(w.count)
+            del received
+            average.add_(bucket.owner_error)
             reply = encode(average.view(1, -1), codec)
-            bucket.owner_error = average - decode(reply, codec, bucket.part).view(-1)
+            torch.sub(average, decode(reply, codec, bucket.part).view(-1),
+                      out=bucket.owner_error)
+            del average
             gather = all_gather_async(reply.view(-1), w.across, stats, "outer", successor_remote)
+            del reply
             yield
             averaged = decode(gather.wait().view(w.count, -1), codec, bucket.part).view(-1)
+            del gather
         if w.within is not None:   # the worker's slices, put back together
             gather = all_gather_async(averaged.contiguous(), w.within, stats, "outer")
+            del averaged
             yield
             averaged = gather.wait()
+            del gather
         return averaged[:bucket.numel]
 
     # -- checkpoints ---------------------------------------------------------------------------
