@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .meta_forward import meta_forward
+from .outer_memory import outer_state_bytes, outer_sync_memory, outer_workers
 
 # Optimizer state, in elements per updated element; torch's Adam family and Adagrad also keep
 # a float32 step counter per parameter tensor.
@@ -206,6 +207,7 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
               for pp in plan.of("ps")]
     dtypes = {pp.name: pp.dtype for pp in plan.params}
     device = _step_device(model, plan)
+    sync = outer_sync_memory(plan, device)   # local SGD's sync, inside the user's step
 
     def dense_step(zero: DenseFigures) -> int:
         """The user's optimizer on what this rank updates (whole or the shards)."""
@@ -242,7 +244,8 @@ def estimate_per_rank(model: nn.Module, plan, example_inputs: tuple, optimizer="
             state += (per_element + (pp.name in amsgrad)) * shard
             received += rows
             row_step = max(row_step, copies * rows)
-        step = max(zero_step, zero.after_step, received + row_step if served else 0)
+        step = max(zero_step, zero.after_step, received + row_step if served else 0,
+                   sync.transient)
         out.append(MemoryEstimate(rank, params, grads, state, facts.activations, zero.buckets,
                                   2 * facts.largest, step, facts.recomputed, zero.gathered,
                                   zero.offloaded, zero.last_flight))
@@ -324,8 +327,11 @@ def zero_figures(plan, per_element: int, counter_bytes: int,
     # but not when compressed). PowerSGD and top-k also keep each rank's error, a copy of every
     # bucket; PowerSGD holds what it sent until the Qs land; top-k ranks a bucket's magnitudes
     # (a copy of one bucket) and receives every rank's positions and values.
-    compressed = plan.grad_compress in ("powersgd", "topk") and n > 1
-    buckets = sum(replicated) if n > 1 and (len(replicated) > 1 or compressed) else 0
+    # Under local SGD only a worker's own ranks all-reduce every step (outer_worker="host"):
+    # a worker of one rank keeps no buckets.
+    reducing = n if plan.outer is None else outer_workers(plan)[1]
+    compressed = plan.grad_compress in ("powersgd", "topk") and reducing > 1
+    buckets = sum(replicated) if reducing > 1 and (len(replicated) > 1 or compressed) else 0
     if compressed and plan.grad_compress == "powersgd":
         buckets += 2 * sum(replicated)
     elif compressed:
@@ -361,31 +367,6 @@ def zero_figures(plan, per_element: int, counter_bytes: int,
     state += outer_state_bytes(plan)
     return DenseFigures(params, grads, state, buckets, gathered, offloaded, updated, after_step,
                         last_flight)
-
-
-def outer_state_bytes(plan) -> int:
-    """What local SGD keeps on every rank beside the model (parallel/data/outer.LocalSGD): the
-    last sync's parameters (the outer optimizer's), their momentum where it has one, each
-    rank's error feedback of its slice and its part (compressed: float32), and under the
-    layer-wise schedule, where a group's exchange is in flight between steps, the largest
-    group's parameters as they were at its launch and its pseudo-gradient on the wire."""
-    from ..plans.plan import outer_groups
-
-    outer = plan.outer
-    dense = [p for p in plan.of("allreduce") if p.zero < 3]   # what LocalSGD averages
-    if outer is None or not dense:
-        return 0
-    nbytes = [p.nbytes for p in dense]
-    out = sum(nbytes) * (2 if outer.momentum > 0 else 1)
-    if outer.compress != "none":
-        hosts = plan.mesh.size_of("host") if "host" in plan.mesh.names else 1
-        workers = hosts if outer.worker == "host" else plan.world_size
-        per_worker = plan.world_size // workers
-        values = sum(p.numel for p in dense)
-        out += 4 * (values // per_worker + values // (per_worker * workers))
-    if outer.schedule == "layerwise":
-        out += 2 * max(sum(nbytes[i] for i in g) for g in outer_groups(nbytes, outer))
-    return out
 
 
 BUDGET_SHARE = 0.8   # paper 4's margin: a plan estimated under 80% of memory is not killed

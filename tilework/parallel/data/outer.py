@@ -192,8 +192,11 @@ class LocalSGD:
     def _start(self, fragment: _Fragment) -> None:
         # What the encodings owed before this exchange: what a checkpoint taken while it is in
         # flight keeps (the exchange itself is not saved; a resume starts it again at landing).
+        # Only an exchange that outlives this step can be in flight at a checkpoint.
+        crosses = fragment.apply_at != self.inner_steps
         for b in fragment.buckets:
-            b.owed = None if b.error is None else (b.error.clone(), b.owner_error.clone())
+            b.owed = None if b.error is None or not crosses else (b.error.clone(),
+                                                                  b.owner_error.clone())
         fragment.launched = True
         if self.layerwise and not fragment.at_launch:   # (restored by a mid-period resume)
             fragment.at_launch = {n: self.by_name[n].detach().clone() for n in fragment.names}
