@@ -211,3 +211,23 @@ def test_a_bucket_riding_the_servers_push_costs_its_bytes_and_no_meeting():
         for p in served.params))
     assert not dense_rides_push(headed, cluster.topology())
     assert dense_seconds(headed, cluster) > ALL_REDUCE.messages(4) * slow.latency_s
+
+
+def test_the_outer_sync_meetings_are_priced_by_each_collective_s_factor():
+    """A compressed sync's exchange is an all-to-all and an all-gather: their meetings at the
+    link's measured factors (gloo's all-to-all waits once for its n - 1 sends, its all-gather
+    n - 1 times), as the servers' are; an uncompressed one is a ring all-reduce, at the fit."""
+    from tilework.comm.wire import ALL_GATHER, ALL_TO_ALL
+    from tilework.estimate.cost import outer_bucket_wire
+
+    fit = Link(1.0, 1000.0)
+    measured = Link(1.0, 1000.0, all_to_all_latency_factor=0.5, all_gather_latency_factor=2.0)
+    wire = outer_bucket_wire(64 * 1024, 4, 1, "int8")
+    assert wire.seconds(measured, fit) - wire.seconds(fit, fit) == pytest.approx(
+        1e-3 * (ALL_TO_ALL.messages(4) * (0.5 - 1) + ALL_GATHER.messages(4) * (2.0 - 1)))
+    plain = outer_bucket_wire(64 * 1024, 4, 1, "none")
+    assert plain.seconds(measured, fit) == pytest.approx(plain.seconds(fit, fit))
+    # Inside a worker the averaged slices are all-gathered: that factor, on the host's link.
+    hosts = outer_bucket_wire(64 * 1024, 2, 2, "none")
+    assert hosts.seconds(fit, measured) - hosts.seconds(fit, fit) == pytest.approx(
+        1e-3 * ALL_GATHER.messages(2) * (2.0 - 1))

@@ -138,11 +138,30 @@ class OuterWire:
     across_messages: int
     within: int
     within_messages: int
+    # Of `across_messages`, the all-gathers' (compressed: the rest are all-to-alls'; else all
+    # are a ring all-reduce's).
+    across_gathers: int = 0
+    compressed: bool = False
 
     def __add__(self, other: "OuterWire") -> "OuterWire":
         return OuterWire(self.across + other.across,
                          self.across_messages + other.across_messages,
-                         self.within + other.within, self.within_messages + other.within_messages)
+                         self.within + other.within, self.within_messages + other.within_messages,
+                         self.across_gathers + other.across_gathers,
+                         self.compressed or other.compressed)
+
+    def seconds(self, across: Link, within: Link) -> float:
+        """Its bytes at each link's bandwidth and its meetings at their latency, an
+        all-to-all's and an all-gather's scaled by their measured factors (`meetings_s`)."""
+        if self.compressed:
+            meet = across.latency_s * (
+                (self.across_messages - self.across_gathers) * across.all_to_all_latency_factor
+                + self.across_gathers * across.all_gather_latency_factor)
+        else:
+            meet = self.across_messages * across.latency_s
+        inside = self.within_messages * within.latency_s * within.all_gather_latency_factor
+        return (meet + self.across / across.bytes_per_s
+                + inside + self.within / within.bytes_per_s)
 
     @property
     def sent(self) -> int:
@@ -157,17 +176,20 @@ def outer_bucket_wire(numel: int, workers: int, per_worker: int = 1, codec: str 
     averaged slices (float32 when compressed) gathered inside the worker."""
     unit = per_worker * (1 if codec == "none" else workers * multiple_of(codec))
     carried = -(-numel // unit) * unit // per_worker
+    gathers = 0
     if codec == "none":
         across = ring_allreduce_bytes(carried * item, workers)
         messages, item_back = ALL_REDUCE.messages(workers), item
     else:
         encoded = encoded_bytes(carried // workers, codec)
         across = all_to_all_bytes(workers * encoded, workers) + all_gather_bytes(encoded, workers)
-        messages = ALL_TO_ALL.messages(workers) + ALL_GATHER.messages(workers)
+        gathers = ALL_GATHER.messages(workers)
+        messages = ALL_TO_ALL.messages(workers) + gathers
         item_back = 4
     return OuterWire(across, messages if workers > 1 else 0,
                      all_gather_bytes(carried * item_back, per_worker),
-                     ALL_GATHER.messages(per_worker) if per_worker > 1 else 0)
+                     ALL_GATHER.messages(per_worker) if per_worker > 1 else 0,
+                     gathers if workers > 1 else 0, codec != "none")
 
 
 def outer_sync_wire(nbytes_in_order: list[int], bucket_bytes: int, workers: int,
@@ -227,8 +249,7 @@ def outer_entry(p: ParamPlan, outer, topology: Topology, links: Links) -> Cost:
     wire = outer_bucket_wire(p.numel, workers, per_worker, outer.compress, dtype_bytes(p.dtype))
     inner, messages = _inside_worker(p, per_worker)
     return Cost(wire.sent / outer.every + inner,
-                (seconds(wire.across, across, wire.across_messages)
-                 + seconds(wire.within, links.intra, wire.within_messages)) / outer.every
+                wire.seconds(across, links.intra) / outer.every
                 + seconds(inner, links.intra, messages))
 
 
@@ -256,8 +277,7 @@ def outer_step_seconds(entries: list[ParamPlan], outer, topology: Topology, link
     workers, per_worker, across = _outer_shape(outer, topology, links)
     item = dtype_bytes(entries[0].dtype)
     # each sync's seconds: its buckets, across the workers and inside one
-    syncs = [sum(seconds(w.across, across, w.across_messages)
-                 + seconds(w.within, links.intra, w.within_messages) for w in wires)
+    syncs = [sum(w.seconds(across, links.intra) for w in wires)
              for wires in _period_syncs([p.nbytes for p in entries], outer, bucket_bytes,
                                         workers, per_worker, outer.compress, item)]
     hidden = beside_s if outer.schedule == "layerwise" else 0.0
