@@ -134,6 +134,25 @@ def test_hybrid_exact_uses_the_busiest_ranks_replayed_bytes():
     assert t == pytest.approx(max(want) / 1e7)
 
 
+def test_hybrid_exact_meets_once_a_step_for_every_table():
+    """The runtime pulls and pushes every server table in one exchange: three all-to-alls a
+    step however many tables (it charged three per table), the bytes replayed together."""
+    from tilework.plans.plan import ParamPlan
+
+    tables = [ParamPlan(name=name, shape=(100, 4), dtype="float32", method="ps", partitions=2,
+                        kind="sparse") for name in ("a", "b")]
+    link = Link(0.08, 1000.0)
+    links = {"all_reduce": link, "all_to_all": link, "all_gather": link}
+    steps = [[{"a": torch.tensor([0, 1]), "b": torch.tensor([60])},
+              {"a": torch.tensor([0, 1, 2]), "b": torch.tensor([3, 70])}]]
+    t, per_rank = cp.hybrid_exact(_Plan(tables), steps, 2, links)
+    topo = Topology.from_sizes([1, 1])
+    want = cost.ps_step_bytes(tables, [[s[p.name] for s in steps[0]] for p in tables], topo,
+                              True)
+    assert per_rank == pytest.approx(want)
+    assert t == pytest.approx(max(want) / 1e7 + cost.ps_meetings(2, link))
+
+
 def test_measured_ids_give_the_busiest_servers_share():
     """Ids crowded into the low rows (a frequency-sorted table) load partition 0's server
     beyond 1/servers; hashed rows (row % partitions) spread them; each id is counted where it

@@ -45,9 +45,11 @@ from ..estimate.cost import (
     TableTraffic,
     dense_rides_push,
     predict,
-    ps_table_bytes,
+    ps_meetings,
+    ps_step_bytes,
     ring_allreduce,
     seconds,
+    shared_meetings,
     sparse_allgather,
 )
 
@@ -128,7 +130,7 @@ def predict_hybrid(plan, traffic: dict[str, TableTraffic], n: int,
     """`estimate/plan_cost.comm_seconds` for `plan` on n one-rank hosts, with the dense
     bucketed all-reduce on the all_reduce link and each server table (`cost.predict`:
     ps_expected, its head) on the all_to_all link. Tables are costed one by one, as the planner
-    does."""
+    does, less the meetings they share (`cost.shared_meetings`: pulled and pushed together)."""
     topo = Topology.from_sizes([1] * n)
 
     def run(ar: Link, a2a: Link):
@@ -145,6 +147,10 @@ def predict_hybrid(plan, traffic: dict[str, TableTraffic], n: int,
             if c is None:
                 raise ValueError(f"no traffic for server table {pp.name}")
             terms[f"ps {pp.name}"], sent = c.seconds, sent + c.bytes_sent
+        shared = shared_meetings(plan.of("ps"), traffic, topo, Links(inter=a2a),
+                                 plan.local_aggregation)
+        if shared:
+            terms["meetings the tables share"] = -shared
         return terms, sent
 
     terms, sent = run(links["all_reduce"], links["all_to_all"])
@@ -155,18 +161,19 @@ def predict_hybrid(plan, traffic: dict[str, TableTraffic], n: int,
 def hybrid_exact(plan, ids_steps: list[list[dict[str, torch.Tensor]]], n: int,
                  links: dict[str, Link]) -> tuple[float, list[float]]:
     """A diagnostic beside `predict_hybrid`: the server tables' bytes from the exact replay of
-    the runtime's routing (`cost.ps_table_bytes`, equal to the counters, each table as if
-    pulled alone) on the ids the batches looked up, instead of the expected model's even spread
+    the runtime's routing (`cost.ps_step_bytes`, equal to the counters: every table in one
+    exchange) on the ids the batches looked up, instead of the expected model's even spread
     over the servers. Returns (seconds of the busiest rank: the dense all-reduce plus its exact
-    bytes and ps_expected's messages on the all_to_all link, averaged over the steps; each
-    rank's bytes per step, averaged)."""
+    bytes and the servers' three meetings a step on the all_to_all link, averaged over the
+    steps; each rank's bytes per step, averaged)."""
     topo = Topology.from_sizes([1] * n)
     per_rank = [0.0] * n
-    id_blocks: dict[str, dict] = {pp.name: {} for pp in plan.of("ps")}   # carried step to step
+    served = plan.of("ps")
+    id_blocks: dict = {}   # carried step to step
     for ranks in ids_steps:
-        for pp in plan.of("ps"):
-            sent = ps_table_bytes(pp, [r[pp.name] for r in ranks], topo, plan.local_aggregation,
-                                  id_blocks[pp.name])
+        if served:
+            sent = ps_step_bytes(served, [[r[pp.name] for r in ranks] for pp in served], topo,
+                                 plan.local_aggregation, id_blocks)
             per_rank = [a + b / len(ids_steps) for a, b in zip(per_rank, sent)]
     dense = sum(pp.nbytes for pp in plan.of("allreduce") if not pp.zero)
     if dense and dense_rides_push(plan, topo):
@@ -174,7 +181,8 @@ def hybrid_exact(plan, ids_steps: list[list[dict[str, torch.Tensor]]], n: int,
     else:
         t = ring_allreduce(dense, topo, Links(inter=links["all_reduce"]),
                            math.ceil(dense / plan.bucket_bytes)).seconds if dense else 0.0
-    t += seconds(max(per_rank), links["all_to_all"], 3 * (n - 1) * len(plan.of("ps")))
+    if served:
+        t += seconds(max(per_rank), links["all_to_all"], 0) + ps_meetings(n, links["all_to_all"])
     return t, per_rank
 
 
