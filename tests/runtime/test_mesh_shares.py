@@ -1,8 +1,10 @@
-"""Uneven batch shares on a tp or cp mesh (ParallelConfig(batch_shares=[...], tp=2 | cp=2)):
-each data-parallel replica takes its own count of the global batch, every rank of a replica the
-same, and the model trains as one process on the global batch (FlashFlex's per-replica batch;
-issue 27). The reference GPT on 4 ranks, SGD, against one process; tolerance as the mesh suite's
-(the tp sums and dp all-reduce reorder additions)."""
+"""Uneven batch shares on a tp, cp or pp mesh (ParallelConfig(batch_shares=[...], tp=2 | cp=2 |
+pp=2)): each data-parallel replica takes its own count of the global batch, every rank of a
+replica the same, and the model trains as one process on the global batch (FlashFlex's
+per-replica batch; issue 27). Under pp each replica's pipeline cuts its share into its equal
+microbatches and seeds its last stage's backward with the replica's weight. The reference GPT
+on 4 ranks, SGD, against one process; tolerance as the mesh suite's (the tp sums and dp
+all-reduce reorder additions)."""
 
 from __future__ import annotations
 
@@ -44,17 +46,23 @@ def _train(rank, world_size, options):
     shares = tilework.batch_shares(model)
     losses = []
     for step in range(STEPS):
-        loss = model(*_slice(step, shares, replica))
-        loss.backward()
+        if options.get("pp", 1) > 1:   # the last stage's ranks return the replica's loss
+            loss = model.step(*_slice(step, shares, replica))
+        else:
+            loss = model(*_slice(step, shares, replica))
+            loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(None if loss is None else loss.item())
     return {"losses": losses, "replica": replica, "replicas": replicas, "shares": shares,
             "state": tilework.state_dict(model, opt)["model"]}
 
 
-@pytest.mark.parametrize("options", [{"tp": 2, "batch_shares": [6, 2]},
-                                     {"cp": 2, "batch_shares": [2, 6]}], ids=["tp2", "cp2"])
+@pytest.mark.parametrize("options", [
+    {"tp": 2, "batch_shares": [6, 2]}, {"cp": 2, "batch_shares": [2, 6]},
+    {"pp": 2, "microbatches": 2, "batch_shares": [6, 2]},
+    {"pp": 2, "microbatches": 2, "schedule": "gpipe", "batch_shares": [2, 6]}],
+    ids=["tp2", "cp2", "pp2-1f1b", "pp2-gpipe"])
 def test_replicas_of_a_mesh_take_their_shares_and_train_as_one_process(options):
     losses, state = _reference()
     results = spawn(_train, 4, (options,), timeout=300)
@@ -66,21 +74,28 @@ def test_replicas_of_a_mesh_take_their_shares_and_train_as_one_process(options):
             scale = v.abs().max().item() + 1e-12
             assert (got - v).abs().max().item() / scale <= TOL, k
     # Each replica's mean loss weighted by its share is the global batch's (every rank of a
-    # replica computes its replica's, or under cp its own tokens' half).
+    # replica computes its replica's, or under cp its own tokens' half; under pp its last
+    # stage's ranks).
     for step in range(STEPS):
-        weighted = sum(r["losses"][step] * shares[r["replica"]] for r in results) \
-            / sum(shares[r["replica"]] for r in results)
+        told = [r for r in results if r["losses"][step] is not None]
+        weighted = sum(r["losses"][step] * shares[r["replica"]] for r in told) \
+            / sum(shares[r["replica"]] for r in told)
         assert abs(weighted - losses[step]) <= 1e-5 * abs(losses[step]), step
 
 
-def test_shares_with_pp_are_refused_and_a_mesh_plan_takes_one_per_replica():
-    with pytest.raises(ConfigError, match="batch_shares: expected shares per data-parallel "
-                                          "replica with tp or cp; with pp"):
-        ParallelConfig(pp=2, batch_shares=[6, 2])
+def test_a_mesh_plan_takes_one_share_per_replica():
+    with pytest.raises(ConfigError, match="batch_shares: expected with pp, counts that split "
+                                          "into the 4 equal microbatches"):
+        ParallelConfig(pp=2, microbatches=4, batch_shares=[6, 2])
     from tilework.cluster.topology import Topology
 
     with torch.device("meta"):
         model = new_gpt()
+    piped = tilework.plan(model, ParallelConfig(pp=2, microbatches=2, batch_shares=[6, 2]),
+                          topology=Topology.from_sizes([4]))
+    assert piped.rank_shares() == tuple(
+        (6, 2)[piped.mesh.coords(r)["dp"]] for r in range(4))
+    assert piped.part(0).batch_shares == piped.part(1).batch_shares == (6, 2)
     made = tilework.plan(model, ParallelConfig(tp=2, batch_shares=[6, 2]),
                          topology=Topology.from_sizes([4]))
     assert made.batch_shares == (6, 2) and made.rank_shares() == (6, 6, 2, 2)

@@ -429,15 +429,16 @@ class ParallelConfig:
             return
         check(isinstance(shares, (list, tuple)) and len(shares) >= 1 and all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shares),
-            "batch_shares", "a list of positive sample counts, one per rank (on a tp or cp "
-            f"mesh: per data-parallel replica), got {shares!r}")
+            "batch_shares", "a list of positive sample counts, one per rank (on a tp, cp or "
+            f"pp mesh: per data-parallel replica), got {shares!r}")
         self.batch_shares = list(shares)
         check(not self.auto_axes, "batch_shares",
               "'auto' where tp, cp or pp are the planner's: how many replicas there are is its "
               f"choice too, so a list of {len(shares)} counts may not fit it")
-        check(self.pp == 1 and "pp" not in (self.auto_axes or ()), "batch_shares",
-              "shares per data-parallel replica with tp or cp; with pp, uneven shares are "
-              "not built yet (every replica takes the same batch)")
+        m = self.microbatches
+        check(self.pp == 1 or m is None or all(n % m == 0 for n in shares), "batch_shares",
+              f"with pp, counts that split into the {m} equal microbatches of each replica's "
+              f"pipeline (each a multiple of {m}), got {shares!r}")
 
     def _check_mesh(self) -> None:
         def count(value) -> bool:

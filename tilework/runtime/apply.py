@@ -30,6 +30,7 @@ from ..comm.groups import Groups, data_parallel_groups
 from ..config.parallel import ParallelConfig
 from ..errors import PlanError
 from ..parallel.context.layout import SequenceCut
+from ..planner.shares import gradient_weights
 from ..plans.plan import Plan
 from .changes import Changes, release_values
 from .engine import Engine
@@ -179,9 +180,15 @@ def apply_dp(target, optimizer, config: ParallelConfig, plan: Plan, world: Group
                               ("dp", "cp") if config.cp > 1 else ("dp",))
     # The pipeline's stages never run the part's own forward, where the input checks and the
     # zeroed-without-a-step check look.
-    engine = Engine(target, optimizer, dp, plan.part(found.groups.coord("pp")),
-                    config.check_inputs and config.pp == 1)
+    part = plan.part(found.groups.coord("pp"))
+    engine = Engine(target, optimizer, dp, part, config.check_inputs and config.pp == 1,
+                    weigh_output=found.pipeline is None)
     engine.mesh = found
+    if found.pipeline is not None and part.batch_shares is not None:
+        # Each replica's pipeline seeds its loss's gradient with its share's weight, so the
+        # mean over dp is the global batch's (runtime/shares.py does it at the output
+        # elsewhere); the microbatches of one replica are equal, so 1/m stays their weight.
+        found.pipeline.runner.loss_weight = gradient_weights(part.batch_shares)[dp.rank]
     if engine.checks is not None and config.tp > 1:
         engine.checks.across = found.groups.group("tp")
     if found.pipeline is not None:

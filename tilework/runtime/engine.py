@@ -64,7 +64,7 @@ class Engine:
     they are made; each step is one method below with one concern."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, groups,
-                 plan: Plan, check_inputs: bool = True):
+                 plan: Plan, check_inputs: bool = True, weigh_output: bool = True):
         self.model, self.optimizer, self.groups, self.plan = model, optimizer, groups, plan
         self.stats = Stats()
         self.step_ended: list = []  # called where a step without an optimizer ends (a mesh's)
@@ -79,7 +79,9 @@ class Engine:
         dense = self._serve_parameters()
         self._bucket_dense(dense, check_inputs)
         self._hook_model()
-        if plan.batch_shares is not None:
+        # Uneven shares: the output's gradient weighted by this rank's (a pipeline's part runs
+        # no forward of its own: its last stage seeds the weight instead, apply.apply_dp).
+        if plan.batch_shares is not None and weigh_output:
             from .shares import install
 
             install(model, plan.batch_shares, groups.rank, self.checks, self.changes)

@@ -48,6 +48,9 @@ class PipelineRunner:
         self.stages, self.schedule = dict(stages), schedule
         self.stats = stats if stats is not None else Stats()
         self.timeline: list[tuple[Action, float, float]] = []
+        # What the last stage's backward is seeded with beside 1/m: a data-parallel replica's
+        # weight under uneven batch shares (planner/shares.gradient_weights), else 1.
+        self.loss_weight = 1.0
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's stages' parameters, each once (for its optimizer)."""
@@ -134,7 +137,7 @@ class _Step:
     def backward(self, s: int, mb: int) -> None:
         x, out, _ = held = self.held[(s, mb)]
         if s == self.r.schedule.stages - 1:
-            grad = torch.full_like(out, 1.0 / self.r.schedule.microbatches)
+            grad = torch.full_like(out, self.r.loss_weight / self.r.schedule.microbatches)
         else:
             grad = self.take("B", s + 1, mb)
         start = time.perf_counter()
