@@ -505,6 +505,24 @@ def test_tp_replicas_on_hosts_of_different_speeds_get_shares_by_their_slowest_ra
     assert choice.chosen.step_s < even.step_s
 
 
+def test_pipeline_replicas_on_hosts_of_different_speeds_get_shares_in_whole_microbatches():
+    """pp=2 inside each of two hosts of speeds 4 and 1 (a host one replica's pipeline, 4
+    microbatches): the batch split 16 / 4 between the replicas (the even split's 20, cut in
+    microbatches of the replica's, so each share a multiple of 4), priced at the slow
+    replica's pace: its 4 samples at speed 1 against the even 10 at speed 1, 0.4 of the even
+    split's pipeline; the shares win. The equivalence of such a split is
+    tests/runtime/test_mesh_shares.py's."""
+    fast_slow = Cluster([Host("a", 2, speed=4.0), Host("b", 2, speed=1.0)])
+    choice = auto(gpt(), ParallelConfig(plan="auto", pp=2, microbatches=4, batch_shares="auto"),
+                  fast_slow, tokens(batch=5), RATE,
+                  space=Space(zero=(0,), recompute=("none",), offload=()))
+    assert choice.chosen.config.pp == 2 and choice.chosen.config.batch_shares == [16, 4]
+    assert choice.chosen.parts["plan"].rank_shares() == (16, 16, 4, 4)
+    even = next(c for c in choice.candidates if c.config.batch_shares is None)
+    assert choice.chosen.parts["pace"] == pytest.approx(0.4)
+    assert choice.chosen.step_s < even.step_s
+
+
 def test_equal_hosts_get_no_share_candidates_and_nor_does_a_loop_that_feeds_even_batches():
     """Shares change what each rank must feed: without batch_shares="auto" (the loop reads its
     count from tilework.batch_shares) the search keeps the even split, however the hosts

@@ -376,6 +376,33 @@ def test_a_pipeline_over_hosts_of_different_speeds_gives_the_faster_more_blocks(
     assert job_plan(weighed, ran_on).parallel.stages == ((0, 1), (1, 4))
 
 
+def _train_on_two_hosts_of_two(rank, world_size, job, cluster):
+    import torch.distributed as dist
+
+    from tilework.cluster.topology import Topology
+    from tilework.comm import build_groups
+
+    result = train(job, groups=build_groups(dist.group.WORLD, Topology.uniform(2, 2)),
+                   cluster=cluster)
+    return result.losses
+
+
+def test_pipeline_replicas_take_their_shares_and_train_as_one_process(tmp_path):
+    """pp=2 inside each of two hosts of speeds 3 and 1, a host one replica's pipeline, with
+    `[parallel] batch_shares = [6, 2]` (each a multiple of the 2 microbatches): each replica
+    reads its share, and the logged losses (the last stages' means, weighted by their
+    shares) are one process's."""
+    from tilework.cluster.topology import Cluster, Host
+    from tilework.testing import spawn
+
+    one = train(gpt_job(tmp_path / "one", steps=4))
+    cluster = Cluster([Host("fast", 2, speed=3.0), Host("slow", 2, speed=1.0)])
+    job = gpt_job(tmp_path / "pp", steps=4, pp=2, microbatches=2, batch_shares=[6, 2])
+    for losses in spawn(_train_on_two_hosts_of_two, 4, (job, cluster), timeout=240):
+        _assert_close(losses, one.losses)
+    assert json.loads((tmp_path / "pp" / "plan.json").read_text())["batch_shares"] == [6, 2]
+
+
 def test_local_sgd_trains_and_resumes_bit_exact_from_a_sync(tmp_path):
     """`[parallel] sync = "diloco"`: 2 ranks, a sync every 2 steps in two fragments and in
     int4, Adam inside. A run stopped at step 2 (a sync, and a checkpoint) and resumed to step 4

@@ -435,8 +435,8 @@ class ParallelConfig:
         check(not self.auto_axes, "batch_shares",
               "'auto' where tp, cp or pp are the planner's: how many replicas there are is its "
               f"choice too, so a list of {len(shares)} counts may not fit it")
-        m = self.microbatches
-        check(self.pp == 1 or m is None or all(n % m == 0 for n in shares), "batch_shares",
+        m = self.microbatches or 2 * self.pp   # planner/model_parallel.py's default
+        check(self.pp == 1 or all(n % m == 0 for n in shares), "batch_shares",
               f"with pp, counts that split into the {m} equal microbatches of each replica's "
               f"pipeline (each a multiple of {m}), got {shares!r}")
 

@@ -194,6 +194,8 @@ def estimate(plan: Plan, cluster: Cluster, model=None, example_inputs: tuple | N
     comm = sum(parts.get(axis, 0.0) for axis in ("tp", "cp", "dp"))
     if config.pp == 1:   # under pp the step model times each stage's speed
         step, parts = paced(step, parts, pace(plan, cluster))
+    else:
+        step, parts = paced(step, parts, pipeline_pace(config, cluster))
     return PlanCost(comm, parts.get("compute"), step, memory(), entries, parts)
 
 
@@ -225,6 +227,26 @@ def config_pace(config, cluster: Cluster) -> float:
                              config.cp)
         shares = [shares[mesh.coords(r)["dp"]] for r in range(cluster.world_size)]
     return share_pace(shares, cluster.speeds())
+
+
+def pipeline_pace(config, cluster: Cluster) -> float:
+    """Under pp with uneven batch shares, how much longer than the step model's pipeline
+    (every replica on the even batch, each stage at its slowest replica's speed) the slowest
+    replica takes: its share over the mean, at its own slowest rank's speed against the
+    step model's slowest. A bound for stages balanced by speed (the slowest stage sets a
+    pipeline's pace); 1 with even shares on equal hosts."""
+    from ..cluster.mesh import parallel_mesh
+
+    shares = config.batch_shares if isinstance(config.batch_shares, list) else None
+    if shares is None or len(set(shares)) == 1:
+        return 1.0
+    mesh = parallel_mesh(cluster.world_size, cluster.procs_per_host, config.tp, config.pp,
+                         config.cp)
+    speeds = cluster.speeds()
+    mean = sum(shares) / len(shares)
+    return max(n / mean * min(speeds) / min(s for r, s in enumerate(speeds)
+                                            if mesh.coords(r)["dp"] == d)
+               for d, n in enumerate(shares))
 
 
 def share_pace(shares, speeds) -> float:
@@ -306,4 +328,4 @@ def _from_mesh(mesh):
 
 
 __all__ = ["EntryCost", "PlanCost", "comm_seconds", "config_pace", "entry_costs", "estimate",
-           "pace", "paced", "share_pace"]
+           "pace", "paced", "pipeline_pace", "share_pace"]

@@ -34,7 +34,7 @@ from ..config.parallel import AUTO_SYNC_EVERY, ParallelConfig
 from ..errors import ConfigError, PlanError
 from ..estimate.model_facts import ModelFacts
 from ..estimate.ops import OpTimes
-from ..estimate.plan_cost import config_pace, paced
+from ..estimate.plan_cost import config_pace, paced, pipeline_pace
 from ..estimate.step import MeshCandidate, predict  # noqa: F401 - the search's record
 
 Candidate = MeshCandidate
@@ -308,8 +308,9 @@ def with_shares(found: list[ParallelConfig], cluster: Cluster,
     loop hands each rank its count), each data-parallel candidate also with every
     rank's batch share by speed (planner/shares.py; the global batch: one rank's batch, the
     example's, times the world), which the estimate prices by the slowest rank's pace; and
-    each tp or cp candidate with every replica's share by its slowest rank's speed (the same
-    global batch: a replica takes tp x cp ranks' worth)."""
+    each tp, cp or pp candidate with every replica's share by its slowest rank's speed (the
+    same global batch: a replica takes tp x cp x pp ranks' worth; under pp in whole
+    microbatches)."""
     if not cluster.heterogeneous or not example_inputs or not torch.is_tensor(example_inputs[0]) \
             or example_inputs[0].dim() == 0:
         return found
@@ -320,7 +321,7 @@ def with_shares(found: list[ParallelConfig], cluster: Cluster,
     per_host = cluster.procs_per_host
     extra = []
     for c in found:
-        if c.batch_shares is not None or c.pp > 1:
+        if c.batch_shares is not None:
             continue
         if not c.model_parallel:
             extra.append(dataclasses.replace(c, batch_shares=list(
@@ -333,9 +334,14 @@ def with_shares(found: list[ParallelConfig], cluster: Cluster,
         replicas = mesh.size_of("dp")
         slowest = [min(s for r, s in enumerate(speeds) if mesh.coords(r)["dp"] == d)
                    for d in range(replicas)]
-        if replicas > 1 and len(set(slowest)) > 1:   # the global batch as the even split's
-            extra += _allowed(lambda c=c, slowest=slowest: dataclasses.replace(
-                c, batch_shares=list(batch_shares(batch * cluster.world_size, slowest))))
+        # The global batch as the even split's; under pp in whole microbatches (each
+        # replica's pipeline cuts its share into equal ones).
+        unit = (c.microbatches or 2 * c.pp) if c.pp > 1 else 1
+        total = batch * cluster.world_size
+        if replicas > 1 and len(set(slowest)) > 1 and total % unit == 0:
+            extra += _allowed(lambda c=c, slowest=slowest, unit=unit, total=total:
+                              dataclasses.replace(c, batch_shares=[
+                                  unit * n for n in batch_shares(total // unit, slowest)]))
     return found + extra
 
 
@@ -400,8 +406,10 @@ def price_step(model: nn.Module, config: ParallelConfig, cluster: Cluster,
         if found.step_s is None:
             return Candidate(config, None, found.why, {"dp_size": dp})
         step, parts = found.step_s, dict(found.parts)
-        if config.pp == 1:   # as estimate(plan) paces it: the slowest rank's share and speed
-            step, parts = paced(step, parts, config_pace(config, cluster))
+        # As estimate(plan) paces it: the slowest rank's share and speed (under pp, the
+        # slowest replica's: the step model already times each stage at its speed).
+        step, parts = paced(step, parts, config_pace(config, cluster) if config.pp == 1
+                            else pipeline_pace(config, cluster))
         return Candidate(config, step, "", parts | {"dp_size": dp})
     try:
         plan = make_plan(model, config, cluster, traffic=traffic)

@@ -158,7 +158,7 @@ def _sampler(job: Job, work: Workload, session: _Session, shares=None) -> Sharde
                              seed=job.data.seed, scaling=job.data.scaling,
                              shuffle=job.data.shuffle, shares=shares)
     if session.pipelined:
-        per_replica = sampler.global_batch // shards
+        per_replica = shares[shard] if shares else sampler.global_batch // shards
         m = session.mesh.pipeline.schedule.microbatches
         if per_replica % m:
             from ..errors import ConfigError
