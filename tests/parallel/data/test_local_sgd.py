@@ -349,3 +349,30 @@ def test_every_rank_refuses_the_outer_step_together_naming_the_rank_that_diverge
     for ranks, message in spawn(_one_rank_diverges, 2, timeout=120):
         assert ranks == (1,)
         assert "not finite at the outer step (the inner steps of rank(s) [1] diverged)" in message
+
+
+def _zero_shards_after_layerwise_landings(rank, world_size):
+    work = build(job("cnn"))
+    opt = torch_optimizer("adam", work.model.parameters(), LR["adam"])
+    groups = build_groups(dist.group.WORLD, Topology.uniform(2, 2))
+    tilework.parallelize(work.model, opt, mode="allreduce", log=False, sync="diloco",
+                         sync_every=4, outer_schedule="layerwise", outer_worker="host", zero=2,
+                         zero_scope="host", groups=groups)
+    engine = work.model._tilework_engine
+    sampler = ShardedBatches(len(work.train_set), BATCH, rank, world_size)
+    behind = []
+    for step in range(6):
+        work.loss(work.model, work.train_set.collate(sampler.indices(step)), step).backward()
+        opt.step()
+        opt.zero_grad()
+        behind.append([s.name for s in engine.zero.shards
+                       if not torch.equal(s.shard, s.take(s.param.detach()))])
+    return behind
+
+
+def test_a_layerwise_landing_under_zero_retakes_the_shards_of_its_group():
+    """ZeRO inside each host, a layer-wise group landing after each step: the landing writes
+    its group's parameters and only their shards are taken again (not every shard, every
+    landing); after every step each rank's shards are its parameters' own slices."""
+    for behind in spawn(_zero_shards_after_layerwise_landings, 4, timeout=180):
+        assert behind == [[]] * 6

@@ -167,7 +167,8 @@ class LocalSGD:
         # With fragments, a delay or layer-wise groups, ranks' parameters differ even at a
         # period's end.
         self.ranks_differ = len(self.fragments) > 1 or outer.delay > 0 or self.layerwise
-        self.landed = None   # called after every landing (ZeRO's shards follow the parameters)
+        # Called after every landing with the names it wrote (ZeRO's shards follow them).
+        self.landed = None
 
     def after_step(self) -> bool:
         """Called after every `optimizer.step()`: moves the exchanges in flight a stage,
@@ -253,7 +254,7 @@ class LocalSGD:
                 p.copy_(anchor)
             anchor.grad = None
         if self.landed is not None:
-            self.landed()
+            self.landed(names)
 
     def _diverged(self, mine: bool) -> tuple[int, ...]:
         """The ranks whose own pseudo-gradient was not finite (a collective on the refusal

@@ -387,10 +387,13 @@ class ZeroSync:
                 if not was:
                     unit.free()
 
-    def after_load(self) -> None:
-        """The model's values were loaded into the parameters: the shards follow."""
+    def after_load(self, names=None) -> None:
+        """The model's values were loaded into the parameters (`names`: only these, as a
+        local-SGD landing of one fragment or group writes them): the shards follow."""
+        shards = self.shards if names is None else \
+            [self.by_name[n] for n in names if n in self.by_name]
         with torch.no_grad():
-            for s in self.shards:
+            for s in shards:
                 s.shard.copy_(s.take(s.param.detach()))
         if self.units is not None:
             self.units.free_all()
