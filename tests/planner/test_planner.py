@@ -73,6 +73,46 @@ def test_cost_search_sends_a_fully_touched_table_to_allreduce():
     assert "rows/step" in plan["tables.0.weight"].reason
 
 
+def test_under_local_sgd_a_table_goes_on_the_outer_schedule_where_that_costs_less():
+    """The servers meet every step; an all-reduced table under local SGD is a replica averaged
+    every H steps with the dense parameters. On a slow link with a 50 ms round trip the
+    servers win for synchronous training (a 12.8 MB all-reduce a step), the outer schedule
+    once the table's share of a sync every 20 steps costs less than three meetings a step;
+    the step estimate prices the plan as chosen."""
+    from torch import nn
+
+    import tilework
+    from tilework.cluster.topology import Cluster, Host, Link, Links
+    from tilework.estimate.cost import TableTraffic
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(100_000, 32, sparse=True)
+            self.head = nn.Linear(32, 1)
+
+    with torch.device("meta"):
+        model = Model()
+    far = Cluster(hosts=[Host("a", 1), Host("b", 1)],
+                  links=Links(intra=Link(100.0, 5.0), inter=Link(0.1, 25_000.0)))
+    traffic = {"table.weight": TableTraffic(500, 500, 1000)}
+
+    def table(**sync):
+        made = tilework.plan(model, tilework.ParallelConfig(**sync), far, traffic=traffic)
+        return made.by_name()["table.weight"]
+
+    assert table().method == "ps"
+    outer = table(sync="diloco", sync_every=20)
+    assert outer.method == "allreduce" and "on the outer schedule <= servers" in outer.reason
+    assert outer.predicted.seconds < table().predicted.seconds
+    # A short period on a fast link: the servers' few rows still cost less than the replica.
+    near = Cluster(hosts=[Host("a", 1), Host("b", 1)],
+                   links=Links(intra=Link(100.0, 5.0), inter=Link(10.0, 50.0)))
+    made = tilework.plan(model, tilework.ParallelConfig(sync="diloco", sync_every=2), near,
+                         traffic=traffic)
+    assert made.by_name()["table.weight"].method == "ps"
+
+
 def test_auto_row_map_spreads_a_frequency_sorted_table_by_cost():
     """Contiguous ranges of a Zipf table put most requested rows on partition 0's server; the
     planner costs both maps and hashes them. Without a traffic model it hashes too; an explicit

@@ -64,6 +64,10 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
     if topology is None:
         topology = cluster.topology() if cluster is not None else Topology.from_sizes([1])
     links = cluster.links if cluster is not None else Links()
+    outer = OuterSync(config.sync_every, config.outer_optimizer, config.outer_lr,
+                      config.outer_momentum, config.outer_worker, config.outer_compress,
+                      config.outer_fragments, config.outer_delay, config.outer_mix,
+                      config.outer_schedule) if config.sync == "diloco" else None
     made = make_plan(analyze(model, density), topology.world_size, config.mode, config.overrides,
                      config.partitions, config.row_map, config.sparse_reduce,
                      config.local_aggregation, bucket_bytes(config.bucket_mb),
@@ -75,19 +79,14 @@ def plan(model, config: ParallelConfig | None = None, cluster: Cluster | None = 
                      server_weights=config.server_weights, zero_weights=config.zero_weights,
                      # Compressed buckets and local SGD's carry nothing (parallel/data/dense.py).
                      riders=config.grad_compress == "none" and config.sync != "diloco",
-                     push_dtype=PUSH_DTYPES[config.push_compress])
+                     push_dtype=PUSH_DTYPES[config.push_compress], outer=outer)
     made = dataclasses.replace(made, push_compress=config.push_compress)
     if config.grad_compress != "none":
         made = with_grad_compress(made, config.grad_compress, topology, links,
                                   config.powersgd_rank, config.powersgd_start,
                                   config.topk_ratio)
-    if config.sync == "diloco":
-        made = with_outer_sync(made, OuterSync(config.sync_every, config.outer_optimizer,
-                                               config.outer_lr, config.outer_momentum,
-                                               config.outer_worker, config.outer_compress,
-                                               config.outer_fragments, config.outer_delay,
-                                               config.outer_mix, config.outer_schedule),
-                               topology, links)
+    if outer is not None:
+        made = with_outer_sync(made, outer, topology, links)
     if config.batch_shares is None:
         return made
     return dataclasses.replace(made, batch_shares=tuple(config.batch_shares))
@@ -170,7 +169,7 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
               offload: tuple[str, str | None] = ("none", None),
               zero_scope: str = "world", server_weights: list[float] | None = None,
               riders: bool = True, push_dtype: str = "",
-              zero_weights: list[float] | None = None) -> Plan:
+              zero_weights: list[float] | None = None, outer: OuterSync | None = None) -> Plan:
     overrides = _checked(infos, mode, sparse_reduce, overrides)
     topology = topology or Topology.from_sizes([world_size])
     if topology.world_size != world_size:
@@ -203,7 +202,8 @@ def make_plan(infos: list[ParamInfo], world_size: int, mode: Mode = "hybrid",
         if mode == "hybrid" and info.is_table and info.name in traffic and world_size > 1 \
                 and not info.tied:
             searched = search(info, traffic[info.name], topology, links, local_aggregation,
-                              row_map, head_rides=info.dtype in bucketed, push_dtype=push_dtype)
+                              row_map, head_rides=info.dtype in bucketed, push_dtype=push_dtype,
+                              outer=outer)
             method, reason = searched.method, searched.reason
         if info.name in overrides:
             method, reason = overrides[info.name], OVERRIDDEN
@@ -363,14 +363,21 @@ def partition_candidates(world_size: int, rows: int) -> list[int]:
 
 def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Links,
            local_aggregation: bool, row_map: RowMapChoice = "auto",
-           head_rides: bool = False, push_dtype: str = "") -> ParamPlan:
+           head_rides: bool = False, push_dtype: str = "",
+           outer: OuterSync | None = None) -> ParamPlan:
     """The cheapest way to synchronise one table: all-reduce, the servers with P partitions
     of contiguous or hashed rows ("auto": both costed; a tie goes to hashed), each either alone
     or with the head of a Zipf table replicated (`hot_rows`: the rows every rank touches with
     some probability, all-reduced, the tail on the servers), or, for a table whose gradient is
     sparse, its touched rows all-gathered as DDP does (ties go to all-reduce, then the
-    servers)."""
-    dense = ring_allreduce(info.nbytes, topology, links)
+    servers). Under local SGD (`outer`) an all-reduced table is a replica averaged with the
+    dense parameters every `outer.every` steps (its share of the outer sync), while the
+    servers and the all-gather still meet every step: on a slow link with a long period the
+    table goes on the outer schedule."""
+    dense = ring_allreduce(info.nbytes, topology, links) if outer is None else outer_entry(
+        ParamPlan(info.name, info.shape, "allreduce", 1, "contiguous", "", info.dtype,
+                  info.kind), outer, topology, links)
+    averaged = " on the outer schedule" if outer is not None else ""
     best_ps = None
     maps = ("hashed", "contiguous") if row_map == "auto" else (row_map,)
     for p in partition_candidates(topology.world_size, info.shape[0]):
@@ -403,7 +410,7 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
     if gathered is not None and gathered.seconds < min(ps_s, dense.seconds):
         why = (f"{fraction:.1%} rows/step: all-gathered as DDP does "
                f"{gathered.seconds * 1e3:.3g} ms < servers {ps_s * 1e3:.3g} ms, all-reduce "
-               f"{dense.seconds * 1e3:.3g} ms")
+               f"{dense.seconds * 1e3:.3g} ms{averaged}")
         return ParamPlan(info.name, info.shape, "allgather", 1, "contiguous", why, info.dtype,
                          info.kind)
     if best_ps is not None and best_ps[1].seconds < dense.seconds:
@@ -411,9 +418,9 @@ def search(info: ParamInfo, traffic: TableTraffic, topology: Topology, links: Li
         head = f", {plan.hot_rows} hot rows all-reduced" if plan.hot_rows else ""
         why = (f"{fraction:.1%} rows/step: servers ({plan.row_map}{head}) "
                f"{cost.seconds * 1e3:.3g} ms < "
-               f"all-reduce {dense.seconds * 1e3:.3g} ms{said}")
+               f"all-reduce {dense.seconds * 1e3:.3g} ms{averaged}{said}")
         return dataclasses.replace(plan, reason=why)
-    why = (f"{fraction:.1%} rows/step: all-reduce {dense.seconds * 1e3:.3g} ms <= servers "
-           f"{ps_s * 1e3:.3g} ms")
+    why = (f"{fraction:.1%} rows/step: all-reduce {dense.seconds * 1e3:.3g} ms{averaged} "
+           f"<= servers {ps_s * 1e3:.3g} ms")
     return ParamPlan(info.name, info.shape, "allreduce", 1, "contiguous", why, info.dtype,
                      info.kind)

@@ -89,10 +89,12 @@ def diloco_by_hand(workload, world, steps, every, lr, momentum):
 SYNCHRONOUS = {"sync_every": 1, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}
 
 
-@pytest.mark.parametrize("workload, mode", [("cnn", "allreduce"), ("lm", "hybrid")])
+@pytest.mark.parametrize("workload, mode", [("cnn", "allreduce"), ("lm", "hybrid"),
+                                            ("lm", "allreduce"), ("recommender", "allreduce")])
 def test_one_step_local_sgd_with_a_plain_outer_step_is_synchronous_training(workload, mode):
     """H = 1: each outer step averages one SGD step's parameters, which is the synchronous
-    step; the LM's tables stay on the servers, synchronous as always."""
+    step; the LM's tables on the servers stay synchronous as always, and tables all-reduced
+    (sparse gradients made dense) are replicas averaged on the outer schedule with the rest."""
     ref, ref_losses = reference(workload, "sgd", mode)
     results = spawn(local_sgd, 2, args=(workload, mode, len(ref_losses), SYNCHRONOUS),
                     timeout=180)
