@@ -475,6 +475,34 @@ def test_tilework_plan_trial_trains_the_closest_candidates_and_keeps_the_fastest
     assert trials[0]["predicted_step_s"] <= trials[1]["predicted_step_s"]
 
 
+def test_tp_replicas_with_less_memory_keep_fewer_zero_chunks():
+    """The same on a tp=2 mesh over two hosts of two ranks (a host one replica): ZeRO-3's
+    chunks are cut over each dp group, one weight per replica (its ranks' least memory), so
+    the small host's ranks keep a quarter of their tp shards' chunks; with memory for 92% of
+    the even cut's peak the even cut is refused by their budget and the chunks by memory fit
+    (under ZeRO-3 they save less than the shards' share: the gathered blocks and the padded
+    buffers stay the largest chunk's; 13% of the small rank's peak here)."""
+    model = gpt(layers=4, dim=256, vocab=8192)
+    inputs = tokens()
+    config = ParallelConfig(plan="auto", tp=2, zero=3)
+    space = Space(zero=(3,), recompute=("none",), offload=(), tables=())
+    roomy = Cluster([Host("a", 2, memory_gb=100.0), Host("b", 2, memory_gb=100.0)])
+    even = max(estimate_memory(model, ParallelConfig(tp=2, zero=3), inputs, roomy,
+                               rank=r).peak for r in range(4))
+    small = 0.92 * even / 0.8 / 1e9
+    tight = Cluster([Host("a", 2, memory_gb=3 * small), Host("b", 2, memory_gb=small)])
+    found = search(model, tight, inputs, RATE, base=config, space=space, every=True)
+    chosen = choose(found).chosen
+    assert chosen.config.tp == 2 and chosen.config.zero_weights == [3 * small, small], \
+        label(chosen)
+    plan = chosen.parts["plan"]
+    big = max(plan.params, key=lambda p: p.numel)
+    assert big.zero_chunks[0] == 3 * big.zero_chunks[1]
+    evenly = [c for c in found if c.config.zero_weights is None]
+    assert evenly and all(c.step_s is None and "exceeds its budget" in c.why
+                          for c in evenly), [label(c) for c in evenly]
+
+
 def test_hosts_of_different_speeds_get_batch_shares_by_speed():
     """Speeds 4 and 1: every candidate is also priced with the batch split 8 / 2 (the global
     batch: the example's 5 per rank, times 2): its ranks finish together at the additive ideal,

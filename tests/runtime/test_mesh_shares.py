@@ -116,3 +116,43 @@ def test_a_mesh_plan_takes_one_share_per_replica():
     with pytest.raises(tilework.errors.PlanError, match="one per data-parallel replica \\(2\\)"):
         tilework.plan(model, ParallelConfig(tp=2, batch_shares=[6, 1, 1]),
                       topology=Topology.from_sizes([4]))
+
+
+def _train_with_zero_weights(rank, world_size, options):
+    model = new_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = tilework.parallelize(model, opt, log=False, **options)
+    replica, replicas = tilework.data_parallel_rank(model)
+    even = [GLOBAL_BATCH // replicas] * replicas
+    for step in range(STEPS):
+        if options.get("pp", 1) > 1:
+            model.step(*_slice(step, even, replica))
+        else:
+            model(*_slice(step, even, replica)).backward()
+        opt.step()
+        opt.zero_grad()
+    engine = (model.part if options.get("pp", 1) > 1 else model)._tilework_engine
+    return {"replica": replica, "own": sum(s.own for s in engine.zero.shards),
+            "elements": sum(s.numel for s in engine.zero.shards),
+            "state": tilework.state_dict(model, opt)["model"]}
+
+
+@pytest.mark.parametrize("options", [
+    {"tp": 2, "zero": 2, "zero_weights": [3, 1]},
+    {"tp": 2, "zero": 3, "zero_weights": [1, 3]},
+    {"pp": 2, "microbatches": 2, "zero": 1, "zero_weights": [3, 1]}],
+    ids=["tp2-zero2", "tp2-zero3", "pp2-zero1"])
+def test_zero_chunks_by_weight_on_a_mesh_train_as_one_process(options):
+    """ZeRO's chunks cut by weight on a tp or pp mesh (`zero_weights`: one per data-parallel
+    replica, as a host's memory gives them): each replica's ranks keep their weight's share of
+    the shards of what they hold, and the model trains as one process."""
+    _, state = _reference()
+    results = spawn(_train_with_zero_weights, 4, (options,), timeout=300)
+    weights = options["zero_weights"]
+    for r in results:
+        for k, v in state.items():
+            got = r["state"][k]
+            scale = v.abs().max().item() + 1e-12
+            assert (got - v).abs().max().item() / scale <= TOL, k
+        share = weights[r["replica"]] / sum(weights)
+        assert r["own"] == pytest.approx(share * r["elements"], rel=0.02, abs=64)

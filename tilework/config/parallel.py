@@ -411,9 +411,10 @@ class ParallelConfig:
             check(self.zero in (1, 2, 3) and self.zero_scope == "world", "zero_weights",
                   f"weights for ZeRO's chunks: zero 1-3 with zero_scope='world', got zero="
                   f"{self.zero!r}, zero_scope={self.zero_scope!r}")
-            check(not self.model_parallel and not self.auto_axes, "zero_weights",
-                  "uneven ZeRO chunks for data parallelism only: with tp, pp or cp it is not "
-                  "built yet")
+            check(not self.auto_axes, "zero_weights",
+                  "weights without 'auto' mesh axes: on a tp, pp or cp mesh they are one per "
+                  "data-parallel replica, and how many replicas there are is the planner's "
+                  "choice there")
         if self.server_weights is not None:
             self.server_weights = _weights(self.server_weights, "server_weights", "rank")
             check(not self.model_parallel and not self.auto_axes, "server_weights",

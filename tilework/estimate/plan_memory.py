@@ -68,9 +68,11 @@ def plan_memory(model: nn.Module, plan: Plan, example_inputs: tuple, optimizer="
     out = []
     shares = plan.rank_shares()
     uneven = shares is not None and len(set(shares)) > 1   # each replica on its own count
+    chunked = any(p.zero_chunks for p in plan.params)   # ZeRO's cut differs by dp rank
     for rank in ranks:
         at = plan.mesh.coords(rank)
-        key = (at["pp"], at["cp"], at["tp"], shares[rank] if uneven else None)
+        key = (at["pp"], at["cp"], at["tp"], shares[rank] if uneven else None,
+               at["dp"] if chunked else None)
         if key not in seen:
             inputs = with_batch(example_inputs, shares[rank]) if uneven else example_inputs
             seen[key] = _on_mesh(model, plan, inputs, optimizer, rank)

@@ -41,11 +41,19 @@ def plan_mesh(model: nn.Module, config: ParallelConfig, topology: Topology, clus
     axes = ("dp", "cp") if config.cp > 1 else ("dp",)
     merged: dict[str, ParamPlan] = {}
     dp_mesh = None
+    part_config = config
+    if config.zero_weights is not None:   # one per replica; a dp group's ranks, dp-major
+        replicas = mesh.size_of("dp")
+        if len(config.zero_weights) != replicas:
+            raise PlanError(f"zero_weights: one per data-parallel replica ({replicas}) on a "
+                            f"tp, pp or cp mesh, got {len(config.zero_weights)}")
+        part_config = dataclasses.replace(config, zero_weights=[
+            w for w in config.zero_weights for _ in range(config.cp)])
     for pp_rank, part in enumerate(parts):
         ranks = dp_group(mesh, axes, pp_rank)
         dp_topology = Topology.from_host_ids([topology.host_of(r) for r in ranks])
         dp_mesh = dp_mesh or Mesh.from_topology(dp_topology)
-        part_plan = plan_part(meta, part, config, dp_topology, cluster, density, traffic)
+        part_plan = plan_part(meta, part, part_config, dp_topology, cluster, density, traffic)
         for entry in part_plan.params:
             held = merged.get(entry.name)
             pp_ranks = (*held.pp_ranks, pp_rank) if held else ((pp_rank,) if cut else ())
@@ -63,7 +71,9 @@ def plan_mesh(model: nn.Module, config: ParallelConfig, topology: Topology, clus
     return dataclasses.replace(part_plan, params=tuple(merged.values()),
                                world_size=topology.world_size, mesh=mesh,
                                recompute=recompute_choices(meta, config.recompute),
-                               parallel=parallel, batch_shares=shares)
+                               parallel=parallel, batch_shares=shares,
+                               zero_weights=tuple(config.zero_weights)
+                               if config.zero_weights is not None and config.zero else None)
 
 
 def plan_part(model: nn.Module, part: nn.Module, config: ParallelConfig, topology: Topology,

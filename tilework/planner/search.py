@@ -274,8 +274,9 @@ def with_stage_weights(found: list[ParallelConfig], cluster: Cluster) -> list[Pa
 
 
 def with_zero_weights(found: list[ParallelConfig], cluster: Cluster) -> list[ParallelConfig]:
-    """Each data-parallel ZeRO candidate (sharded over the world) also with its chunks cut by
-    memory (zero_weights: each rank's `memory_gb`) where the hosts hold different amounts: a
+    """Each ZeRO candidate (sharded over the world, or on a mesh over its dp group) also with
+    its chunks cut by memory (zero_weights: each rank's `memory_gb`, on a mesh each replica's
+    least) where the hosts hold different amounts: a
     rank with less keeps less of the shards, their state and gradients (Cephalo's state share
     apart from the compute share). The even cut stays a candidate: it sends less (every chunk
     crosses padded to the largest), which the search weighs; memory refuses what does not
@@ -283,13 +284,27 @@ def with_zero_weights(found: list[ParallelConfig], cluster: Cluster) -> list[Par
     if any(h.memory_gb is None for h in cluster.hosts) \
             or len({h.memory_gb for h in cluster.hosts}) < 2:
         return found
+    from ..cluster.mesh import parallel_mesh
+
     memory = cluster.memories()
     out = []
     for c in found:
         out.append(c)
-        if c.zero and c.zero_scope == "world" and c.zero_weights is None \
-                and not c.model_parallel:
-            out += _allowed(lambda c=c: dataclasses.replace(c, zero_weights=memory))
+        if not c.zero or c.zero_scope != "world" or c.zero_weights is not None:
+            continue
+        weights = memory
+        if c.model_parallel:   # one per replica: the least memory among its ranks
+            try:
+                mesh = parallel_mesh(cluster.world_size, cluster.procs_per_host, c.tp, c.pp,
+                                     c.cp)
+            except (ValueError, PlanError):
+                continue
+            weights = [min(m for r, m in enumerate(memory) if mesh.coords(r)["dp"] == d)
+                       for d in range(mesh.size_of("dp"))]
+            if len(set(weights)) < 2:
+                continue
+        out += _allowed(lambda c=c, weights=weights: dataclasses.replace(
+            c, zero_weights=weights))
     return out
 
 

@@ -289,10 +289,14 @@ class Plan:
             object.__setattr__(self, "mesh", Mesh((("world", self.world_size),)))
         if self.zero_weights is not None:
             object.__setattr__(self, "zero_weights", tuple(float(w) for w in self.zero_weights))
-        for p in self.params:   # a plan.json edited by hand: refused here, not at the runtime
-            if p.zero_chunks and len(p.zero_chunks) != self.world_size:
+        # A plan.json edited by hand: refused here, not at the runtime. On a mesh the chunks
+        # are a dp group's (its ranks: dp x cp).
+        sharing = self.world_size if self.parallel is None or self.parallel.dp_mesh is None \
+            else self.parallel.dp_mesh.size
+        for p in self.params:
+            if p.zero_chunks and len(p.zero_chunks) != sharing:
                 raise PlanError(f"{p.name}: zero_chunks gives {len(p.zero_chunks)} ranks' "
-                                f"shares, the plan has {self.world_size} ranks")
+                                f"shares, the plan's ZeRO group has {sharing} ranks")
         if self.batch_shares is not None:
             object.__setattr__(self, "batch_shares", tuple(int(n) for n in self.batch_shares))
             if len(self.batch_shares) != self.replicas:
@@ -338,8 +342,11 @@ class Plan:
         cp = self.mesh.size_of("cp")
         shares = None if self.batch_shares is None else \
             tuple(n for n in self.batch_shares for _ in range(cp))
+        weights = None if self.zero_weights is None else \
+            tuple(w for w in self.zero_weights for _ in range(cp))
         return dataclasses.replace(self, params=params, world_size=dp_mesh.size, mesh=dp_mesh,
-                                   recompute=recompute, parallel=None, batch_shares=shares)
+                                   recompute=recompute, parallel=None, batch_shares=shares,
+                                   zero_weights=weights)
 
     @property
     def replicas(self) -> int:
