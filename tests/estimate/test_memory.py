@@ -298,14 +298,16 @@ def test_zero_estimate_against_memtracker_on_two_ranks(zero, recompute, workload
         assert est.peak == pytest.approx(got["peak"], rel=0.10), rank
 
 
-@pytest.mark.parametrize("options", [
-    {"sync_every": 2},
-    {"sync_every": 2, "outer_compress": "int8"},
-    {"sync_every": 2, "outer_compress": "bf16"},
-    {"sync_every": 4, "outer_fragments": 2, "outer_delay": 1, "outer_compress": "int8"},
-    {"sync_every": 4, "outer_schedule": "layerwise"}],
-    ids=["diloco", "int8", "bf16", "streaming-int8", "layerwise"])
-def test_local_sgd_state_against_memtracker_on_two_ranks(options):
+@pytest.mark.parametrize("options, past", [
+    ({"sync_every": 2}, 1),
+    ({"sync_every": 2, "outer_compress": "int8"}, 1),
+    ({"sync_every": 2, "outer_compress": "bf16"}, 1),
+    ({"sync_every": 4, "outer_fragments": 2, "outer_delay": 1, "outer_compress": "int8"}, 1),
+    # launched after a period's first step, finished (its averages held) after the third
+    ({"sync_every": 8, "outer_fragments": 2, "outer_delay": 3, "outer_compress": "int8"}, 3),
+    ({"sync_every": 4, "outer_schedule": "layerwise"}, 1)],
+    ids=["diloco", "int8", "bf16", "streaming-int8", "streaming-delay3-int8", "layerwise"])
+def test_local_sgd_state_against_memtracker_on_two_ranks(options, past):
     """Local SGD keeps the last sync's parameters and their Nesterov momentum beside the
     model, compressed its error feedback, and where an exchange outlives its step (a delay, a
     layer-wise group) what is on the wire and what the feedback owed at its launch: the
@@ -326,9 +328,10 @@ def test_local_sgd_state_against_memtracker_on_two_ranks(options):
     plan = make_plan(model, config, topology=Topology.from_sizes([2]))
     dense = sum(p.nbytes for p in plan.params)
     assert outer_state_bytes(plan) >= 2 * dense   # anchors and momentum at least
-    # Two periods' steps and one more: the second sync runs with the outer momentum there
-    # and, layer-wise or streaming, the next period's first exchange is in flight at the end.
-    measured = spawn(_zero_rank, 2, args=(config, None, 2 * config.sync_every + 1),
+    # Two periods' steps and `past` more: the second sync runs with the outer momentum there
+    # and, layer-wise or streaming, the next period's first exchange is in flight at the end,
+    # at the stage that holds the most.
+    measured = spawn(_zero_rank, 2, args=(config, None, 2 * config.sync_every + past),
                      timeout=300)
     for rank, got in enumerate(measured):
         est = estimate_per_rank(model, plan, _zero_inputs(rank), "adamw", ranks=[rank])[0]

@@ -181,8 +181,9 @@ def hybrid_exact(plan, ids_steps: list[list[dict[str, torch.Tensor]]], n: int,
     else:
         t = ring_allreduce(dense, topo, Links(inter=links["all_reduce"]),
                            math.ceil(dense / plan.bucket_bytes)).seconds if dense else 0.0
-    if served:
-        t += seconds(max(per_rank), links["all_to_all"], 0) + ps_meetings(n, links["all_to_all"])
+    if served:   # one exchange for the tables of each dtype, as the runtime batches them
+        t += seconds(max(per_rank), links["all_to_all"], 0) + ps_meetings(
+            n, links["all_to_all"]) * len({pp.dtype for pp in served})
     return t, per_rank
 
 

@@ -17,7 +17,10 @@ MemTracker): bytes per encoded element beyond the input and the output.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+import torch
 
 from ..comm.codec import encoded_bytes, multiple_of
 
@@ -69,8 +72,10 @@ def _syncs(plan) -> list[list[_Bucket]]:
         for b in assign_buckets([p.nbytes for p in order], plan.bucket_bytes):
             numel = sum(order[i].numel for i in b)
             dtypes = {order[i].dtype for i in b}
-            flat = "float32" if outer.compress != "none" else max(
-                dtypes, key=lambda d: dtype_bytes(d))
+            # As LocalSGD._pseudo_gradient allocates it: float32 where encoded, else the
+            # members' promoted dtype (bf16 with fp16 is float32).
+            flat = "float32" if outer.compress != "none" else str(functools.reduce(
+                torch.promote_types, [getattr(torch, d) for d in sorted(dtypes)])).split(".")[-1]
             buckets.append(_Bucket(-(-numel // unit) * unit, dtype_bytes(flat),
                                    tuple(order[i].nbytes for i in b),
                                    sum(order[i].nbytes for i in b if order[i].dtype != flat)))
@@ -80,7 +85,9 @@ def _syncs(plan) -> list[list[_Bucket]]:
 
 def _walk(buckets: list[_Bucket], codec: str, workers: int, per_worker: int,
           step_copy: int, crosses: bool) -> tuple[int, list[int]]:
-    """(peak, held after each stage) of one sync's exchange; `step_copy`: what the outer
+    """(peak, held after each stage) of one sync's exchange: a stage is what one advance of
+    every bucket's generator runs (LocalSGD._exchange, between its yields), the last entry
+    what is held once all have finished, until the landing. `step_copy`: what the outer
     optimizer's step allocates at the landing; `crosses`: the exchange outlives its step."""
     held = peak = 0
     crossings = []
@@ -121,14 +128,15 @@ def _walk(buckets: list[_Bucket], codec: str, workers: int, per_worker: int,
             at(4 * s + dec * s)
             held += 4 * s - wire - encoded_bytes(s // workers, codec)
     back = 4 if codec != "none" else None
-    if per_worker > 1:   # the worker's slices put back together
-        crossings.append(held)
+    if per_worker > 1:   # the worker's slices put back together, launched in the same stage
         for b, s in zip(buckets, slices):
             item = back or b.item
             at(b.padded * item)
             held += b.padded * item
-        for b, s in zip(buckets, slices):
+        crossings.append(held)
+        for b, s in zip(buckets, slices):   # waited on: the slice sent is let go
             held -= s * (back or b.item)
+    crossings.append(held)   # finished: every average held until the landing
     # The landing: every bucket's average (its gradient for the anchors, in the parameter's
     # dtype), and the outer optimizer's step.
     at(sum(b.cast for b in buckets) + step_copy)
@@ -149,12 +157,14 @@ def outer_sync_memory(plan, device: str = "cpu") -> OuterMemory:
         # (single-tensor), every tensor's at once where foreach is the default.
         step_copy = 0 if not nesterov else sum(members) if device != "cpu" else max(members)
         # A delay of tau steps carries the exchange across tau step ends; a layer-wise group
-        # across one.
+        # across one. After k step ends it has advanced k stages, or finished and holds its
+        # averages.
         ends = 1 if outer.schedule == "layerwise" else outer.delay
         peak, crossings = _walk(buckets, outer.compress, workers, per_worker, step_copy,
                                 ends > 0)
         peaks.append(peak)
-        flights.append(max(crossings[:ends], default=0))
+        held = crossings + [crossings[-1]] * max(0, ends - len(crossings))
+        flights.append(max(held[:ends], default=0))
     in_flight = max(flights)
     return OuterMemory(in_flight, max(0, max(peaks) - in_flight))
 

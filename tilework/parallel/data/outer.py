@@ -381,7 +381,10 @@ class LocalSGD:
         own = {}
         if self.codec != "none":
             flying = {id(b) for f in self.fragments if f.launched for b in f.buckets}
-            own["feedback"] = [tuple(t.clone() for t in b.owed) if id(b) in flying
+            # (owed is kept only for an exchange that outlives its step: one that failed in
+            # its own step left nothing owed behind the buffers.)
+            own["feedback"] = [tuple(t.clone() for t in b.owed)
+                               if id(b) in flying and b.owed is not None
                                else (b.error.clone(), b.owner_error.clone())
                                for b in self.buckets]
         if self.ranks_differ or self.inner_steps:   # mid-period: every rank's own, too
