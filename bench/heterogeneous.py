@@ -2,6 +2,8 @@
 
     sudo .venv/bin/python bench/heterogeneous.py [--speeds 1 0.25] [--batch 40] [--steps 8]
         [--rounds 3] [--out FILE] [--png FILE]
+    sudo .venv/bin/python bench/heterogeneous.py --speeds 0.5 0.5 0.125 0.125 --pp 2 \
+        --microbatches 2 --batch 40      # two pipelines of two ranks, one four times slower
 
 Each rank runs inside a CPU cgroup of its own holding `speeds[r]` cores' worth of time
 (tilework/bench/cgroup.CpuQuota: cgroup v1's cfs quota or v2's cpu.max), so a 4:1 skew is real:
@@ -107,6 +109,76 @@ def _world(rank, world_size, paths, splits, steps):
     return out
 
 
+def _world_pp(rank, world_size, paths, splits, steps, pp, microbatches):
+    """`_world` with each data-parallel replica a pipeline of `pp` ranks: its share of the
+    global batch (replica shares, whole microbatches) through `model.step`."""
+    from mesh_search import slowest_step
+
+    import tilework
+    from tilework.data import ShardedBatches
+
+    _join(paths[rank])
+    out = {}
+    for name, shares in splits:
+        model = new_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, opt = tilework.parallelize(
+            model, opt, log=False, pp=pp, microbatches=microbatches,
+            batch_shares=list(shares) if len(set(shares)) > 1 else None)
+        replica, replicas = tilework.data_parallel_rank(model)
+        sampler = ShardedBatches(SAMPLES, sum(shares), replica, replicas, shares=shares)
+        took = []
+        for step in range(steps + 1):
+            tokens, targets = batch(sampler.indices(step))
+
+            def run(tokens=tokens, targets=targets, model=model, opt=opt):
+                model.step(tokens, targets)
+                opt.step()
+                opt.zero_grad()
+
+            took.append(slowest_step(run))
+        out[name] = statistics.median(took[1:])
+    return out
+
+
+def pipelines(a, quotas) -> int:
+    """--pp: the even split against the replicas' shares by their slowest rank's quota (what
+    plan="auto" offers a pipeline candidate), in whole microbatches."""
+    from tilework.cluster.mesh import parallel_mesh
+
+    world = len(a.speeds)
+    mesh = parallel_mesh(world, world, 1, a.pp, 1)
+    replicas = mesh.size_of("dp")
+    slowest = [min(s for r, s in enumerate(a.speeds) if mesh.coords(r)["dp"] == d)
+               for d in range(replicas)]
+    m = a.microbatches
+    if a.batch % (m * replicas):
+        raise SystemExit(f"--batch {a.batch}: a multiple of microbatches x replicas "
+                         f"({m * replicas}) for the even split")
+    splits = {"even": [a.batch // replicas] * replicas,
+              "by quota": [m * n for n in batch_shares(a.batch // m, slowest)]}
+    rounds = [spawn(_world_pp, world, args=([q.path for q in quotas], list(splits.items()),
+                                            a.steps, a.pp, m), timeout=1800)[0]
+              for _ in range(a.rounds)]
+    step = {k: statistics.median(r[k] for r in rounds) for k in splits}
+    print(f"quotas {a.speeds} (CPU cores each), pp={a.pp}, {m} microbatches, replicas' "
+          f"slowest {slowest}, global batch {a.batch}")
+    print("| split | replica shares | step ms (per round) | median ms | seq/s |\n"
+          "|---|---|---|---:|---:|")
+    for k, split in splits.items():
+        per = ", ".join(f"{r[k] * 1e3:.0f}" for r in rounds)
+        print(f"| {k} | {split} | {per} | {step[k] * 1e3:.0f} | {a.batch / step[k]:.1f} |")
+    paired = statistics.median(r["even"] / r["by quota"] for r in rounds)
+    print(f"by quota over even: {step['even'] / step['by quota']:.2f}x (paired per round "
+          f"{paired:.2f}x); the replicas' additive ideal over the even split's pace: "
+          f"{sum(slowest) / (replicas * min(slowest)):.2f}x")
+    if a.out:
+        a.out.write_text(json.dumps({"speeds": a.speeds, "pp": a.pp, "microbatches": m,
+                                     "batch": a.batch, "splits": splits, "rounds": rounds,
+                                     "step": step}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--speeds", type=float, nargs="+", default=[1.0, 0.25])
@@ -117,10 +189,19 @@ def main(argv=None) -> int:
                     help="the quotas' scheduler period (default the kernel's, 100)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", type=Path)
+    ap.add_argument("--pp", type=int, default=1, help="each data-parallel replica a pipeline "
+                    "of this many ranks (the even split against shares by quota)")
+    ap.add_argument("--microbatches", type=int, default=2, help="with --pp")
     a = ap.parse_args(argv)
     world = len(a.speeds)
     quotas = [CpuQuota(s, name=f"rank{r}", period_us=int(a.period_ms * 1e3))
               for r, s in enumerate(a.speeds)]
+    if a.pp > 1:
+        try:
+            return pipelines(a, quotas)
+        finally:
+            for q in quotas:
+                q.remove()
     solo: dict = {}
 
     def alone(rank: int, n: int) -> float:
