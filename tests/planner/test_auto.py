@@ -130,6 +130,19 @@ class _Wide(nn.Module):
         return nn.functional.mse_loss(x, y)
 
 
+def _chunked_by_memory(found, small: float):
+    """The chosen candidate of `found`, checked to cut ZeRO's chunks 3:1 by the hosts' memory
+    where every even cut was refused by the small host's budget."""
+    chosen = choose(found).chosen
+    assert chosen.config.zero_weights == [3 * small, small], label(chosen)
+    big = max(chosen.parts["plan"].params, key=lambda p: p.numel)
+    assert big.zero_chunks[0] == 3 * big.zero_chunks[1]
+    evenly = [c for c in found if c.config.zero_weights is None]
+    assert evenly and all(c.step_s is None and "exceeds its budget" in c.why
+                          for c in evenly), [label(c) for c in evenly]
+    return chosen
+
+
 def test_a_host_with_less_memory_keeps_fewer_zero_chunks():
     """ZeRO-3 over two hosts of one speed, one with the memory for 75% of the even cut's peak
     and the other three times that: every even cut is refused by the small rank's budget, the
@@ -147,15 +160,8 @@ def test_a_host_with_less_memory_keeps_fewer_zero_chunks():
     small = 0.75 * even / 0.8 / 1e9
     tight = Cluster([Host("a", 1, memory_gb=3 * small), Host("b", 1, memory_gb=small)])
     found = search(model, tight, inputs, RATE, base=config, space=space, every=True)
-    chosen = choose(found).chosen
-    assert chosen.config.zero_weights == [3 * small, small], label(chosen)
+    chosen = _chunked_by_memory(found, small)
     assert "chunks by memory" in label(chosen)
-    plan = chosen.parts["plan"]
-    big = max(plan.params, key=lambda p: p.numel)
-    assert big.zero_chunks[0] == 3 * big.zero_chunks[1]
-    evenly = [c for c in found if c.config.zero_weights is None]
-    assert evenly and all(c.step_s is None and "exceeds its budget" in c.why
-                          for c in evenly), [label(c) for c in evenly]
     alike = search(model, roomy, inputs, RATE, base=config, space=space)
     assert all(c.config.zero_weights is None for c in alike)
     assert options_of(chosen.config)["zero_weights"] == [3 * small, small]
@@ -492,15 +498,7 @@ def test_tp_replicas_with_less_memory_keep_fewer_zero_chunks():
     small = 0.92 * even / 0.8 / 1e9
     tight = Cluster([Host("a", 2, memory_gb=3 * small), Host("b", 2, memory_gb=small)])
     found = search(model, tight, inputs, RATE, base=config, space=space, every=True)
-    chosen = choose(found).chosen
-    assert chosen.config.tp == 2 and chosen.config.zero_weights == [3 * small, small], \
-        label(chosen)
-    plan = chosen.parts["plan"]
-    big = max(plan.params, key=lambda p: p.numel)
-    assert big.zero_chunks[0] == 3 * big.zero_chunks[1]
-    evenly = [c for c in found if c.config.zero_weights is None]
-    assert evenly and all(c.step_s is None and "exceeds its budget" in c.why
-                          for c in evenly), [label(c) for c in evenly]
+    assert _chunked_by_memory(found, small).config.tp == 2
 
 
 def test_hosts_of_different_speeds_get_batch_shares_by_speed():
