@@ -156,3 +156,43 @@ def test_zero_chunks_by_weight_on_a_mesh_train_as_one_process(options):
             assert (got - v).abs().max().item() / scale <= TOL, k
         share = weights[r["replica"]] / sum(weights)
         assert r["own"] == pytest.approx(share * r["elements"], rel=0.02, abs=64)
+
+
+def _train_served_unevenly(rank, world_size, options):
+    from tilework.plans.rows import TableLayout
+
+    model = new_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = tilework.parallelize(model, opt, log=False, **options)
+    replica, replicas = tilework.data_parallel_rank(model)
+    even = [GLOBAL_BATCH // replicas] * replicas
+    for step in range(STEPS):
+        model(*_slice(step, even, replica)).backward()
+        opt.step()
+        opt.zero_grad()
+    engine = model._tilework_engine
+    part = engine.plan
+    rows = {p.name: len(TableLayout(p, part.world_size).shard_rows(engine.groups.rank))
+            for p in part.of("ps")}
+    return {"replica": replica, "rows": rows, "state": tilework.state_dict(model, opt)["model"]}
+
+
+def test_a_table_served_unevenly_on_a_tp_mesh_trains_as_one_process():
+    """The token embedding on the servers of each dp group while tp splits the blocks, served
+    3:1 between the replicas (`server_weights`, one per replica on a mesh: a host with less
+    memory serves fewer rows): each replica's ranks serve their weight's share of the rows,
+    within a partition, and the model trains as one process."""
+    from tests.runtime.test_mesh_parallelize import SERVED_TOKENS
+
+    _, state = _reference()
+    weights = [3, 1]
+    results = spawn(_train_served_unevenly, 4, ({**SERVED_TOKENS, "server_weights": weights},),
+                    timeout=300)
+    for r in results:
+        for k, v in state.items():
+            got = r["state"][k]
+            scale = v.abs().max().item() + 1e-12
+            assert (got - v).abs().max().item() / scale <= TOL, k
+        assert r["rows"], "no table on the servers"
+        rows = r["rows"]["tokens.weight"]
+        assert rows == pytest.approx(VOCAB * weights[r["replica"]] / sum(weights), abs=VOCAB / 8)

@@ -417,9 +417,10 @@ class ParallelConfig:
                   "choice there")
         if self.server_weights is not None:
             self.server_weights = _weights(self.server_weights, "server_weights", "rank")
-            check(not self.model_parallel and not self.auto_axes, "server_weights",
-                  "uneven serving for data parallelism only: with tp, pp or cp it is not "
-                  "built yet")
+            check(not self.auto_axes, "server_weights",
+                  "weights without 'auto' mesh axes: on a tp, pp or cp mesh they are one per "
+                  "data-parallel replica, and how many replicas there are is the planner's "
+                  "choice there")
         shares = self.batch_shares
         if shares is None:
             return

@@ -42,13 +42,17 @@ def plan_mesh(model: nn.Module, config: ParallelConfig, topology: Topology, clus
     merged: dict[str, ParamPlan] = {}
     dp_mesh = None
     part_config = config
-    if config.zero_weights is not None:   # one per replica; a dp group's ranks, dp-major
+    # ZeRO's and the servers' weights: one per replica; a dp group's ranks, dp-major.
+    for field in ("zero_weights", "server_weights"):
+        weights = getattr(config, field)
+        if weights is None:
+            continue
         replicas = mesh.size_of("dp")
-        if len(config.zero_weights) != replicas:
-            raise PlanError(f"zero_weights: one per data-parallel replica ({replicas}) on a "
-                            f"tp, pp or cp mesh, got {len(config.zero_weights)}")
-        part_config = dataclasses.replace(config, zero_weights=[
-            w for w in config.zero_weights for _ in range(config.cp)])
+        if len(weights) != replicas:
+            raise PlanError(f"{field}: one per data-parallel replica ({replicas}) on a tp, pp "
+                            f"or cp mesh, got {len(weights)}")
+        part_config = dataclasses.replace(part_config, **{field: [
+            w for w in weights for _ in range(config.cp)]})
     for pp_rank, part in enumerate(parts):
         ranks = dp_group(mesh, axes, pp_rank)
         dp_topology = Topology.from_host_ids([topology.host_of(r) for r in ranks])
