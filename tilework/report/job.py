@@ -33,7 +33,7 @@ from ..config.parallel import ParallelConfig
 from ..errors import PlanError
 from ..estimate.cost import ring_allreduce, sparse_allgather
 from ..estimate.memory import with_budget
-from ..estimate.plan_cost import comm_seconds, config_pace, entry_costs, paced
+from ..estimate.plan_cost import comm_seconds, config_pace, entry_costs, paced, pipeline_pace
 from ..estimate.step import predict
 from ..estimate.step_bytes import cut_weights, mesh_step_bytes
 from ..parallel.pipeline.stages import matmul_params
@@ -182,8 +182,10 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
     if found.step_s is None:
         raise PlanError(f"[parallel]: {found.why}")
     step, parts = found.step_s, found.parts
-    if config.pp == 1:   # as estimate(plan) paces it: the slowest rank's share at its speed
-        step, parts = paced(step, dict(parts), config_pace(config, cluster))
+    # As estimate(plan) paces it: the slowest rank's share at its speed (under pp, the
+    # slowest replica's: the step model times each stage at its ranks' speed).
+    step, parts = paced(step, dict(parts), config_pace(config, cluster) if config.pp == 1
+                        else pipeline_pace(config, cluster))
     # A stage's time per microbatch holds its share of tp's and cp's exchanges too.
     for s, forward, count in zip(stages, parts["stage_forward_s"], parts["stage_forward_flops"]):
         s["forward_s"], s["forward_flops"] = forward, count
@@ -200,6 +202,7 @@ def mesh_sections(job: Job, cluster: Cluster, flops: float, flops_source: str = 
             "pipeline_step_s": parts["pipeline"], "bubble": parts["bubble"],
             "bubbles": parts["bubbles"], "tp_s": parts["tp"], "cp_s": parts["cp"],
             "dp_allreduce_s": parts["dp"], "predicted_step_s": step,
+            "pace": parts.get("pace", 1.0),
             "bytes_per_rank": _bytes_per_rank(model, config, mesh, batch, seq, speeds),
             "bytes_note": "dense all-reduce as replicated parameters (ZeRO's and the servers' "
                           "bytes are not in this model)" if config.zero else None}

@@ -180,6 +180,8 @@ def _time_lines(out: dict) -> list[str]:
     first = (f"predicted step {out['predicted_step_s'] * 1e3:.3f} ms: "
              + (f"schedule {out['pipeline_step_s'] * 1e3:.3f} ms (pipeline.simulate)"
                 if pipelined else f"forward and backward {out['pipeline_step_s'] * 1e3:.3f} ms")
+             + (f" at the slowest's pace x{out['pace']:.3g}"
+                if out.get("pace", 1.0) != 1.0 else "")
              + f" + dp all-reduce {out['dp_allreduce_s'] * 1e3:.3f} ms"
              + (f"; bubble {out['bubble']:.3f} (per pp rank {bubbles})" if pipelined else ""))
     pp_link = (f"pp link {where}: {link['bandwidth_gbps']:g} Gbit/s, {link['latency_us']:g} us, "
