@@ -152,7 +152,8 @@ def test_a_layerwise_sync_is_priced_beside_the_inner_step_it_travels_with():
 
 def test_each_served_or_gathered_table_adds_its_methods_measured_cost():
     """Under the op model a table on the servers or all-gathered adds its method's measured
-    cost a step (runtime/table_costs.py: the runtime's own work, which no recorded op holds);
+    cost a step, a fixed part and a part per id this rank looks it up with
+    (runtime/table_costs.py: the runtime's own work, which no recorded op holds);
     an all-reduced table adds none. `table_costs` measures both methods on one rank, no process
     group needed."""
     from tilework.estimate.ops import OpTimes
@@ -163,18 +164,22 @@ def test_each_served_or_gathered_table_adds_its_methods_measured_cost():
     inputs = (torch.zeros(8, 4), torch.zeros(8, 2, dtype=torch.long), torch.zeros(8))
     cluster = Cluster(hosts=[Host("a", 2)])
     base = OpTimes({}, 2.0, {"none": 1e-6})
-    costed = OpTimes({}, 2.0, {"none": 1e-6, "table ps": 1e-3, "table allgather": 4e-4})
+    costed = OpTimes({}, 2.0, {"none": 1e-6, "table ps": 1e-3, "table ps id": 1e-6,
+                               "table allgather": 4e-4, "table allgather id": 2e-7})
 
     def step(method, rate):
         made = tilework.plan(model, tilework.ParallelConfig(
             overrides={"tables.0.weight": method, "tables.1.weight": method}), cluster)
         return estimate(made, cluster, model, inputs, flops=rate, with_memory=False).step_s
 
-    for method, each in (("ps", 1e-3), ("allgather", 4e-4), ("allreduce", 0.0)):
+    # Each table is looked up with this rank's 8 samples x 1 id.
+    for method, each in (("ps", 1e-3 + 8 * 1e-6), ("allgather", 4e-4 + 8 * 2e-7),
+                         ("allreduce", 0.0)):
         # two tables, each at its method's cost (measured as a whole loop: not scaled)
         assert step(method, costed) - step(method, base) == pytest.approx(2 * each), method
     measured = table_costs(steps=3)
-    assert set(measured) == {"table ps", "table allgather"}
+    assert set(measured) == {"table ps", "table ps id", "table allgather",
+                             "table allgather id"}
     assert all(v >= 0 for v in measured.values())
 
 

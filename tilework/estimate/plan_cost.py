@@ -273,6 +273,7 @@ def _runtime_seconds(model, example_inputs: tuple, plan: Plan, cluster: Cluster,
     the bucketed dense parameters' copies (a sparse gradient made dense), ZeRO's, and the
     optimizer's update of what the rank steps; and each table's own work on the servers or
     all-gathered, at its method's measured cost (OpTimes.per_call["table ps"], ...)."""
+    from .meta_forward import meta_forward
     from .op_stages import model_recording
     from .ops import OpTimes
     from .runtime_ops import runtime_calls
@@ -291,11 +292,15 @@ def _runtime_seconds(model, example_inputs: tuple, plan: Plan, cluster: Cluster,
     shards = min(h.procs for h in cluster.hosts) if host_scope else plan.world_size
     units = tuple(dense[n].unit or "" for n, _ in held)
     # Each table on the servers or all-gathered: its runtime's own work a step, as measured
-    # (runtime/table_costs.py; 0 where not measured). A whole loop's wall time, so not scaled
-    # as the ops timed one by one are (on emulated hosts the scale reached 1.9 and priced the
-    # servers 36% over what they measured).
-    tables = sum(rate.per_call.get(f"table {p.method}", 0.0) for p in plan.params
-                 if p.is_table and p.method in ("ps", "allgather"))
+    # (runtime/table_costs.py; 0 where not measured): a fixed part and a part per id this
+    # rank looks it up with. A whole loop's wall time, so not scaled as the ops timed one by
+    # one are (on emulated hosts the scale reached 1.9 and priced the servers 36% over what
+    # they measured).
+    placed = [p for p in plan.params if p.is_table and p.method in ("ps", "allgather")]
+    lookups = meta_forward(model, example_inputs, plan.recompute).lookups if placed else {}
+    tables = sum(rate.per_call.get(f"table {p.method}", 0.0)
+                 + rate.per_call.get(f"table {p.method} id", 0.0) * lookups.get(p.name, 0)
+                 for p in placed)
     return rate.priced(runtime_calls(specs, zero, shards, plan.world_size, plan.bucket_bytes,
                                      optimizer, units=units))[0] + tables
 
