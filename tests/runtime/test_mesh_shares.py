@@ -196,3 +196,27 @@ def test_a_table_served_unevenly_on_a_tp_mesh_trains_as_one_process():
         assert r["rows"], "no table on the servers"
         rows = r["rows"]["tokens.weight"]
         assert rows == pytest.approx(VOCAB * weights[r["replica"]] / sum(weights), abs=VOCAB / 8)
+
+
+def test_replicas_served_unevenly_are_estimated_and_searched_each_as_itself():
+    """Replicas that serve different rows do not mirror each other: the memory estimate gives
+    each its own shard (it took the first replica's for all), and plan="auto" on the user's
+    mesh keeps the weights (it dropped them on any mesh)."""
+    from tests.runtime.test_mesh_parallelize import SERVED_TOKENS
+    from tilework.cluster.topology import Cluster, Host, Topology
+    from tilework.estimate.plan_memory import plan_memory
+    from tilework.planner.search import Space, configs
+
+    with torch.device("meta"):
+        model = new_gpt()
+    config = ParallelConfig(**SERVED_TOKENS, server_weights=[3, 1])
+    made = tilework.plan(model, config, topology=Topology.from_sizes([4]))
+    tokens = torch.zeros(2, SEQ, dtype=torch.long)
+    held = [e.parameters for e in plan_memory(model, made, (tokens, tokens))]
+    replica = [made.mesh.coords(r)["dp"] for r in range(4)]
+    assert held[replica.index(0)] > held[replica.index(1)]
+    assert held == [e.parameters for r in range(4)
+                    for e in plan_memory(model, made, (tokens, tokens), ranks=[r])]
+    found = configs(ParallelConfig(**SERVED_TOKENS, server_weights=[3, 1], plan="auto"),
+                    Space(zero=(), recompute=()), Cluster([Host("a", 4)]), layers=4)
+    assert found and all(c.server_weights == [3, 1] for c in found)

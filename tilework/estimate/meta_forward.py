@@ -33,11 +33,14 @@ def meta_forward(model: nn.Module, example_inputs: tuple, recompute=()) -> Forwa
     units = [_Accounted(meta_model.get_submodule(name), policy, seen)
              for name, policy in recompute]
 
-    def count(name, args):
-        lookups[name] = lookups.get(name, 0) + args[0].numel()
+    def count(name, args, kwargs):
+        ids = args[0] if args else kwargs.get("input")   # `emb(input=ids)` counts too
+        if ids is not None:
+            lookups[name] = lookups.get(name, 0) + ids.numel()
 
-    handles = [m.register_forward_pre_hook(lambda m, args, name=name: count(name, args))
-               for name, m in embedding_modules(meta_model).items()]
+    handles = [m.register_forward_pre_hook(
+        lambda m, args, kwargs, name=name: count(name, args, kwargs), with_kwargs=True)
+        for name, m in embedding_modules(meta_model).items()]
     inputs = tuple(x.to("meta") if torch.is_tensor(x) else x for x in example_inputs)
     try:
         with torch.autograd.graph.saved_tensors_hooks(seen.add, lambda t: t), WorstCaseUnique(), \

@@ -68,7 +68,8 @@ def plan_memory(model: nn.Module, plan: Plan, example_inputs: tuple, optimizer="
     out = []
     shares = plan.rank_shares()
     uneven = shares is not None and len(set(shares)) > 1   # each replica on its own count
-    chunked = any(p.zero_chunks for p in plan.params)   # ZeRO's cut differs by dp rank
+    # ZeRO's cut or the servers' rows differ by dp rank: replicas do not mirror each other.
+    chunked = any(p.zero_chunks or p.servers for p in plan.params)
     for rank in ranks:
         at = plan.mesh.coords(rank)
         key = (at["pp"], at["cp"], at["tp"], shares[rank] if uneven else None,

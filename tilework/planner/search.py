@@ -183,9 +183,13 @@ def configs(base: ParallelConfig, space: Space, cluster: Cluster,
                             else base.grad_compress,
                             batch_shares=None if base.batch_shares == "auto"
                             else base.batch_shares,
-                            server_weights=base.server_weights if pp * tp * cp == 1 else None,
+                            # Weights are per rank, or on a mesh per replica: kept where
+                            # the candidate's mesh is the base's.
+                            server_weights=base.server_weights
+                            if (tp, pp, cp) == (base.tp, base.pp, base.cp) else None,
                             stage_weights=base.stage_weights if pp == base.pp else None,
-                            zero_weights=base.zero_weights if pp * tp * cp == 1 and zero
+                            zero_weights=base.zero_weights
+                            if (tp, pp, cp) == (base.tp, base.pp, base.cp) and zero
                             and scope == "world" else None,
                             zero=zero, zero_scope=scope, offload=offload, recompute=recompute,
                             schedule=schedule, microbatches=microbatches,
