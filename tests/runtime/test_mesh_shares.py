@@ -69,10 +69,7 @@ def test_replicas_of_a_mesh_take_their_shares_and_train_as_one_process(options):
     shares = options["batch_shares"]
     for r in results:
         assert r["shares"] == shares and r["replicas"] == 2
-        for k, v in state.items():
-            got = r["state"][k]
-            scale = v.abs().max().item() + 1e-12
-            assert (got - v).abs().max().item() / scale <= TOL, k
+        _assert_one_process(state, r["state"])
     # Each replica's mean loss weighted by its share is the global batch's (every rank of a
     # replica computes its replica's, or under cp its own tokens' half; under pp its last
     # stage's ranks).
@@ -118,7 +115,9 @@ def test_a_mesh_plan_takes_one_share_per_replica():
                       topology=Topology.from_sizes([4]))
 
 
-def _train_with_zero_weights(rank, world_size, options):
+def _trained_evenly(options):
+    """The reference GPT parallelized with `options` and trained on even replica slices:
+    (model, optimizer, this rank's replica)."""
     model = new_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = tilework.parallelize(model, opt, log=False, **options)
@@ -131,6 +130,17 @@ def _train_with_zero_weights(rank, world_size, options):
             model(*_slice(step, even, replica)).backward()
         opt.step()
         opt.zero_grad()
+    return model, opt, replica
+
+
+def _assert_one_process(state, got):
+    for k, v in state.items():
+        scale = v.abs().max().item() + 1e-12
+        assert (got[k] - v).abs().max().item() / scale <= TOL, k
+
+
+def _train_with_zero_weights(rank, world_size, options):
+    model, opt, replica = _trained_evenly(options)
     engine = (model.part if options.get("pp", 1) > 1 else model)._tilework_engine
     return {"replica": replica, "own": sum(s.own for s in engine.zero.shards),
             "elements": sum(s.numel for s in engine.zero.shards),
@@ -150,10 +160,7 @@ def test_zero_chunks_by_weight_on_a_mesh_train_as_one_process(options):
     results = spawn(_train_with_zero_weights, 4, (options,), timeout=300)
     weights = options["zero_weights"]
     for r in results:
-        for k, v in state.items():
-            got = r["state"][k]
-            scale = v.abs().max().item() + 1e-12
-            assert (got - v).abs().max().item() / scale <= TOL, k
+        _assert_one_process(state, r["state"])
         share = weights[r["replica"]] / sum(weights)
         assert r["own"] == pytest.approx(share * r["elements"], rel=0.02, abs=64)
 
@@ -161,15 +168,7 @@ def test_zero_chunks_by_weight_on_a_mesh_train_as_one_process(options):
 def _train_served_unevenly(rank, world_size, options):
     from tilework.plans.rows import TableLayout
 
-    model = new_gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = tilework.parallelize(model, opt, log=False, **options)
-    replica, replicas = tilework.data_parallel_rank(model)
-    even = [GLOBAL_BATCH // replicas] * replicas
-    for step in range(STEPS):
-        model(*_slice(step, even, replica)).backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt, replica = _trained_evenly(options)
     engine = model._tilework_engine
     part = engine.plan
     rows = {p.name: len(TableLayout(p, part.world_size).shard_rows(engine.groups.rank))
@@ -189,10 +188,7 @@ def test_a_table_served_unevenly_on_a_tp_mesh_trains_as_one_process():
     results = spawn(_train_served_unevenly, 4, ({**SERVED_TOKENS, "server_weights": weights},),
                     timeout=300)
     for r in results:
-        for k, v in state.items():
-            got = r["state"][k]
-            scale = v.abs().max().item() + 1e-12
-            assert (got - v).abs().max().item() / scale <= TOL, k
+        _assert_one_process(state, r["state"])
         assert r["rows"], "no table on the servers"
         rows = r["rows"]["tokens.weight"]
         assert rows == pytest.approx(VOCAB * weights[r["replica"]] / sum(weights), abs=VOCAB / 8)
