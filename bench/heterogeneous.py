@@ -144,13 +144,12 @@ def _world_pp(rank, world_size, paths, splits, steps, pp, microbatches):
 def pipelines(a, quotas) -> int:
     """--pp: the even split against the replicas' shares by their slowest rank's quota (what
     plan="auto" offers a pipeline candidate), in whole microbatches."""
-    from tilework.cluster.mesh import parallel_mesh
+    from tilework.cluster.mesh import least_by, parallel_mesh
 
     world = len(a.speeds)
     mesh = parallel_mesh(world, world, 1, a.pp, 1)
     replicas = mesh.size_of("dp")
-    slowest = [min(s for r, s in enumerate(a.speeds) if mesh.coords(r)["dp"] == d)
-               for d in range(replicas)]
+    slowest = least_by(mesh, "dp", a.speeds)
     m = a.microbatches
     if a.batch % (m * replicas):
         raise SystemExit(f"--batch {a.batch}: a multiple of microbatches x replicas "

@@ -138,6 +138,13 @@ def parallel_mesh(world_size: int, ranks_per_host: int | None = None, tp: int = 
     return Mesh((("dp", world_size // inner), ("pp", pp), ("cp", cp), ("tp", tp)))
 
 
+def least_by(mesh: Mesh, axis: str, values) -> list:
+    """The least of `values` (one per rank of `mesh`) at each coordinate of `axis`: a pipeline
+    rank's or a replica's slowest speed, or its smallest memory."""
+    return [min(values[r] for r in range(mesh.size) if mesh.coords(r)[axis] == i)
+            for i in range(mesh.size_of(axis))]
+
+
 def pp_speeds(mesh: Mesh, cluster, pp: int) -> list[float] | None:
     """Each pipeline rank's speed on `cluster` (the slowest of the ranks at that pp
     coordinate), where the cluster's hosts differ in speed; None where they do not, or
@@ -145,9 +152,7 @@ def pp_speeds(mesh: Mesh, cluster, pp: int) -> list[float] | None:
     if pp == 1 or cluster is None or not cluster.heterogeneous \
             or cluster.world_size != mesh.size:
         return None
-    speeds = cluster.speeds()
-    return [min(speeds[r] for r in range(mesh.size) if mesh.coords(r)["pp"] == p)
-            for p in range(pp)]
+    return least_by(mesh, "pp", cluster.speeds())
 
 
 def pp_memory(mesh: Mesh, cluster, pp: int) -> list[float] | None:
@@ -157,7 +162,5 @@ def pp_memory(mesh: Mesh, cluster, pp: int) -> list[float] | None:
     if pp == 1 or cluster is None or cluster.world_size != mesh.size \
             or any(h.memory_gb is None for h in cluster.hosts):
         return None
-    memory = cluster.memories()
-    least = [min(memory[r] for r in range(mesh.size) if mesh.coords(r)["pp"] == p)
-             for p in range(pp)]
+    least = least_by(mesh, "pp", cluster.memories())
     return least if len(set(least)) > 1 else None

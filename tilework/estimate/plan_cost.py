@@ -235,7 +235,7 @@ def pipeline_pace(config, cluster: Cluster) -> float:
     replica takes: its share over the mean, at its own slowest rank's speed against the
     step model's slowest. A bound for stages balanced by speed (the slowest stage sets a
     pipeline's pace); 1 with even shares on equal hosts."""
-    from ..cluster.mesh import parallel_mesh
+    from ..cluster.mesh import least_by, parallel_mesh
 
     shares = config.batch_shares if isinstance(config.batch_shares, list) else None
     if shares is None or len(set(shares)) == 1:
@@ -244,9 +244,8 @@ def pipeline_pace(config, cluster: Cluster) -> float:
                          config.cp)
     speeds = cluster.speeds()
     mean = sum(shares) / len(shares)
-    return max(n / mean * min(speeds) / min(s for r, s in enumerate(speeds)
-                                            if mesh.coords(r)["dp"] == d)
-               for d, n in enumerate(shares))
+    return max(n / mean * min(speeds) / slowest
+               for n, slowest in zip(shares, least_by(mesh, "dp", speeds)))
 
 
 def share_pace(shares, speeds) -> float:

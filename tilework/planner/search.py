@@ -288,7 +288,7 @@ def with_zero_weights(found: list[ParallelConfig], cluster: Cluster) -> list[Par
     if any(h.memory_gb is None for h in cluster.hosts) \
             or len({h.memory_gb for h in cluster.hosts}) < 2:
         return found
-    from ..cluster.mesh import parallel_mesh
+    from ..cluster.mesh import least_by, parallel_mesh
 
     memory = cluster.memories()
     out = []
@@ -303,8 +303,7 @@ def with_zero_weights(found: list[ParallelConfig], cluster: Cluster) -> list[Par
                                      c.cp)
             except (ValueError, PlanError):
                 continue
-            weights = [min(m for r, m in enumerate(memory) if mesh.coords(r)["dp"] == d)
-                       for d in range(mesh.size_of("dp"))]
+            weights = least_by(mesh, "dp", memory)
             if len(set(weights)) < 2:
                 continue
         out += _allowed(lambda c=c, weights=weights: dataclasses.replace(
@@ -333,7 +332,7 @@ def with_shares(found: list[ParallelConfig], cluster: Cluster,
     if not cluster.heterogeneous or not example_inputs or not torch.is_tensor(example_inputs[0]) \
             or example_inputs[0].dim() == 0:
         return found
-    from ..cluster.mesh import parallel_mesh
+    from ..cluster.mesh import least_by, parallel_mesh
     from .shares import batch_shares
 
     speeds, batch = cluster.speeds(), example_inputs[0].shape[0]
@@ -351,8 +350,7 @@ def with_shares(found: list[ParallelConfig], cluster: Cluster,
         except (ValueError, PlanError):   # a split the pricing refuses with its reason
             continue
         replicas = mesh.size_of("dp")
-        slowest = [min(s for r, s in enumerate(speeds) if mesh.coords(r)["dp"] == d)
-                   for d in range(replicas)]
+        slowest = least_by(mesh, "dp", speeds)
         # The global batch as the even split's; under pp in whole microbatches (each
         # replica's pipeline cuts its share into equal ones).
         unit = (c.microbatches or 2 * c.pp) if c.pp > 1 else 1
