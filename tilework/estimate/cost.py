@@ -35,7 +35,7 @@ from ..comm.wire import (
     topk_count,
     topk_index_bytes,
 )
-from ..plans.plan import Cost, OuterSync, ParamPlan, assign_buckets, dtype_bytes, outer_groups
+from ..plans.plan import Cost, OuterSync, ParamPlan, assign_buckets, dtype_bytes, outer_buckets
 from ..plans.rows import TableLayout, routes
 
 
@@ -214,13 +214,9 @@ def _period_syncs(nbytes_in_order: list[int], outer, bucket_bytes: int, workers:
                   per_worker: int, codec: str, item: int) -> list[list[OuterWire]]:
     """Each sync of a period (a fragment's, a layer-wise group's), as its buckets' wires, cut
     and bucketed as `LocalSGD` cuts them."""
-    out = []
-    for members in outer_groups(nbytes_in_order, outer):
-        order = list(reversed([nbytes_in_order[i] for i in members]))
-        out.append([outer_bucket_wire(sum(order[i] for i in bucket) // item, workers,
-                                      per_worker, codec, item)
-                    for bucket in assign_buckets(order, bucket_bytes)])
-    return out
+    return [[outer_bucket_wire(sum(nbytes_in_order[i] for i in bucket) // item, workers,
+                               per_worker, codec, item) for bucket in sync]
+            for sync in outer_buckets(nbytes_in_order, outer, bucket_bytes)]
 
 
 def outer_sync_bytes(nbytes_in_order: list[int], bucket_bytes: int, workers: int,

@@ -30,7 +30,6 @@ ENCODE_TEMPS = {"bf16": 0.0, "int8": 4.0625, "int4": 4.5625}
 DECODE_TEMPS = {"bf16": 0.0, "int8": 1.0625, "int4": 1.0625}
 
 
-
 @dataclass(frozen=True)
 class OuterMemory:
     in_flight: int
@@ -60,25 +59,25 @@ def outer_workers(plan) -> tuple[int, int]:
 
 def _syncs(plan) -> list[list[_Bucket]]:
     """Each sync's buckets (a fragment's, a layer-wise group's), cut as LocalSGD cuts them."""
-    from ..plans.plan import assign_buckets, dtype_bytes, outer_groups
+    from ..plans.plan import dtype_bytes, outer_buckets
 
     outer, dense = plan.outer, _dense(plan)
     workers, per_worker = outer_workers(plan)
     unit = per_worker * (1 if outer.compress == "none" else workers * multiple_of(outer.compress))
     out = []
-    for members in outer_groups([p.nbytes for p in dense], outer):
-        order = list(reversed([dense[i] for i in members]))
+    for sync in outer_buckets([p.nbytes for p in dense], outer, plan.bucket_bytes):
         buckets = []
-        for b in assign_buckets([p.nbytes for p in order], plan.bucket_bytes):
-            numel = sum(order[i].numel for i in b)
-            dtypes = {order[i].dtype for i in b}
+        for b in sync:
+            members = [dense[i] for i in b]
+            numel = sum(p.numel for p in members)
+            dtypes = {p.dtype for p in members}
             # As LocalSGD._pseudo_gradient allocates it: float32 where encoded, else the
             # members' promoted dtype (bf16 with fp16 is float32).
             flat = "float32" if outer.compress != "none" else str(functools.reduce(
                 torch.promote_types, [getattr(torch, d) for d in sorted(dtypes)])).split(".")[-1]
             buckets.append(_Bucket(-(-numel // unit) * unit, dtype_bytes(flat),
-                                   tuple(order[i].nbytes for i in b),
-                                   sum(order[i].nbytes for i in b if order[i].dtype != flat)))
+                                   tuple(p.nbytes for p in members),
+                                   sum(p.nbytes for p in members if p.dtype != flat)))
         out.append(buckets)
     return out
 

@@ -580,6 +580,19 @@ def outer_groups(nbytes_in_order: list[int], outer: OuterSync) -> list[list[int]
     return fragments_of(nbytes_in_order, outer.fragments)
 
 
+def outer_buckets(nbytes_in_order: list[int], outer: OuterSync,
+                  bucket_bytes: int) -> list[list[list[int]]]:
+    """Each sync of a local-SGD period (`outer_groups`) cut into buckets as LocalSGD sends
+    them: its members in reverse registration order, bucketed by `assign_buckets`; indices
+    into `nbytes_in_order`. One cut for the runtime, the wire's replay and the memory walk."""
+    out = []
+    for members in outer_groups(nbytes_in_order, outer):
+        order = list(reversed(members))
+        out.append([[order[i] for i in bucket] for bucket in
+                    assign_buckets([nbytes_in_order[j] for j in order], bucket_bytes)])
+    return out
+
+
 def layerwise_groups(nbytes_in_order: list[int], every: int) -> list[list[int]]:
     """DreamDDP's partial synchronisation: the parameters in min(every - 1, count) groups of
     about equal bytes (the largest first, each to the group with the fewest bytes so far,

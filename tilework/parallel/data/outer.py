@@ -39,7 +39,7 @@ from torch import nn
 from ...comm.codec import decode, encode, multiple_of
 from ...comm.counted import Stats, all_gather, all_gather_async, all_reduce_async, all_to_all_v
 from ...errors import InputError, PlanError
-from ...plans.plan import OuterSync, assign_buckets, outer_groups, sync_slots
+from ...plans.plan import OuterSync, outer_buckets, sync_slots
 
 
 @dataclass(frozen=True)
@@ -146,12 +146,10 @@ class LocalSGD:
         self.codec = outer.compress
         self.params = [(n, p) for n, p in params if p.requires_grad]
         self.fragments = []
-        cuts = outer_groups([p.numel() * p.element_size() for _, p in self.params], outer)
-        for members, (launch, lands) in zip(cuts, sync_slots(outer, len(cuts))):
-            order = list(reversed([self.params[i] for i in members]))
-            buckets = [_Bucket([order[i] for i in b], workers, self.codec)
-                       for b in assign_buckets([p.numel() * p.element_size() for _, p in order],
-                                               bucket_bytes)]
+        cuts = outer_buckets([p.numel() * p.element_size() for _, p in self.params], outer,
+                             bucket_bytes)
+        for sync, (launch, lands) in zip(cuts, sync_slots(outer, len(cuts))):
+            buckets = [_Bucket([self.params[i] for i in b], workers, self.codec) for b in sync]
             self.fragments.append(_Fragment(buckets, launch, lands))
         self.layerwise = outer.schedule == "layerwise"
         self.buckets = [b for f in self.fragments for b in f.buckets]
